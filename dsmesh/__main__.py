@@ -1,0 +1,5 @@
+import sys
+
+from dsmesh.cli import main
+
+sys.exit(main())

@@ -1,0 +1,26 @@
+"""``dsmesh make-tiny-model OUT [--arch v3|v2-lite]``: write a tiny random checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from engine.tiny_model import TINY_ARCHES
+
+    p = sub.add_parser(
+        "make-tiny-model",
+        help="write a tiny random DeepSeek-shaped checkpoint (config, safetensors, tokenizer)",
+    )
+    p.add_argument("out", help="output folder")
+    p.add_argument("--arch", choices=TINY_ARCHES, default="v3")
+    p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.tiny_model import make_tiny_model
+
+    path = make_tiny_model(args.out, arch=args.arch, seed=args.seed)
+    print(f"wrote tiny {args.arch} checkpoint to {path}")
+    return 0

@@ -1,0 +1,1 @@
+"""dsmesh inference engine: model, sampling, quantisation."""

@@ -1,0 +1,89 @@
+"""The flattened input of one forward call: several requests, each with new tokens.
+
+Requests are laid end to end ("ragged"): request ``i`` contributes ``extend_lens[i]`` new
+tokens at absolute positions ``prefix_lens[i] .. prefix_lens[i] + extend_lens[i] - 1``. A
+prefill is ``prefix_len == 0``; a later prefill chunk continues from ``prefix_len`` cached
+tokens; a decode step is ``extend_len == 1``. One call may mix all three.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache import slots_for
+
+
+@dataclass(frozen=True)
+class SequenceChunk:
+    """One request's part of a forward: its new tokens and where its KV lives."""
+
+    token_ids: list[int]
+    prefix_len: int
+    page_table: torch.Tensor  # [num_pages] int64, must cover prefix_len + len(token_ids)
+
+
+@dataclass
+class ForwardBatch:
+    """Tensors of one forward call. T = total new tokens, B = number of requests.
+
+    input_ids, positions, out_slots: [T] int64.
+    kv_slots[i]: [prefix_lens[i] + extend_lens[i]] int64 slots of request i's whole context.
+    last_rows: [B] int64 row of each request's last new token (its logits row).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_slots: torch.Tensor
+    kv_slots: list[torch.Tensor]
+    extend_lens: list[int]
+    prefix_lens: list[int]
+    last_rows: torch.Tensor
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.extend_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def build(
+        cls, chunks: list[SequenceChunk], page_size: int, device: torch.device | str
+    ) -> ForwardBatch:
+        if not chunks:
+            raise ValueError("a forward batch needs at least one request")
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        out_slots: list[torch.Tensor] = []
+        kv_slots: list[torch.Tensor] = []
+        extend_lens: list[int] = []
+        prefix_lens: list[int] = []
+        for c in chunks:
+            n = len(c.token_ids)
+            if n == 0:
+                raise ValueError("every request in a forward batch needs at least one new token")
+            total = c.prefix_len + n
+            if c.page_table.numel() * page_size < total:
+                raise ValueError(
+                    f"page table of {c.page_table.numel()} pages cannot hold {total} tokens"
+                )
+            ids.extend(c.token_ids)
+            positions.append(torch.arange(c.prefix_len, total))
+            slots = slots_for(c.page_table.cpu(), 0, total, page_size)
+            kv_slots.append(slots.to(device))
+            out_slots.append(slots[c.prefix_len :])
+            extend_lens.append(n)
+            prefix_lens.append(c.prefix_len)
+        last_rows = torch.tensor(extend_lens).cumsum(0) - 1
+        return cls(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+            positions=torch.cat(positions).to(device),
+            out_slots=torch.cat(out_slots).to(device),
+            kv_slots=kv_slots,
+            extend_lens=extend_lens,
+            prefix_lens=prefix_lens,
+            last_rows=last_rows.to(device),
+        )

@@ -1,0 +1,263 @@
+"""The offline engine: a model, its KV pool, a scheduler and a sampler, stepped in a loop.
+
+Used by ``dsmesh generate``, by tests, and as the reference that the PD mesh must match.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import InvalidRequestError
+from engine.forward_batch import ForwardBatch, SequenceChunk
+from engine.kv_cache import MLAKVPool, pages_for
+from engine.loader import load_model
+from engine.mla import ATTENTION_MODES
+from engine.model import DeepseekForCausalLM
+from engine.request import Request, RequestStatus
+from engine.sampler import Sampler, make_generator
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Runtime choices for one engine; the model's shape comes from its checkpoint."""
+
+    model: str | None = None  # checkpoint folder; None = the embedded tiny default model
+    device: str = "auto"  # "auto" = cuda when available, else cpu
+    dtype: str = "auto"  # "auto" = bfloat16 on cuda, float32 on cpu
+    page_size: int = 16
+    max_total_tokens: int = 65536  # KV pool capacity in tokens (rounded up to pages)
+    max_running_requests: int = 64
+    max_batch_tokens: int = 2048
+    attention_mode: str = "auto"  # "auto" (naive prefill, absorbed decode) | "naive" | "absorbed"
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if self.dtype not in dtypes:
+            raise ValueError(f"dtype must be auto or one of {sorted(dtypes)}, got {self.dtype!r}")
+        return dtypes[self.dtype]
+
+    def validate(self) -> None:
+        if self.attention_mode not in ATTENTION_MODES:
+            raise ValueError(f"attention_mode must be one of {ATTENTION_MODES}")
+        for name in ("page_size", "max_total_tokens", "max_running_requests", "max_batch_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: str
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    if model is not None:
+        return Path(model)
+    from engine.tiny_model import default_model_dir
+
+    return default_model_dir()
+
+
+class LLMEngine:
+    """Continuous-batching generation on one device.
+
+    Output tokens include the token that stopped generation (EOS or a stop token id).
+    """
+
+    def __init__(self, config: EngineConfig, model: DeepseekForCausalLM | None = None) -> None:
+        config.validate()
+        self.config = config
+        self.device = config.resolved_device()
+        if model is None:
+            model_dir = resolve_model_dir(config.model)
+            model = load_model(model_dir, config.resolved_dtype(), self.device)
+        self.model = model
+        self.model_config: ModelConfig = model.config
+        mc = self.model_config
+        num_pages = pages_for(config.max_total_tokens, config.page_size)
+        self.kv_pool = MLAKVPool(
+            mc.num_hidden_layers,
+            num_pages,
+            config.page_size,
+            mc.mla.kv_cache_dim,
+            next(model.parameters()).dtype,
+            self.device,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.page_size, config.max_running_requests, config.max_batch_tokens),
+            self.kv_pool.allocator,
+        )
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+
+    @property
+    def max_context(self) -> int:
+        return self.model_config.max_position_embeddings
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def make_request(
+        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> Request:
+        """Validate inputs and build a request (not yet queued)."""
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        ids = [int(t) for t in prompt_ids]
+        if not ids:
+            raise InvalidRequestError("input_ids", "the prompt is empty")
+        vocab = self.model_config.vocab_size
+        for i, tok in enumerate(ids):
+            if not 0 <= tok < vocab:
+                raise InvalidRequestError(
+                    "input_ids", f"token {i} is {tok}, outside the vocabulary [0, {vocab})"
+                )
+        if len(ids) >= self.max_context:
+            raise InvalidRequestError(
+                "input_ids",
+                f"prompt has {len(ids)} tokens; the model's context is {self.max_context}, "
+                "which leaves no room to generate",
+            )
+        try:
+            params.validate()
+        except ValueError as exc:
+            field = str(exc).split(" ", 1)[0]
+            raise InvalidRequestError(f"sampling.{field}", str(exc)) from exc
+        total = min(len(ids) + params.max_new_tokens, self.max_context)
+        need = pages_for(total, self.config.page_size)
+        if need > self.kv_pool.num_pages:
+            raise InvalidRequestError(
+                "sampling.max_new_tokens",
+                f"prompt + max_new_tokens needs {need} KV pages but the pool has only "
+                f"{self.kv_pool.num_pages}",
+            )
+        return Request(
+            request_id=request_id,
+            prompt_ids=ids,
+            params=params,
+            max_total_tokens=total,
+            generator=make_generator(params.seed, self.device),
+        )
+
+    def add_request(
+        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        req = self.make_request(prompt_ids, params, request_id)
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+        return req.request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its pages; False if it is unknown or already finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None or req.status is RequestStatus.FINISHED:
+            return False
+        self.scheduler.finish(req, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- stepping -------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """Run one forward over everything scheduled and sample where a token is due."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        seqs = []
+        for c in chunks:
+            req = c.request
+            assert req.page_table is not None
+            seqs.append(
+                SequenceChunk(req.pending_ids(c.num_tokens), req.num_computed, req.page_table)
+            )
+        batch = ForwardBatch.build(seqs, self.config.page_size, self.device)
+        logits = self.model(batch, self.kv_pool, self.config.attention_mode)
+
+        due_rows: list[int] = []
+        due: list[Request] = []
+        for row, c in enumerate(chunks):
+            req = c.request
+            req.num_computed += c.num_tokens
+            if req.num_computed == req.num_tokens:  # all known tokens fed: a new one is due
+                due_rows.append(row)
+                due.append(req)
+        outputs: list[StepOutput] = []
+        if due:
+            rows = torch.tensor(due_rows, device=logits.device)
+            tokens = self.sampler(
+                logits.index_select(0, rows), [r.params for r in due], [r.generator for r in due]
+            ).tolist()
+            for req, tok in zip(due, tokens, strict=True):
+                req.output_ids.append(tok)
+                reason = self._stop_reason(req, tok)
+                if reason is not None:
+                    self.scheduler.finish(req, reason)
+                    self.requests.pop(req.request_id, None)
+                outputs.append(StepOutput(req.request_id, [tok], reason is not None, reason))
+        return outputs
+
+    def _stop_reason(self, req: Request, tok: int) -> str | None:
+        p = req.params
+        if not p.ignore_eos and tok in self.model_config.eos_token_ids:
+            return "stop"
+        if tok in p.stop_token_ids:
+            return "stop"
+        if len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= req.max_total_tokens:
+            return "length"
+        return None
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[GenerationResult]:
+        """Run all prompts together as one continuous batch; results in input order."""
+        if params is None:
+            params = SamplingParams()
+        per = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per) != len(prompts):
+            raise ValueError("need one SamplingParams per prompt")
+        reqs = [self.make_request(p, sp) for p, sp in zip(prompts, per, strict=True)]
+        for r in reqs:
+            self.requests[r.request_id] = r
+            self.scheduler.add(r)
+        while any(r.status is not RequestStatus.FINISHED for r in reqs):
+            self.step()
+        return [
+            GenerationResult(r.request_id, r.prompt_ids, r.output_ids, r.finish_reason or "")
+            for r in reqs
+        ]

@@ -1,0 +1,70 @@
+"""Build a model for a device and dtype, then fill it from a checkpoint or at random."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig, load_config
+from engine.expert_location import ExpertLocation
+from engine.model import DeepseekForCausalLM
+from engine.moe import MoEGate
+from engine.moe_dispatch import MoEDispatcher
+from engine.weights import load_weights
+
+
+def build_model(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    expert_location: ExpertLocation | None = None,
+    dispatcher: MoEDispatcher | None = None,
+    ep_rank: int = 0,
+) -> DeepseekForCausalLM:
+    """Allocate an uninitialised model directly in ``dtype`` on ``device``.
+
+    Built on the meta device first so a large model is never materialised twice. Router
+    weights and the correction bias stay float32, as in the reference implementation.
+    """
+    with torch.device("meta"):
+        model = DeepseekForCausalLM(cfg, expert_location, dispatcher, ep_rank)
+    model = model.to(dtype)
+    for module in model.modules():
+        if isinstance(module, MoEGate):
+            module.float()
+    model = model.to_empty(device=device)
+    model.model.rotary.reset_buffers()
+    return model.eval()
+
+
+def load_model(
+    checkpoint_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    keep_fp8: bool = False,
+    expert_location: ExpertLocation | None = None,
+    dispatcher: MoEDispatcher | None = None,
+    ep_rank: int = 0,
+) -> DeepseekForCausalLM:
+    """Read config.json and the safetensors of ``checkpoint_dir`` into a ready model."""
+    cfg = load_config(checkpoint_dir)
+    model = build_model(cfg, dtype, device, expert_location, dispatcher, ep_rank)
+    load_weights(model, checkpoint_dir, keep_fp8=keep_fp8)
+    return model
+
+
+@torch.no_grad()
+def init_random(model: DeepseekForCausalLM, seed: int, std: float = 0.02) -> None:
+    """Deterministic random weights (CPU generator, so identical on every machine).
+
+    Norm weights get 1 + noise, linear weights N(0, std), the correction bias N(0, std) so
+    that V3's biased selection really matters.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for name, tensor in sorted(model.state_dict(keep_vars=True).items()):
+        if name.endswith("rotary.inv_freq"):
+            continue
+        noise = torch.randn(tensor.shape, generator=gen, dtype=torch.float32)
+        value = 1.0 + 0.1 * noise if name.endswith("norm.weight") else noise * std
+        tensor.copy_(value.to(tensor.dtype))

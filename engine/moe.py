@@ -1,0 +1,119 @@
+"""DeepSeekMoE layer: router, routed experts behind a dispatcher, and shared experts.
+
+The layer never assumes where experts live. It routes to *logical* experts, asks the
+:class:`ExpertLocation` for a *physical* replica of each, and hands the pairs to a
+:class:`MoEDispatcher`; this rank's :class:`RoutedExperts` hold only its own physical experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.expert_location import ExpertLocation
+from engine.moe_dispatch import DispatchOutput, MoEDispatcher
+from engine.routing import select_experts
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU FFN: down(silu(gate(x)) * up(x)). Names match the checkpoint."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoEGate(nn.Module):
+    """Router weight [n_routed, hidden] and V3's correction bias [n_routed], kept in float32."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        n = cfg.moe.n_routed_experts
+        self.weight = nn.Parameter(torch.zeros(n, cfg.hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias: torch.Tensor | None
+        if cfg.moe.topk_method == "noaux_tc":
+            self.register_buffer("e_score_correction_bias", torch.zeros(n, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> router logits [T, n_routed] float32."""
+        return F.linear(x.to(torch.float32), self.weight.to(torch.float32))
+
+
+class RoutedExperts(nn.Module):
+    """This rank's physical experts, stacked for grouped GEMMs.
+
+    w13: [num_local, 2 * moe_intermediate, hidden] (gate rows, then up rows).
+    w2:  [num_local, hidden, moe_intermediate].
+    """
+
+    def __init__(self, num_local: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_local = num_local
+        self.intermediate_size = intermediate_size
+        self.w13 = nn.Parameter(torch.zeros(num_local, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.zeros(num_local, hidden_size, intermediate_size))
+
+    def forward(self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] grouped by local expert; tokens_per_expert [num_local] -> [N, H]."""
+        out = torch.empty_like(hidden)
+        start = 0
+        for e, n in enumerate(tokens_per_expert.tolist()):
+            if n == 0:
+                continue
+            x = hidden[start : start + n]
+            gate, up = F.linear(x, self.w13[e]).chunk(2, dim=-1)
+            out[start : start + n] = F.linear(F.silu(gate) * up, self.w2[e])
+            start += n
+        return out
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        moe_layer_idx: int,
+        location: ExpertLocation,
+        dispatcher: MoEDispatcher,
+        ep_rank: int = 0,
+    ) -> None:
+        super().__init__()
+        self.moe_cfg = cfg.moe
+        self.moe_layer_idx = moe_layer_idx
+        self.location = location
+        self.dispatcher = dispatcher
+        self.ep_rank = ep_rank
+        self.gate = MoEGate(cfg)
+        self.experts = RoutedExperts(
+            location.num_local_physical, cfg.hidden_size, cfg.moe.moe_intermediate_size
+        )
+        self.shared_experts: DenseMLP | None = None
+        if cfg.moe.n_shared_experts:
+            self.shared_experts = DenseMLP(
+                cfg.hidden_size, cfg.moe.moe_intermediate_size * cfg.moe.n_shared_experts
+            )
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] float32, physical expert ids [T, k] int64)."""
+        weights, logical = select_experts(
+            self.gate(x), self.moe_cfg, self.gate.e_score_correction_bias
+        )
+        return weights, self.location.to_physical(self.moe_layer_idx, logical, self.ep_rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        weights, physical = self.route(x)
+        dispatched: DispatchOutput = self.dispatcher.dispatch(x, physical, weights)
+        expert_out = self.experts(dispatched.hidden, dispatched.tokens_per_expert)
+        out = self.dispatcher.combine(expert_out, dispatched)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

@@ -1,0 +1,81 @@
+"""Dispatch/combine: how routed tokens reach their physical experts and come back.
+
+The MoE layer only talks to a :class:`MoEDispatcher`. With one rank, :class:`LocalDispatcher`
+sorts (token, expert) pairs by expert and nothing moves; expert-parallel backends (all-to-all
+over torch.distributed, DeepEP) implement the same contract across ranks.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DispatchOutput:
+    """What a rank's local experts must process.
+
+    hidden: [N, hidden] tokens received, grouped by local expert (expert 0's first).
+    tokens_per_expert: [num_local_experts] int64, sums to N.
+    handle: backend state that ``combine`` needs; opaque to the caller.
+    """
+
+    hidden: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    handle: object
+
+
+class MoEDispatcher(ABC):
+    """Contract: ``combine(f(dispatch(x, ids, w).hidden), handle)[t] == sum_k w[t,k] *
+    f_{ids[t,k]}(x[t])`` for every token ``t`` of this rank, where ``f_e`` is physical expert
+    ``e``. Every rank of the group must call both, in the same order, even with zero tokens.
+    The dispatcher owns the returned tensors until ``combine`` returns.
+    """
+
+    @abstractmethod
+    def dispatch(
+        self, hidden: torch.Tensor, physical_ids: torch.Tensor, weights: torch.Tensor
+    ) -> DispatchOutput:
+        """hidden [T, H]; physical_ids [T, k] int64; weights [T, k] float32."""
+
+    @abstractmethod
+    def combine(self, expert_out: torch.Tensor, dispatched: DispatchOutput) -> torch.Tensor:
+        """expert_out [N, H] (rows as in ``dispatched.hidden``) -> [T, H] weighted sums."""
+
+
+@dataclass
+class _LocalHandle:
+    order: torch.Tensor  # [T*k] flat (token, slot) index of each dispatched row
+    weights: torch.Tensor  # [T*k] float32, in dispatched order
+    num_tokens: int
+    top_k: int
+
+
+class LocalDispatcher(MoEDispatcher):
+    """Single rank: every physical expert is local; physical id = local expert index."""
+
+    def __init__(self, num_local_experts: int) -> None:
+        self.num_local_experts = num_local_experts
+
+    def dispatch(
+        self, hidden: torch.Tensor, physical_ids: torch.Tensor, weights: torch.Tensor
+    ) -> DispatchOutput:
+        top_k = physical_ids.shape[1]
+        flat_ids = physical_ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.num_local_experts)
+        rows = hidden.index_select(0, order // top_k)
+        handle = _LocalHandle(order, weights.reshape(-1)[order], hidden.shape[0], top_k)
+        return DispatchOutput(rows, counts, handle)
+
+    def combine(self, expert_out: torch.Tensor, dispatched: DispatchOutput) -> torch.Tensor:
+        h = dispatched.handle
+        assert isinstance(h, _LocalHandle)
+        out = torch.zeros(
+            (h.num_tokens, expert_out.shape[1]), dtype=expert_out.dtype, device=expert_out.device
+        )
+        weighted = expert_out * h.weights[:, None].to(expert_out.dtype)
+        out.index_add_(0, h.order // h.top_k, weighted)
+        return out

@@ -1,0 +1,57 @@
+"""A generation request's state as the engine tracks it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no pages
+    RUNNING = "running"  # holds its pages; prefilling or decoding
+    FINISHED = "finished"  # pages returned
+
+
+@dataclass
+class Request:
+    """One request. ``num_computed`` counts tokens whose KV is already in the cache.
+
+    The tokens still to be fed are ``all_ids[num_computed:]``: a slice of the prompt while
+    prefilling, then exactly the last sampled token at each decode step.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_total_tokens: int  # prompt + generated tokens this request may reach
+    output_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    pages: list[int] = field(default_factory=list)
+    page_table: torch.Tensor | None = None
+    num_computed: int = 0
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed < len(self.prompt_ids)
+
+    def pending_ids(self, limit: int) -> list[int]:
+        """Up to ``limit`` of the next tokens to feed."""
+        start = self.num_computed
+        end = min(self.num_tokens, start + limit)
+        if end <= len(self.prompt_ids):
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids + self.output_ids)[start:end]

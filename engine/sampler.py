@@ -1,0 +1,157 @@
+"""Next-token sampling: greedy, temperature, top-k, top-p and min-p, reproducible per request."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+    """A generator on ``device`` seeded with ``seed``, or None (use the default RNG) if unseeded.
+
+    The caller keeps one per request for its whole life, so a request's draws advance only its
+    own generator.
+    """
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+class Sampler:
+    """Samples one token per row of a logits batch; stateless, so one instance serves all.
+
+    Semantics follow vLLM: rows with ``temperature == 0`` take the argmax (ties go to the
+    lowest id). Other rows divide by the temperature, keep the ``top_k`` largest logits, then
+    the smallest set of tokens whose cumulative probability (renormalised over the top-k
+    survivors) reaches ``top_p``, then drop tokens whose probability is below
+    ``min_p * max_prob``; the survivors are renormalised and one token is drawn by inverse CDF
+    with a single uniform from the row's generator. Every filter keeps the most likely token.
+    A row's token depends only on its own logits, parameters and generator, never on the other
+    rows of the batch.
+    """
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> torch.Tensor:
+        """logits [batch, vocab] (any float dtype) -> token ids [batch] int64 on logits' device.
+
+        ``params[i]`` and ``generators[i]`` belong to row i; a None generator draws from the
+        default RNG of the logits' device. Greedy rows draw nothing.
+        """
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+        batch = logits.shape[0]
+        if len(params) != batch or len(generators) != batch:
+            raise ValueError(
+                f"need one SamplingParams and one generator per row: batch={batch}, "
+                f"len(params)={len(params)}, len(generators)={len(generators)}"
+            )
+        device = logits.device
+        token_ids = torch.empty(batch, dtype=torch.int64, device=device)
+        greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0]
+        sampled_rows = [i for i, p in enumerate(params) if p.temperature != 0]
+        if greedy_rows:
+            rows = torch.tensor(greedy_rows, dtype=torch.int64, device=device)
+            token_ids[rows] = logits[rows].argmax(dim=-1)
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows, dtype=torch.int64, device=device)
+            token_ids[rows] = _sample(
+                logits[rows].float(),
+                [params[i] for i in sampled_rows],
+                [generators[i] for i in sampled_rows],
+            )
+        return token_ids
+
+
+def _sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """logits [n, vocab] float32 of non-greedy rows -> token ids [n] int64."""
+    device = logits.device
+    vocab = logits.shape[1]
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    scaled = logits / temperature.unsqueeze(1)
+
+    keep: torch.Tensor | None = None  # [n, vocab] bool; None keeps everything
+    use_top_k = any(0 < p.top_k < vocab for p in params)
+    use_top_p = any(p.top_p < 1.0 for p in params)
+    if use_top_k or use_top_p:
+        keep = _top_k_top_p_mask(scaled, params, use_top_k, use_top_p)
+    if any(p.min_p > 0.0 for p in params):
+        # p_i >= min_p * p_max  <=>  z_i >= z_max + log(min_p); log(0) = -inf keeps all.
+        log_min_p = torch.tensor(
+            [math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], device=device
+        )
+        min_p_keep = scaled >= scaled.amax(dim=-1, keepdim=True) + log_min_p.unsqueeze(1)
+        keep = min_p_keep if keep is None else keep & min_p_keep
+    if keep is not None:
+        scaled = scaled.masked_fill(~keep, -math.inf)
+
+    # Always draw in vocab order, so a row's token never depends on which filters other rows
+    # switched on.
+    probs = torch.softmax(scaled, dim=-1)
+    cdf = torch.cumsum(probs, dim=-1)
+    uniform = _draw_uniforms(generators, device)
+    target = (uniform * cdf[:, -1]).unsqueeze(1)
+    token_ids = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # Rounding can put the target at or past the total mass; fall back to the last kept token.
+    ids = torch.arange(vocab, device=device)
+    last_kept = torch.where(probs > 0, ids, -1).amax(dim=-1)
+    return torch.minimum(token_ids, last_kept)
+
+
+def _top_k_top_p_mask(
+    scaled: torch.Tensor, params: Sequence[SamplingParams], use_top_k: bool, use_top_p: bool
+) -> torch.Tensor:
+    """Keep-mask [n, vocab] bool of top-k then top-p over temperature-scaled logits [n, vocab].
+
+    Both filters keep a prefix of the descending sort, so they are applied in sorted order and
+    scattered back. A stable sort sends ties to the lowest id, matching argmax.
+    """
+    n, vocab = scaled.shape
+    device = scaled.device
+    sorted_logits, sorted_ids = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    positions = torch.arange(vocab, device=device).unsqueeze(0)
+    sorted_keep = torch.ones(n, vocab, dtype=torch.bool, device=device)
+    if use_top_k:
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+        sorted_keep = positions < top_k.unsqueeze(1)
+    if use_top_p:
+        # Rows with top_p == 1 get an infinite threshold so rounding can never drop a token.
+        top_p = torch.tensor(
+            [p.top_p if p.top_p < 1.0 else math.inf for p in params], device=device
+        )
+        sorted_probs = torch.softmax(sorted_logits.masked_fill(~sorted_keep, -math.inf), dim=-1)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        sorted_keep = sorted_keep & (mass_before < top_p.unsqueeze(1))
+    return torch.zeros_like(sorted_keep).scatter(1, sorted_ids, sorted_keep)
+
+
+def _draw_uniforms(
+    generators: Sequence[torch.Generator | None], device: torch.device
+) -> torch.Tensor:
+    """One uniform in [0, 1) per row [n] float32, each from that row's generator.
+
+    Rows without a generator share one draw call on the default RNG.
+    """
+    uniforms = torch.empty(len(generators), dtype=torch.float32, device=device)
+    unseeded_rows = [i for i, g in enumerate(generators) if g is None]
+    if unseeded_rows:
+        rows = torch.tensor(unseeded_rows, dtype=torch.int64, device=device)
+        uniforms[rows] = torch.rand(len(unseeded_rows), device=device)
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            draw = torch.rand(1, generator=generator, device=generator.device)
+            uniforms[i] = draw.to(device)[0]
+    return uniforms

@@ -1,0 +1,381 @@
+"""Text <-> token ids for DeepSeek checkpoints, without depending on transformers.
+
+``Tokenizer`` reads a checkpoint's ``tokenizer.json`` (with the ``tokenizers`` library) and its
+``tokenizer_config.json`` and behaves like transformers' ``PreTrainedTokenizerFast`` on the
+same folder: same ids, same decoded text, same rendered chat template.
+``IncrementalDetokenizer`` turns a stream of generated ids into text deltas that never split a
+UTF-8 character. ``write_byte_level_tokenizer`` writes the tiny tokenizer of dsmesh's default
+test model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+# The named special tokens transformers hands to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
+_NAMED_SPECIAL_TOKENS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    """A ``tokenizers`` backend plus the special tokens and chat template of one checkpoint.
+
+    Special tokens on ``encode(..., add_special_tokens=True)`` come from the backend's
+    post-processor, exactly as in transformers 5. When ``tokenizer.json`` has no post-processor,
+    one is built from ``add_bos_token`` / ``add_eos_token`` (as Llama-style tokenizers do);
+    transformers 5 would add nothing in that case.
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        special_tokens: Mapping[str, str | None] | None = None,
+        add_bos_token: bool | None = None,
+        add_eos_token: bool = False,
+        chat_template: str | None = None,
+    ) -> None:
+        """Wrap ``backend``, which this object takes ownership of and may modify.
+
+        ``special_tokens`` maps names such as ``"bos_token"`` to token strings (None: unset);
+        ``add_bos_token`` defaults to True when a bos token is given.
+        """
+        self._backend = backend
+        self._special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+        self._chat_template = chat_template
+        # transformers adds named special tokens missing from the vocab as new special tokens.
+        missing = [t for t in self._special_tokens.values() if backend.token_to_id(t) is None]
+        if missing:
+            backend.add_special_tokens(
+                [
+                    tokenizers.AddedToken(t, special=True, normalized=False)
+                    for t in dict.fromkeys(missing)
+                ]
+            )
+        if backend.post_processor is None:
+            bos, eos = self.bos_token, self.eos_token
+            add_bos = (bos is not None) if add_bos_token is None else add_bos_token
+            backend.post_processor = _template_processor(
+                bos if add_bos else None,
+                self.bos_token_id,
+                eos if add_eos_token else None,
+                self.eos_token_id,
+            )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load ``tokenizer.json`` and the optional ``tokenizer_config.json`` from ``path``.
+
+        A ``chat_template.jinja`` file, when present, overrides the config's template.
+        """
+        folder = Path(path)
+        tokenizer_file = folder / TOKENIZER_FILE
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"no {TOKENIZER_FILE} in checkpoint folder: {tokenizer_file}")
+        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        config_file = folder / TOKENIZER_CONFIG_FILE
+        config: dict[str, Any] = {}
+        if config_file.is_file():
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+        template_file = folder / CHAT_TEMPLATE_FILE
+        if template_file.is_file():
+            chat_template: str | None = template_file.read_text(encoding="utf-8")
+        else:
+            chat_template = _select_chat_template(config.get("chat_template"))
+        add_bos_token = config.get("add_bos_token")
+        return cls(
+            backend,
+            special_tokens={
+                name: _token_content(config.get(name)) for name in _NAMED_SPECIAL_TOKENS
+            },
+            add_bos_token=None if add_bos_token is None else bool(add_bos_token),
+            add_eos_token=bool(config.get("add_eos_token", False)),
+            chat_template=chat_template,
+        )
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._special_tokens.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._special_tokens.get("eos_token")
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return None if self.bos_token is None else self._backend.token_to_id(self.bos_token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return None if self.eos_token is None else self._backend.token_to_id(self.eos_token)
+
+    @property
+    def vocab_size(self) -> int:
+        """Size of the full vocabulary, added tokens included (``len()`` of a HF tokenizer)."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; with ``add_special_tokens``, BOS/EOS as the checkpoint says."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``; bytes that do not form a whole UTF-8 character decode to U+FFFD."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **extra: Any,
+    ) -> str | list[int]:
+        """Render ``messages`` with the checkpoint's chat template, as transformers does.
+
+        The template sees ``messages``, ``add_generation_prompt``, ``tools`` and ``documents``
+        (None unless given), the named special tokens and every ``extra`` keyword. With
+        ``tokenize`` the rendered text is encoded without adding special tokens, since the
+        template writes them itself.
+        """
+        if self._chat_template is None:
+            raise ValueError("this checkpoint has no chat template (tokenizer_config.json)")
+        if not messages:
+            raise ValueError("cannot apply the chat template to an empty conversation")
+        # Like transformers: drop keys whose value is None, which templates handle badly.
+        chat = [{k: v for k, v in message.items() if v is not None} for message in messages]
+        variables: dict[str, Any] = {"tools": None, "documents": None}
+        variables.update(self._special_tokens)
+        variables.update(extra)
+        text = self._compiled_template.render(
+            messages=chat, add_generation_prompt=add_generation_prompt, **variables
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    @cached_property
+    def _compiled_template(self) -> jinja2.Template:
+        assert self._chat_template is not None
+        return _compile_chat_template(self._chat_template)
+
+
+class IncrementalDetokenizer:
+    """Turns generated ids, pushed a few at a time, into text deltas.
+
+    Keeps a window ``ids[prefix:]`` where ``ids[:read]`` of the window is text already
+    returned, and returns ``decode(window)[len(decode(ids[prefix:read])):]`` once that text no
+    longer ends in U+FFFD, i.e. once no UTF-8 character is left half-decoded. Each push decodes
+    only the window, so its cost does not grow with the sequence. Concatenating every return
+    value, ``flush()`` included, gives ``decode(all_ids, skip_special_tokens)``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._window_ids: list[int] = []  # ids from the prefix offset on
+        self._num_read = 0  # leading ids of the window whose text was already returned
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        """Add ``new_ids``; return the text they complete ("" while a character is partial)."""
+        self._window_ids.extend(new_ids)
+        prefix_text = self._decode(self._window_ids[: self._num_read])
+        text = self._decode(self._window_ids)
+        if len(text) <= len(prefix_text) or text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        self._window_ids = self._window_ids[self._num_read :]
+        self._num_read = len(self._window_ids)
+        return text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """Return all text not yet returned, even a trailing incomplete character, and reset."""
+        prefix_text = self._decode(self._window_ids[: self._num_read])
+        text = self._decode(self._window_ids)
+        self._window_ids, self._num_read = [], 0
+        return text[len(prefix_text) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+
+# --- the tiny byte-level tokenizer of dsmesh's default model ------------------------------------
+
+BOS_TOKEN = "<｜begin▁of▁sentence｜>"
+EOS_TOKEN = "<｜end▁of▁sentence｜>"
+USER_TOKEN = "<｜User｜>"
+ASSISTANT_TOKEN = "<｜Assistant｜>"
+SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, USER_TOKEN, ASSISTANT_TOKEN)
+
+# DeepSeek-V3's template, shortened: system prompts joined first, then User/Assistant turns,
+# EOS after each assistant turn, and "<｜Assistant｜>" as the generation prompt.
+DEFAULT_CHAT_TEMPLATE = (
+    "{%- set system_prompt = messages | selectattr('role', 'equalto', 'system')"
+    " | map(attribute='content') | join('\\n\\n') -%}"
+    "{{ bos_token }}{{ system_prompt }}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'user' -%}"
+    "{{ '" + USER_TOKEN + "' + message['content'] }}"
+    "{%- elif message['role'] == 'assistant' -%}"
+    "{{ '" + ASSISTANT_TOKEN + "' + message['content'] + eos_token }}"
+    "{%- elif message['role'] != 'system' -%}"
+    "{{ raise_exception('unsupported role: ' + message['role']) }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '" + ASSISTANT_TOKEN + "' }}{%- endif -%}"
+)
+
+_BPE_VOCAB_SIZE = 508  # 256 byte symbols + 252 merges; the 4 special tokens make 512
+_TRAINING_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. A language model reads a sequence of tokens "
+    "and predicts the next one. Tokens are pieces of words: common words such as the, and, "
+    "of, to, in, is, that, for, it, with, as, was, on, are, be, this, have, from, or, by, one, "
+    "had, not, but, what, all, were, when, we, there, can, an, your, which, their, said, if, do, "
+    "will, each, about, how, up, out, them, then, she, many, some, so, these, would, other, into, "
+    "has, more, her, two, like, him, see, time, could, no, make, than, first, been, its, who, "
+    "now, people, my, made, over, did, down, only, way, find, use, may, water, long, little, "
+    "very, after, words, called, just, where, most, know, get, through, back, much, before, go, "
+    "good, new, write, our, used, me, man, too, any, day, same, right, look, think, also, "
+    "around, another, came, come, work, three, must, because, does, part. Hello, world! "
+    "The server splits prefill and decode across machines, moves the key value cache between "
+    "them, and routes each expert of the mixture to the device that holds it. Attention, "
+    "experts, layers, weights, tensors, requests, streams, and tokens: inference is mostly "
+    "moving numbers to where they are needed, then multiplying them together quickly. "
+    "What is the capital of France? Paris is the capital of France. Please answer briefly. "
+    "Sure, here is a short answer. Thank you for asking. Let me think step by step. "
+)
+
+
+def write_byte_level_tokenizer(out_dir: str | Path, model_max_length: int = 4096) -> int:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` to ``out_dir``; return vocab size.
+
+    A byte-level BPE in the style of DeepSeek-V3: ids 0..255 are the byte symbols in sorted
+    order, then merges learnt from a short embedded corpus, then the four DeepSeek special
+    tokens. Training is deterministic, so the files are byte-identical on every call.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    backend = tokenizers.Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=_BPE_VOCAB_SIZE,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator([_TRAINING_CORPUS], trainer=trainer)
+    backend.add_special_tokens(
+        [tokenizers.AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS]
+    )
+    backend.post_processor = _template_processor(
+        BOS_TOKEN, backend.token_to_id(BOS_TOKEN), None, None
+    )
+    backend.save(str(out / TOKENIZER_FILE))
+    config = {
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": DEFAULT_CHAT_TEMPLATE,
+    }
+    text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
+    (out / TOKENIZER_CONFIG_FILE).write_text(text, encoding="utf-8")
+    return backend.get_vocab_size(with_added_tokens=True)
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token from tokenizer_config.json: a string or an AddedToken-style dict."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise ValueError(f"cannot read a special token from {value!r}")
+
+
+def _select_chat_template(value: Any) -> str | None:
+    """The template from tokenizer_config.json: a string, or a list of named ones ("default")."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {item["name"]: item["template"] for item in value}
+        if "default" not in named:
+            raise ValueError(f"no 'default' chat template among {sorted(named)}")
+        return named["default"]
+    raise ValueError(f"chat_template must be a string or a list of named templates: {value!r}")
+
+
+def _template_processor(
+    bos: str | None, bos_id: int | None, eos: str | None, eos_id: int | None
+) -> processors.TemplateProcessing:
+    """``[bos] $A [eos]`` (pairs: ``[bos] $A [eos] [bos] $B [eos]``), as transformers builds it."""
+
+    def wrap(sequence: str, type_id: int) -> str:
+        head = f"{bos}:{type_id} " if bos is not None else ""
+        tail = f" {eos}:{type_id}" if eos is not None else ""
+        return f"{head}{sequence}:{type_id}{tail}"
+
+    single = wrap("$A", 0)
+    pair = f"{single} {wrap('$B', 1)}"
+    special = [(t, i) for t, i in ((bos, bos_id), (eos, eos_id)) if t is not None and i is not None]
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+
+
+def _compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the sandboxed environment transformers uses."""
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(
+        value: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
+    ) -> str:
+        # Jinja's own tojson escapes HTML characters; transformers' does not.
+        return json.dumps(
+            value,
+            ensure_ascii=ensure_ascii,
+            indent=indent,
+            separators=separators,
+            sort_keys=sort_keys,
+        )
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)

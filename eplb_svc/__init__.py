@@ -1,0 +1,1 @@
+"""Expert-parallel load balancer: placements from measured expert load (EPLB issue)."""

@@ -1,0 +1,1 @@
+"""KV handoff state machine between prefill and decode (PD-services issue)."""

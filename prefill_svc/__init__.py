@@ -1,0 +1,1 @@
+"""Prefill service: chunked prefill and KV push into decode's pages (PD-services issue)."""
