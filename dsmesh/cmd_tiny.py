@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import argparse
 
+ARCHES = ("v3", "v2-lite")
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from engine.tiny_model import TINY_ARCHES
-
     p = sub.add_parser(
         "make-tiny-model",
         help="write a tiny random DeepSeek-shaped checkpoint (config, safetensors, tokenizer)",
     )
     p.add_argument("out", help="output folder")
-    p.add_argument("--arch", choices=TINY_ARCHES, default="v3")
+    # Literal copy of engine.tiny_model.TINY_ARCHES so `dsmesh --help` need not import torch;
+    # tests/dsmesh/test_cli_generate.py checks that they agree.
+    p.add_argument("--arch", choices=ARCHES, default="v3")
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     p.set_defaults(func=run)
 

@@ -1,0 +1,1 @@
+"""Benchmarks (not run by the test suite); results go to docs/BENCHMARKS.md."""
