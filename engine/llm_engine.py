@@ -21,7 +21,7 @@ from engine.loader import load_model
 from engine.mla import ATTENTION_MODES
 from engine.model import DeepseekForCausalLM
 from engine.request import Request, RequestStatus
-from engine.sampler import Sampler, make_generator
+from engine.sampler import Sampler, advance_generator, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 
@@ -40,6 +40,7 @@ class EngineConfig:
     max_running_requests: int = 64
     max_batch_tokens: int = 2048
     attention_mode: str = "auto"  # "auto" (naive prefill, absorbed decode) | "naive" | "absorbed"
+    prefix_cache: bool = False  # share full prompt pages between requests with equal prefixes
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -64,12 +65,17 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """What one step produced for one request."""
+    """What one step did for one request.
+
+    ``computed`` is the range of token positions whose KV this step wrote (empty for a
+    request that only finished); ``new_token_ids`` is empty for a mid-prompt chunk.
+    """
 
     request_id: str
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None
+    computed: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)
@@ -114,7 +120,12 @@ class LLMEngine:
             self.device,
         )
         self.scheduler = Scheduler(
-            SchedulerConfig(config.page_size, config.max_running_requests, config.max_batch_tokens),
+            SchedulerConfig(
+                page_size=config.page_size,
+                max_running_requests=config.max_running_requests,
+                max_batch_tokens=config.max_batch_tokens,
+                prefix_cache=config.prefix_cache,
+            ),
             self.kv_pool.allocator,
         )
         self.sampler = Sampler()
@@ -128,7 +139,11 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def make_request(
-        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        prefill_only: bool = False,
     ) -> Request:
         """Validate inputs and build a request (not yet queued)."""
         if request_id is None:
@@ -155,7 +170,8 @@ class LLMEngine:
         except ValueError as exc:
             field = str(exc).split(" ", 1)[0]
             raise InvalidRequestError(f"sampling.{field}", str(exc)) from exc
-        total = min(len(ids) + params.max_new_tokens, self.max_context)
+        new_tokens = 1 if prefill_only else params.max_new_tokens
+        total = min(len(ids) + new_tokens, self.max_context)
         need = pages_for(total, self.config.page_size)
         if need > self.kv_pool.num_pages:
             raise InvalidRequestError(
@@ -169,23 +185,76 @@ class LLMEngine:
             params=params,
             max_total_tokens=total,
             generator=make_generator(params.seed, self.device),
+            prefill_only=prefill_only,
+            keep_pages=prefill_only,
         )
 
     def add_request(
-        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        prefill_only: bool = False,
     ) -> str:
-        req = self.make_request(prompt_ids, params, request_id)
+        """Queue a request. With ``prefill_only`` it finishes ("prefilled") after its first
+        token and keeps its pages until :meth:`release`, so its KV can be sent elsewhere."""
+        req = self.make_request(prompt_ids, params, request_id, prefill_only)
         self.requests[req.request_id] = req
         self.scheduler.add(req)
         return req.request_id
 
+    def reserve(
+        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str
+    ) -> Request:
+        """Validate and take pages now for a request whose prompt KV will be written into
+        them by someone else (decode instance). Raises OutOfPagesError when short."""
+        req = self.make_request(prompt_ids, params, request_id)
+        self.scheduler.reserve(req)
+        self.requests[req.request_id] = req
+        return req
+
+    def activate(self, request_id: str, first_token: int) -> StepOutput:
+        """The prompt KV of a reserved request is in its pages and ``first_token`` was sampled
+        elsewhere: continue decoding from there (or finish if that token ends it)."""
+        req = self.requests[request_id]
+        req.num_computed = len(req.prompt_ids)
+        if req.generator is not None and req.params.temperature > 0:
+            advance_generator(req.generator, 1)  # the first draw happened on prefill
+        req.output_ids.append(int(first_token))
+        self.scheduler.start_reserved(req)
+        reason = self._stop_reason(req, int(first_token))
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+            self.requests.pop(request_id, None)
+        return StepOutput(request_id, [int(first_token)], reason is not None, reason)
+
+    def release(self, request_id: str) -> None:
+        """Give back the pages a finished ``prefill_only`` request kept."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        if req.status is not RequestStatus.FINISHED:
+            self.scheduler.finish(req, "abort")
+        self.scheduler.release_pages(req)
+
+    def get(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its pages; False if it is unknown or already finished."""
         req = self.requests.pop(request_id, None)
-        if req is None or req.status is RequestStatus.FINISHED:
+        if req is None:
             return False
+        if req.status is RequestStatus.FINISHED:
+            self.scheduler.release_pages(req)  # a prefilled request still holding pages
+            return False
+        req.keep_pages = False
         self.scheduler.finish(req, "abort")
         return True
+
+    @property
+    def num_pages_in_use(self) -> int:
+        return self.scheduler.num_pages_in_use
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -209,13 +278,20 @@ class LLMEngine:
 
         due_rows: list[int] = []
         due: list[Request] = []
+        computed: dict[str, tuple[int, int]] = {}
+        outputs: list[StepOutput] = []
         for row, c in enumerate(chunks):
             req = c.request
+            start = req.num_computed
             req.num_computed += c.num_tokens
+            computed[req.request_id] = (start, req.num_computed)
             if req.num_computed == req.num_tokens:  # all known tokens fed: a new one is due
                 due_rows.append(row)
                 due.append(req)
-        outputs: list[StepOutput] = []
+            else:
+                outputs.append(
+                    StepOutput(req.request_id, [], False, None, computed[req.request_id])
+                )
         if due:
             rows = torch.tensor(due_rows, device=logits.device)
             tokens = self.sampler(
@@ -223,11 +299,16 @@ class LLMEngine:
             ).tolist()
             for req, tok in zip(due, tokens, strict=True):
                 req.output_ids.append(tok)
-                reason = self._stop_reason(req, tok)
+                reason = "prefilled" if req.prefill_only else self._stop_reason(req, tok)
                 if reason is not None:
                     self.scheduler.finish(req, reason)
-                    self.requests.pop(req.request_id, None)
-                outputs.append(StepOutput(req.request_id, [tok], reason is not None, reason))
+                    if not req.keep_pages:
+                        self.requests.pop(req.request_id, None)
+                outputs.append(
+                    StepOutput(
+                        req.request_id, [tok], reason is not None, reason, computed[req.request_id]
+                    )
+                )
         return outputs
 
     def _stop_reason(self, req: Request, tok: int) -> str | None:

@@ -12,8 +12,9 @@ from engine.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no pages
+    RESERVED = "reserved"  # holds pages, waits for its KV to arrive (decode instance)
     RUNNING = "running"  # holds its pages; prefilling or decoding
-    FINISHED = "finished"  # pages returned
+    FINISHED = "finished"  # done; pages returned unless ``keep_pages``
 
 
 @dataclass
@@ -35,6 +36,9 @@ class Request:
     num_computed: int = 0
     generator: torch.Generator | None = None
     finish_reason: str | None = None
+    num_cached_pages: int = 0  # leading pages shared from the prefix cache
+    prefill_only: bool = False  # finish after the first token (prefill instance)
+    keep_pages: bool = False  # on finish, hold pages until the owner releases them
 
     @property
     def num_tokens(self) -> int:

@@ -23,6 +23,13 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     return generator
 
 
+def advance_generator(generator: torch.Generator, steps: int) -> None:
+    """Consume ``steps`` sampling draws, as if this request had sampled that many tokens
+    here; used when an earlier token was sampled elsewhere (the first token on prefill)."""
+    for _ in range(steps):
+        torch.rand(1, generator=generator, device=generator.device)
+
+
 class Sampler:
     """Samples one token per row of a logits batch; stateless, so one instance serves all.
 

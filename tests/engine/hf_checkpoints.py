@@ -147,8 +147,9 @@ def _save(model: PreTrainedModel, path: Path, extra: dict[str, Any]) -> None:
     config_path.write_text(json.dumps(to_official_config(hf_config, extra), indent=2))
 
 
-def v3_config(*, q_lora_rank: int | None = 48, yarn: bool = True, **overrides: Any
-              ) -> DeepseekV3Config:
+def v3_config(
+    *, q_lora_rank: int | None = 48, yarn: bool = True, **overrides: Any
+) -> DeepseekV3Config:
     kwargs = {
         **_COMMON,
         "q_lora_rank": q_lora_rank,
@@ -165,8 +166,13 @@ def v3_config(*, q_lora_rank: int | None = 48, yarn: bool = True, **overrides: A
     return DeepseekV3Config(**kwargs, attn_implementation="eager")
 
 
-def v2_config(*, topk_method: str = "greedy", q_lora_rank: int | None = None, yarn: bool = True,
-              **overrides: Any) -> DeepseekV2Config:
+def v2_config(
+    *,
+    topk_method: str = "greedy",
+    q_lora_rank: int | None = None,
+    yarn: bool = True,
+    **overrides: Any,
+) -> DeepseekV2Config:
     grouped = topk_method == "group_limited_greedy"
     kwargs = {
         **_COMMON,
@@ -185,33 +191,51 @@ def v2_config(*, topk_method: str = "greedy", q_lora_rank: int | None = None, ya
     return DeepseekV2Config(**kwargs, attn_implementation="eager")
 
 
-def make_hf_v3(tmp_dir: str | Path, *, q_lora_rank: int | None = 48, yarn: bool = True,
-               seed: int = 0, **overrides: Any) -> tuple[DeepseekV3ForCausalLM, Path]:
+def make_hf_v3(
+    tmp_dir: str | Path,
+    *,
+    q_lora_rank: int | None = 48,
+    yarn: bool = True,
+    seed: int = 0,
+    **overrides: Any,
+) -> tuple[DeepseekV3ForCausalLM, Path]:
     """A random tiny DeepSeek-V3 (sigmoid, noaux_tc, 4 groups of 2) saved under ``tmp_dir``."""
-    torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(v3_config(q_lora_rank=q_lora_rank, yarn=yarn, **overrides))
     randomize_(model, seed)
     model.eval()
     path = Path(tmp_dir)
-    extra = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "q_lora_rank": q_lora_rank,
-             "num_nextn_predict_layers": 0}
+    extra = {
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "q_lora_rank": q_lora_rank,
+        "num_nextn_predict_layers": 0,
+    }
     _save(model, path, extra)
     return model, path
 
 
-def make_hf_v2(tmp_dir: str | Path, *, topk_method: str = "greedy",
-               q_lora_rank: int | None = None, yarn: bool = True, seed: int = 0,
-               **overrides: Any) -> tuple[DeepseekV2ForCausalLM, Path]:
-    """A random tiny DeepSeek-V2 (softmax, ``topk_method`` routing, top-3 of 8) under ``tmp_dir``."""
-    torch.manual_seed(seed)
+def make_hf_v2(
+    tmp_dir: str | Path,
+    *,
+    topk_method: str = "greedy",
+    q_lora_rank: int | None = None,
+    yarn: bool = True,
+    seed: int = 0,
+    **overrides: Any,
+) -> tuple[DeepseekV2ForCausalLM, Path]:
+    """A random tiny DeepSeek-V2 (softmax, ``topk_method``, top-3 of 8) under ``tmp_dir``."""
     model = DeepseekV2ForCausalLM(
         v2_config(topk_method=topk_method, q_lora_rank=q_lora_rank, yarn=yarn, **overrides)
     )
     randomize_(model, seed)
     model.eval()
     path = Path(tmp_dir)
-    extra = {"topk_method": topk_method, "scoring_func": "softmax", "q_lora_rank": q_lora_rank,
-             "num_nextn_predict_layers": 0}
+    extra = {
+        "topk_method": topk_method,
+        "scoring_func": "softmax",
+        "q_lora_rank": q_lora_rank,
+        "num_nextn_predict_layers": 0,
+    }
     if topk_method != "group_limited_greedy":
         extra.update(n_group=1, topk_group=1)
     _save(model, path, extra)
@@ -237,12 +261,14 @@ def hf_logits(hf_model: PreTrainedModel, token_ids: list[int]) -> torch.Tensor:
 
 def new_pool(model: DeepseekForCausalLM, num_pages: int, page_size: int) -> MLAKVPool:
     cfg = model.config
-    return MLAKVPool(cfg.num_hidden_layers, num_pages, page_size, cfg.mla.kv_cache_dim,
-                     torch.float32)
+    return MLAKVPool(
+        cfg.num_hidden_layers, num_pages, page_size, cfg.mla.kv_cache_dim, torch.float32
+    )
 
 
-def prefill_logits(model: DeepseekForCausalLM, prompts: list[list[int]], mode: str = "auto",
-                   page_size: int = 16) -> list[torch.Tensor]:
+def prefill_logits(
+    model: DeepseekForCausalLM, prompts: list[list[int]], mode: str = "auto", page_size: int = 16
+) -> list[torch.Tensor]:
     """All prompts in ONE forward call; per-prompt logits [len(prompt), vocab]."""
     pool = new_pool(model, sum(pages_for(len(p), page_size) for p in prompts), page_size)
     chunks = [

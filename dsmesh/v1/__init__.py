@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC code for package dsmesh.v1."""

@@ -1,0 +1,50 @@
+from dsmesh.v1 import generation_pb2 as _generation_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "input_ids", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    input_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _generation_pb2.SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("request_id", "first_token_id", "prompt_tokens", "cached_tokens", "kv_bytes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    first_token_id: int
+    prompt_tokens: int
+    cached_tokens: int
+    kv_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PrefillLoad(_message.Message):
+    __slots__ = ("instance_id", "waiting_tokens", "running_requests", "free_pages", "total_pages")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    waiting_tokens: int
+    running_requests: int
+    free_pages: int
+    total_pages: int
+    def __init__(self, instance_id: _Optional[str] = ..., waiting_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ...) -> None: ...

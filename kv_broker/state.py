@@ -1,0 +1,421 @@
+"""The KV handoff state machine, one record per request, as plain Python.
+
+    RESERVED --resolve--> TRANSFERRING --commit--> DONE
+        |                      |
+        +----------------------+--> FAILED | ABORTED | TIMED_OUT
+
+No gRPC, no asyncio, no clock: every method that needs the time takes ``now`` (seconds,
+any monotonic origin). Mutating methods return a :class:`Transition` (or a list of them)
+saying what changed and whom to tell; refusals raise :class:`HandoffError` with an
+:class:`ErrorCode` that the servicer maps onto a gRPC status.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_TERMINAL_TTL_S = 60.0
+
+
+class HandoffState(enum.IntEnum):
+    """Values equal the proto's ``dsmesh.v1.HandoffState`` numbers."""
+
+    RESERVED = 1
+    TRANSFERRING = 2
+    DONE = 3
+    FAILED = 4
+    ABORTED = 5
+    TIMED_OUT = 6
+
+    @property
+    def terminal(self) -> bool:
+        return self >= HandoffState.DONE
+
+
+class ErrorCode(enum.Enum):
+    NOT_FOUND = "not_found"
+    ALREADY_EXISTS = "already_exists"
+    INVALID_ARGUMENT = "invalid_argument"
+    FAILED_PRECONDITION = "failed_precondition"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    ABORTED = "aborted"
+
+
+class HandoffError(Exception):
+    """A refused operation. ``transitions`` lists changes that happened anyway (a layout
+    mismatch fails the handoff *and* refuses the resolve); the caller must publish them."""
+
+    def __init__(
+        self, code: ErrorCode, message: str, transitions: Sequence[Transition] = ()
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.transitions = tuple(transitions)
+
+
+def _invalid(message: str) -> HandoffError:
+    return HandoffError(ErrorCode.INVALID_ARGUMENT, message)
+
+
+def _show(value: object) -> str:
+    return repr(value) if value == "" else str(value)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of a KV pool; prefill and decode must agree on every field."""
+
+    dtype: str
+    page_size: int  # tokens per page
+    kv_dim: int  # kv_lora_rank + qk_rope_head_dim
+    num_layers: int
+    model: str = ""  # fingerprint of the model config; may be empty, but must then match
+
+    def validate(self, name: str = "layout") -> None:
+        if not self.dtype:
+            raise _invalid(f"{name}.dtype is required")
+        for field in ("page_size", "kv_dim", "num_layers"):
+            value = getattr(self, field)
+            if value <= 0:
+                raise _invalid(f"{name}.{field} must be positive, got {value}")
+
+    def mismatches(self, decode: KVLayout) -> list[str]:
+        """``self`` is prefill's layout; one ``"field prefill=X decode=Y"`` per difference."""
+        out = []
+        for field in dataclasses.fields(self):
+            mine, theirs = getattr(self, field.name), getattr(decode, field.name)
+            if mine != theirs:
+                out.append(f"{field.name} prefill={_show(mine)} decode={_show(theirs)}")
+        return out
+
+
+@dataclass(frozen=True)
+class RemotePool:
+    """Where decode's pool lives in its transfer engine (addresses are opaque here)."""
+
+    transfer_session: str
+    base_ptr: int
+    num_pages: int  # pages per layer
+    page_bytes: int  # bytes of one page of one layer
+
+    def validate(self, name: str = "pool") -> None:
+        if not self.transfer_session:
+            raise _invalid(f"{name}.transfer_session is required")
+        if self.base_ptr < 0:
+            raise _invalid(f"{name}.base_ptr must not be negative, got {self.base_ptr}")
+        for field in ("num_pages", "page_bytes"):
+            value = getattr(self, field)
+            if value <= 0:
+                raise _invalid(f"{name}.{field} must be positive, got {value}")
+
+
+@dataclass
+class Handoff:
+    """One request's handoff. ``layout``/``pool`` are None only for a tombstone: a request
+    aborted before decode reserved anything, kept so a late reserve or resolve fails fast."""
+
+    request_id: str
+    state: HandoffState
+    decode_instance_id: str
+    layout: KVLayout | None
+    pool: RemotePool | None
+    page_ids: tuple[int, ...]
+    num_tokens: int
+    timeout_s: float
+    deadline: float
+    prefill_instance_id: str = ""
+    first_token_id: int | None = None
+    bytes_written: int = 0
+    tokens_written: int = 0
+    message: str = ""
+    terminal_at: float | None = None
+
+    @property
+    def tombstone(self) -> bool:
+        return self.layout is None
+
+    @property
+    def party_ids(self) -> tuple[str, ...]:
+        """Attached instances that take part: decode first, then prefill once resolved."""
+        return tuple(i for i in (self.decode_instance_id, self.prefill_instance_id) if i)
+
+    def snapshot(self) -> Handoff:
+        return dataclasses.replace(self)
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A change to one handoff: ``handoff`` is a snapshot taken after it."""
+
+    handoff: Handoff
+    old_state: HandoffState | None  # None: the record was created
+
+    @property
+    def new_state(self) -> HandoffState:
+        return self.handoff.state
+
+    @property
+    def changed(self) -> bool:
+        return self.old_state != self.handoff.state
+
+    @property
+    def party_ids(self) -> tuple[str, ...]:
+        return self.handoff.party_ids
+
+
+def _require_id(value: str, name: str) -> None:
+    if not value:
+        raise _invalid(f"{name} is required")
+
+
+class HandoffTable:
+    """All handoffs of one broker, keyed by request_id."""
+
+    def __init__(self, default_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if default_timeout_s <= 0:
+            raise ValueError(f"default_timeout_s must be positive, got {default_timeout_s}")
+        self.default_timeout_s = default_timeout_s
+        self._handoffs: dict[str, Handoff] = {}
+
+    def __len__(self) -> int:
+        return len(self._handoffs)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._handoffs
+
+    def get(self, request_id: str) -> Handoff:
+        return self._lookup(request_id).snapshot()
+
+    def counts(self) -> dict[HandoffState, int]:
+        out = dict.fromkeys(HandoffState, 0)
+        for h in self._handoffs.values():
+            out[h.state] += 1
+        return out
+
+    def active(self) -> int:
+        return sum(1 for h in self._handoffs.values() if not h.state.terminal)
+
+    # -- decode side -------------------------------------------------------------------
+
+    def reserve(
+        self,
+        request_id: str,
+        decode_instance_id: str,
+        layout: KVLayout,
+        pool: RemotePool,
+        page_ids: Sequence[int],
+        num_tokens: int,
+        now: float,
+        timeout_s: float | None = None,
+    ) -> Transition:
+        """Decode registered ``page_ids`` (in token order) for ``num_tokens`` prompt tokens.
+
+        ``timeout_s`` bounds the whole handoff (None: the table default)."""
+        _require_id(request_id, "request_id")
+        _require_id(decode_instance_id, "decode_instance_id")
+        layout.validate()
+        pool.validate()
+        if num_tokens <= 0:
+            raise _invalid(f"num_tokens must be positive, got {num_tokens}")
+        if not page_ids:
+            raise _invalid("page_ids must not be empty")
+        for i, page_id in enumerate(page_ids):
+            if not 0 <= page_id < pool.num_pages:
+                raise _invalid(
+                    f"page_ids[{i}]={page_id} is outside the pool (0..{pool.num_pages - 1})"
+                )
+        if len(page_ids) * layout.page_size < num_tokens:
+            raise _invalid(
+                f"page_ids: {len(page_ids)} pages of {layout.page_size} tokens cannot hold "
+                f"num_tokens={num_tokens}"
+            )
+        if timeout_s is not None and timeout_s <= 0:
+            raise _invalid(f"timeout must be positive, got {timeout_s}")
+        existing = self._handoffs.get(request_id)
+        if existing is not None:
+            if existing.state is HandoffState.ABORTED:
+                raise HandoffError(ErrorCode.ABORTED, f"request {request_id!r} was aborted")
+            raise HandoffError(
+                ErrorCode.ALREADY_EXISTS,
+                f"request {request_id!r} already has a handoff ({existing.state.name})",
+            )
+        timeout = self.default_timeout_s if timeout_s is None else timeout_s
+        h = Handoff(
+            request_id=request_id,
+            state=HandoffState.RESERVED,
+            decode_instance_id=decode_instance_id,
+            layout=layout,
+            pool=pool,
+            page_ids=tuple(page_ids),
+            num_tokens=num_tokens,
+            timeout_s=timeout,
+            deadline=now + timeout,
+        )
+        self._handoffs[request_id] = h
+        return Transition(h.snapshot(), None)
+
+    # -- prefill side ------------------------------------------------------------------
+
+    def resolve(
+        self, request_id: str, prefill_instance_id: str, layout: KVLayout, now: float
+    ) -> Transition:
+        """Prefill takes the reservation: RESERVED -> TRANSFERRING, or FAILED on a layout
+        mismatch (raised as FAILED_PRECONDITION carrying that transition)."""
+        _require_id(prefill_instance_id, "prefill_instance_id")
+        layout.validate()
+        h = self._lookup(request_id)
+        if h.state is not HandoffState.RESERVED:
+            raise _state_error(h, "resolve", HandoffState.RESERVED)
+        assert h.layout is not None  # only tombstones lack a layout, and they are ABORTED
+        h.prefill_instance_id = prefill_instance_id
+        diffs = layout.mismatches(h.layout)
+        if diffs:
+            message = "KV layout mismatch: " + "; ".join(diffs)
+            t = self._finish(h, HandoffState.FAILED, message, now)
+            raise HandoffError(ErrorCode.FAILED_PRECONDITION, message, [t])
+        return self._move(h, HandoffState.TRANSFERRING)
+
+    def progress(self, request_id: str, tokens_written: int, bytes_written: int) -> Handoff:
+        """Cumulative progress while TRANSFERRING (never decreases); in any other state the
+        record is returned unchanged, so the writer learns that it should stop."""
+        h = self._lookup(request_id)
+        if tokens_written < 0:
+            raise _invalid(f"tokens_written must not be negative, got {tokens_written}")
+        if bytes_written < 0:
+            raise _invalid(f"bytes_written must not be negative, got {bytes_written}")
+        if h.state is HandoffState.TRANSFERRING:
+            if tokens_written > h.num_tokens:
+                raise _invalid(
+                    f"tokens_written={tokens_written} exceeds num_tokens={h.num_tokens}"
+                )
+            h.tokens_written = max(h.tokens_written, tokens_written)
+            h.bytes_written = max(h.bytes_written, bytes_written)
+        return h.snapshot()
+
+    def commit(
+        self, request_id: str, first_token_id: int, bytes_written: int, now: float
+    ) -> Transition:
+        """All KV is written and the first token sampled: TRANSFERRING -> DONE."""
+        if first_token_id < 0:
+            raise _invalid(f"first_token_id must not be negative, got {first_token_id}")
+        if bytes_written < 0:
+            raise _invalid(f"bytes_written must not be negative, got {bytes_written}")
+        h = self._lookup(request_id)
+        if h.state is not HandoffState.TRANSFERRING:
+            raise _state_error(h, "commit", HandoffState.TRANSFERRING)
+        h.first_token_id = first_token_id
+        h.tokens_written = h.num_tokens
+        h.bytes_written = max(h.bytes_written, bytes_written)
+        return self._finish(h, HandoffState.DONE, "", now)
+
+    # -- either side, or the gateway -------------------------------------------------------
+
+    def fail(self, request_id: str, reason: str, now: float) -> Transition:
+        """Non-terminal -> FAILED; a terminal record is returned unchanged."""
+        h = self._lookup(request_id)
+        if h.state.terminal:
+            return Transition(h.snapshot(), h.state)
+        return self._finish(h, HandoffState.FAILED, reason or "failed (no reason given)", now)
+
+    def abort(self, request_id: str, now: float) -> Transition:
+        """Non-terminal -> ABORTED; terminal records are returned unchanged; an unknown
+        request gets an ABORTED tombstone so that its late reserve/resolve fails fast."""
+        _require_id(request_id, "request_id")
+        h = self._handoffs.get(request_id)
+        if h is None:
+            h = Handoff(
+                request_id=request_id,
+                state=HandoffState.ABORTED,
+                decode_instance_id="",
+                layout=None,
+                pool=None,
+                page_ids=(),
+                num_tokens=0,
+                timeout_s=0.0,
+                deadline=now,
+                message="request was aborted",
+                terminal_at=now,
+            )
+            self._handoffs[request_id] = h
+            return Transition(h.snapshot(), None)
+        if h.state.terminal:
+            return Transition(h.snapshot(), h.state)
+        return self._finish(h, HandoffState.ABORTED, "request was aborted", now)
+
+    # -- housekeeping ------------------------------------------------------------------
+
+    def instance_lost(self, instance_id: str, now: float) -> list[Transition]:
+        """An instance vanished: every live handoff it takes part in -> FAILED."""
+        out = []
+        for h in self._handoffs.values():
+            if h.state.terminal:
+                continue
+            if h.decode_instance_id == instance_id:
+                role = "decode"
+            elif h.prefill_instance_id == instance_id:
+                role = "prefill"
+            else:
+                continue
+            message = f"{role} instance {instance_id} is gone"
+            out.append(self._finish(h, HandoffState.FAILED, message, now))
+        return out
+
+    def expire(self, now: float) -> list[Transition]:
+        """Live handoffs past their deadline -> TIMED_OUT."""
+        out = []
+        for h in self._handoffs.values():
+            if not h.state.terminal and now >= h.deadline:
+                message = f"handoff timed out after {h.timeout_s:g} s in {h.state.name}"
+                out.append(self._finish(h, HandoffState.TIMED_OUT, message, now))
+        return out
+
+    def gc(self, now: float, ttl_s: float = DEFAULT_TERMINAL_TTL_S) -> list[str]:
+        """Forget terminal records (and tombstones) older than ``ttl_s``; returns their ids."""
+        dropped = [
+            rid
+            for rid, h in self._handoffs.items()
+            if h.terminal_at is not None and now - h.terminal_at >= ttl_s
+        ]
+        for rid in dropped:
+            del self._handoffs[rid]
+        return dropped
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _lookup(self, request_id: str) -> Handoff:
+        _require_id(request_id, "request_id")
+        h = self._handoffs.get(request_id)
+        if h is None:
+            raise HandoffError(ErrorCode.NOT_FOUND, f"no handoff for request {request_id!r}")
+        return h
+
+    def _move(self, h: Handoff, state: HandoffState) -> Transition:
+        old, h.state = h.state, state
+        return Transition(h.snapshot(), old)
+
+    def _finish(self, h: Handoff, state: HandoffState, message: str, now: float) -> Transition:
+        h.message = message
+        h.terminal_at = now
+        return self._move(h, state)
+
+
+def _state_error(h: Handoff, verb: str, wanted: HandoffState) -> HandoffError:
+    """Refusal of ``verb`` on a handoff that is not in ``wanted``: ABORTED for an aborted
+    request, DEADLINE_EXCEEDED for a timed-out one, FAILED_PRECONDITION otherwise."""
+    text = f"cannot {verb} request {h.request_id!r}: handoff is {h.state.name}"
+    if h.state.terminal and h.message:
+        text += f" ({h.message})"
+    else:
+        text += f", not {wanted.name}"
+    if h.state is HandoffState.ABORTED:
+        code = ErrorCode.ABORTED
+    elif h.state is HandoffState.TIMED_OUT:
+        code = ErrorCode.DEADLINE_EXCEEDED
+    else:
+        code = ErrorCode.FAILED_PRECONDITION
+    return HandoffError(code, text)

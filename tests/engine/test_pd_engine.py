@@ -1,0 +1,71 @@
+"""The engine halves of PD disaggregation, in one process: a prefill-only engine computes the
+prompt and samples the first token; its KV pages are copied into pages a decode engine
+reserved; the decode engine continues. Tokens equal the offline engine's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kv_cache import OutOfPagesError
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.loader import load_model
+from engine.sampling_params import SamplingParams
+from engine.tiny_model import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory):
+    return load_model(make_tiny_model(tmp_path_factory.mktemp("tiny") / "m"))
+
+
+def handoff(prefill: LLMEngine, decode: LLMEngine, prompt, params, rid: str) -> list[int]:
+    reserved = decode.reserve(prompt, params, rid)
+    prefill.add_request(prompt, params, request_id=rid, prefill_only=True)
+    first = None
+    while first is None:
+        for out in prefill.step():
+            if out.request_id == rid and out.finished:
+                assert out.finish_reason == "prefilled"
+                first = out.new_token_ids[0]
+    src = prefill.requests[rid]
+    n_pages = -(-len(prompt) // prefill.config.page_size)
+    for i in range(n_pages):  # all layers of each prompt page
+        decode.kv_pool.buffer[:, reserved.pages[i]] = prefill.kv_pool.buffer[:, src.pages[i]]
+    prefill.release(rid)
+    tokens = list(decode.activate(rid, first).new_token_ids)
+    while rid in decode.requests:
+        for out in decode.step():
+            if out.request_id == rid:
+                tokens += out.new_token_ids
+    return tokens
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prefill_then_decode_equals_offline(model, page_size: int) -> None:
+    cfg = EngineConfig(page_size=page_size, max_total_tokens=4096, max_batch_tokens=32)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (1, 15, 70)]
+    params = [
+        SamplingParams(max_new_tokens=10, ignore_eos=True),
+        SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=0.9, seed=3),
+        SamplingParams(max_new_tokens=1),
+    ]
+    offline = LLMEngine(cfg, model=model).generate(prompts, params)
+    prefill = LLMEngine(EngineConfig(**{**cfg.__dict__, "prefix_cache": True}), model=model)
+    decode = LLMEngine(cfg, model=model)
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        assert handoff(prefill, decode, p, sp, f"r{i}") == offline[i].output_ids
+    assert prefill.num_pages_in_use == 0 and decode.num_pages_in_use == 0
+
+
+def test_reserve_raises_when_out_of_pages(model) -> None:
+    decode = LLMEngine(EngineConfig(page_size=4, max_total_tokens=16), model=model)
+    decode.reserve([1] * 8, SamplingParams(max_new_tokens=4), "a")  # 3 of 4 pages
+    with pytest.raises(OutOfPagesError):
+        decode.reserve([1] * 8, SamplingParams(max_new_tokens=4), "b")
+    assert decode.abort("a") is True
+    assert decode.num_pages_in_use == 0
+    decode.reserve([1] * 8, SamplingParams(max_new_tokens=4), "b")
+    decode.release("b")
+    assert decode.num_pages_in_use == 0
