@@ -7,10 +7,23 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from dsmesh import __version__, cmd_generate, cmd_tiny
+from dsmesh import (
+    __version__,
+    cmd_decode,
+    cmd_generate,
+    cmd_kv_broker,
+    cmd_prefill,
+    cmd_tiny,
+)
 
 Registrar = Callable[[argparse._SubParsersAction], None]
-COMMANDS: tuple[Registrar, ...] = (cmd_generate.register, cmd_tiny.register)
+COMMANDS: tuple[Registrar, ...] = (
+    cmd_generate.register,
+    cmd_prefill.register,
+    cmd_decode.register,
+    cmd_kv_broker.register,
+    cmd_tiny.register,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
+
+from dsmesh.cli_common import add_engine_args, engine_config_from
 
 
 class _OrderedInput(argparse.Action):
@@ -33,7 +36,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "generate",
         help="generate text offline (no services): all prompts run as one continuous batch",
     )
-    p.add_argument("--model", default=None, help="checkpoint folder (default: tiny built-in model)")
     p.add_argument("--prompt", dest="inputs", action=_OrderedInput, help="prompt text (repeatable)")
     p.add_argument(
         "--input-ids", dest="inputs", action=_OrderedInput, help='token ids "1,2,3" (repeatable)'
@@ -46,16 +48,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-total-tokens", type=int, default=65536, help="KV pool size in tokens")
-    p.add_argument("--max-batch-tokens", type=int, default=2048, help="token budget per step")
+    add_engine_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.llm_engine import EngineConfig, LLMEngine, resolve_model_dir
+    from engine.llm_engine import LLMEngine, resolve_model_dir
     from engine.sampling_params import SamplingParams
     from engine.tokenizer import Tokenizer
 
@@ -77,14 +75,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer.encode(value) if kind == "text" else parse_input_ids(value)
         for kind, value in args.inputs
     ]
-    config = EngineConfig(
-        model=str(model_dir),
-        device=args.device,
-        dtype=args.dtype,
-        page_size=args.page_size,
-        max_total_tokens=args.max_total_tokens,
-        max_batch_tokens=args.max_batch_tokens,
-    )
+    config = dataclasses.replace(engine_config_from(args), model=str(model_dir))
     engine = LLMEngine(config)
     start = time.perf_counter()
     results = engine.generate(prompts, params)

@@ -57,6 +57,8 @@ class PageAllocator:
 
     def free(self, pages: list[int]) -> None:
         """Return pages. Freeing a page that is not allocated is a bug and raises ValueError."""
+        if len(set(pages)) != len(pages):
+            raise ValueError(f"duplicate page ids in free({pages})")
         for p in pages:
             if not (0 <= p < self.num_pages) or not self._used[p]:
                 raise ValueError(f"page {p} is not allocated (double free or foreign page)")

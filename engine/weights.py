@@ -103,7 +103,10 @@ def load_weights(
     }
     seen: set[str] = set()
     for name in names:
-        if name.endswith(_SCALE_SUFFIX) or name.endswith("rotary_emb.inv_freq"):
+        if name.endswith(_SCALE_SUFFIX):
+            _check_scale_partner(names, name)
+            continue
+        if name.endswith("rotary_emb.inv_freq"):
             continue
         m = _LAYER_RE.match(name)
         if m and int(m.group(1)) >= cfg.num_hidden_layers:
@@ -129,6 +132,16 @@ def load_weights(
         raise WeightError(f"checkpoint is missing tensor {missing[0]!r}{more}")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def _check_scale_partner(names: dict[str, object], scale_name: str) -> None:
+    """A ``*_scale_inv`` tensor must sit beside the FP8 weight it scales."""
+    weight = scale_name[: -len(_SCALE_SUFFIX)]
+    if weight not in names:
+        raise WeightError(f"unexpected tensor {scale_name!r}: no {weight!r} beside it")
+    dtype = names[weight].get_slice(weight).get_dtype()  # type: ignore[attr-defined]
+    if dtype != "F8_E4M3":
+        raise WeightError(f"unexpected tensor {scale_name!r}: {weight!r} is {dtype}, not FP8")
 
 
 def _read(

@@ -39,7 +39,7 @@ class BrokerMetrics:
 
     def record(self, transitions: Iterable[Transition], num_active: int) -> None:
         for t in transitions:
-            if t.changed:
+            if t.state_changed:
                 self.handoffs_total.labels(state=t.new_state.name.lower()).inc()
         self.handoffs_active.set(num_active)
 

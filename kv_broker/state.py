@@ -4,6 +4,10 @@
         |                      |
         +----------------------+--> FAILED | ABORTED | TIMED_OUT
 
+Beside the state, each record tracks ``prefill_released``: whether prefill can still write
+into decode's pages. Decode must not reuse its pages before that is true, whatever the state:
+a handoff can be ABORTED while prefill's writes are still in flight.
+
 No gRPC, no asyncio, no clock: every method that needs the time takes ``now`` (seconds,
 any monotonic origin). Mutating methods return a :class:`Transition` (or a list of them)
 saying what changed and whom to tell; refusals raise :class:`HandoffError` with an
@@ -41,7 +45,6 @@ class ErrorCode(enum.Enum):
     ALREADY_EXISTS = "already_exists"
     INVALID_ARGUMENT = "invalid_argument"
     FAILED_PRECONDITION = "failed_precondition"
-    DEADLINE_EXCEEDED = "deadline_exceeded"
     ABORTED = "aborted"
 
 
@@ -134,6 +137,9 @@ class Handoff:
     tokens_written: int = 0
     message: str = ""
     terminal_at: float | None = None
+    # Prefill can no longer write into decode's pages: it released or committed the
+    # handoff, is gone, or no prefill ever resolved it and it is terminal.
+    prefill_released: bool = False
 
     @property
     def tombstone(self) -> bool:
@@ -150,18 +156,24 @@ class Handoff:
 
 @dataclass(frozen=True)
 class Transition:
-    """A change to one handoff: ``handoff`` is a snapshot taken after it."""
+    """A change to one handoff's state or ``prefill_released`` (or, from idempotent calls,
+    no change at all); ``handoff`` is a snapshot taken after it."""
 
     handoff: Handoff
     old_state: HandoffState | None  # None: the record was created
+    old_prefill_released: bool = False
 
     @property
     def new_state(self) -> HandoffState:
         return self.handoff.state
 
     @property
-    def changed(self) -> bool:
+    def state_changed(self) -> bool:
         return self.old_state != self.handoff.state
+
+    @property
+    def changed(self) -> bool:
+        return self.state_changed or self.old_prefill_released != self.handoff.prefill_released
 
     @property
     def party_ids(self) -> tuple[str, ...]:
@@ -202,6 +214,42 @@ class HandoffTable:
 
     # -- decode side -------------------------------------------------------------------
 
+    @staticmethod
+    def validate_reservation(
+        request_id: str,
+        decode_instance_id: str,
+        layout: KVLayout,
+        pool: RemotePool,
+        page_ids: Sequence[int],
+        num_tokens: int,
+        timeout_s: float | None = None,
+    ) -> None:
+        """INVALID_ARGUMENT naming the first bad field of a reservation, else nothing."""
+        _require_id(request_id, "request_id")
+        _require_id(decode_instance_id, "decode_instance_id")
+        layout.validate()
+        pool.validate()
+        if num_tokens <= 0:
+            raise _invalid(f"num_tokens must be positive, got {num_tokens}")
+        if not page_ids:
+            raise _invalid("page_ids must not be empty")
+        first_index: dict[int, int] = {}
+        for i, page_id in enumerate(page_ids):
+            if not 0 <= page_id < pool.num_pages:
+                raise _invalid(
+                    f"page_ids[{i}]={page_id} is outside the pool (0..{pool.num_pages - 1})"
+                )
+            j = first_index.setdefault(page_id, i)
+            if j != i:
+                raise _invalid(f"page_ids[{i}]={page_id} repeats page_ids[{j}]")
+        if len(page_ids) * layout.page_size < num_tokens:
+            raise _invalid(
+                f"page_ids: {len(page_ids)} pages of {layout.page_size} tokens cannot hold "
+                f"num_tokens={num_tokens}"
+            )
+        if timeout_s is not None and timeout_s <= 0:
+            raise _invalid(f"timeout must be positive, got {timeout_s}")
+
     def reserve(
         self,
         request_id: str,
@@ -216,26 +264,9 @@ class HandoffTable:
         """Decode registered ``page_ids`` (in token order) for ``num_tokens`` prompt tokens.
 
         ``timeout_s`` bounds the whole handoff (None: the table default)."""
-        _require_id(request_id, "request_id")
-        _require_id(decode_instance_id, "decode_instance_id")
-        layout.validate()
-        pool.validate()
-        if num_tokens <= 0:
-            raise _invalid(f"num_tokens must be positive, got {num_tokens}")
-        if not page_ids:
-            raise _invalid("page_ids must not be empty")
-        for i, page_id in enumerate(page_ids):
-            if not 0 <= page_id < pool.num_pages:
-                raise _invalid(
-                    f"page_ids[{i}]={page_id} is outside the pool (0..{pool.num_pages - 1})"
-                )
-        if len(page_ids) * layout.page_size < num_tokens:
-            raise _invalid(
-                f"page_ids: {len(page_ids)} pages of {layout.page_size} tokens cannot hold "
-                f"num_tokens={num_tokens}"
-            )
-        if timeout_s is not None and timeout_s <= 0:
-            raise _invalid(f"timeout must be positive, got {timeout_s}")
+        self.validate_reservation(
+            request_id, decode_instance_id, layout, pool, page_ids, num_tokens, timeout_s
+        )
         existing = self._handoffs.get(request_id)
         if existing is not None:
             if existing.state is HandoffState.ABORTED:
@@ -270,13 +301,16 @@ class HandoffTable:
         layout.validate()
         h = self._lookup(request_id)
         if h.state is not HandoffState.RESERVED:
-            raise _state_error(h, "resolve", HandoffState.RESERVED)
+            aborted = h.state is HandoffState.ABORTED
+            code = ErrorCode.ABORTED if aborted else ErrorCode.FAILED_PRECONDITION
+            raise _state_error(h, "resolve", HandoffState.RESERVED, code)
         assert h.layout is not None  # only tombstones lack a layout, and they are ABORTED
         h.prefill_instance_id = prefill_instance_id
         diffs = layout.mismatches(h.layout)
         if diffs:
             message = "KV layout mismatch: " + "; ".join(diffs)
-            t = self._finish(h, HandoffState.FAILED, message, now)
+            # Refused before prefill saw any page: it cannot write, so decode may reuse them.
+            t = self._finish(h, HandoffState.FAILED, message, now, released=True)
             raise HandoffError(ErrorCode.FAILED_PRECONDITION, message, [t])
         return self._move(h, HandoffState.TRANSFERRING)
 
@@ -290,9 +324,7 @@ class HandoffTable:
             raise _invalid(f"bytes_written must not be negative, got {bytes_written}")
         if h.state is HandoffState.TRANSFERRING:
             if tokens_written > h.num_tokens:
-                raise _invalid(
-                    f"tokens_written={tokens_written} exceeds num_tokens={h.num_tokens}"
-                )
+                raise _invalid(f"tokens_written={tokens_written} exceeds num_tokens={h.num_tokens}")
             h.tokens_written = max(h.tokens_written, tokens_written)
             h.bytes_written = max(h.bytes_written, bytes_written)
         return h.snapshot()
@@ -307,11 +339,13 @@ class HandoffTable:
             raise _invalid(f"bytes_written must not be negative, got {bytes_written}")
         h = self._lookup(request_id)
         if h.state is not HandoffState.TRANSFERRING:
-            raise _state_error(h, "commit", HandoffState.TRANSFERRING)
+            raise _state_error(
+                h, "commit", HandoffState.TRANSFERRING, ErrorCode.FAILED_PRECONDITION
+            )
         h.first_token_id = first_token_id
         h.tokens_written = h.num_tokens
         h.bytes_written = max(h.bytes_written, bytes_written)
-        return self._finish(h, HandoffState.DONE, "", now)
+        return self._finish(h, HandoffState.DONE, "", now, released=True)
 
     # -- either side, or the gateway -------------------------------------------------------
 
@@ -319,7 +353,7 @@ class HandoffTable:
         """Non-terminal -> FAILED; a terminal record is returned unchanged."""
         h = self._lookup(request_id)
         if h.state.terminal:
-            return Transition(h.snapshot(), h.state)
+            return _unchanged(h)
         return self._finish(h, HandoffState.FAILED, reason or "failed (no reason given)", now)
 
     def abort(self, request_id: str, now: float) -> Transition:
@@ -340,29 +374,39 @@ class HandoffTable:
                 deadline=now,
                 message="request was aborted",
                 terminal_at=now,
+                prefill_released=True,
             )
             self._handoffs[request_id] = h
             return Transition(h.snapshot(), None)
         if h.state.terminal:
-            return Transition(h.snapshot(), h.state)
+            return _unchanged(h)
         return self._finish(h, HandoffState.ABORTED, "request was aborted", now)
+
+    def release(self, request_id: str) -> Transition:
+        """Prefill has no write into this handoff's pages queued or in flight any more, and
+        will issue none: decode may reuse them once the handoff is terminal. Idempotent; the
+        state does not change. Without a resolving prefill there is nothing to release."""
+        h = self._lookup(request_id)
+        if not h.prefill_instance_id:
+            return _unchanged(h)
+        return self._move(h, h.state, released=True)
 
     # -- housekeeping ------------------------------------------------------------------
 
     def instance_lost(self, instance_id: str, now: float) -> list[Transition]:
-        """An instance vanished: every live handoff it takes part in -> FAILED."""
+        """An instance vanished: every live handoff it takes part in -> FAILED. A lost
+        prefill also releases the pages of its finished handoffs (it writes no more)."""
         out = []
         for h in self._handoffs.values():
-            if h.state.terminal:
-                continue
-            if h.decode_instance_id == instance_id:
-                role = "decode"
-            elif h.prefill_instance_id == instance_id:
-                role = "prefill"
-            else:
-                continue
-            message = f"{role} instance {instance_id} is gone"
-            out.append(self._finish(h, HandoffState.FAILED, message, now))
+            if h.prefill_instance_id == instance_id:
+                if not h.state.terminal:
+                    message = f"prefill instance {instance_id} is gone"
+                    out.append(self._finish(h, HandoffState.FAILED, message, now, released=True))
+                elif not h.prefill_released:
+                    out.append(self._move(h, h.state, released=True))
+            elif h.decode_instance_id == instance_id and not h.state.terminal:
+                message = f"decode instance {instance_id} is gone"
+                out.append(self._finish(h, HandoffState.FAILED, message, now))
         return out
 
     def expire(self, now: float) -> list[Transition]:
@@ -394,28 +438,30 @@ class HandoffTable:
             raise HandoffError(ErrorCode.NOT_FOUND, f"no handoff for request {request_id!r}")
         return h
 
-    def _move(self, h: Handoff, state: HandoffState) -> Transition:
-        old, h.state = h.state, state
-        return Transition(h.snapshot(), old)
+    def _move(self, h: Handoff, state: HandoffState, released: bool = False) -> Transition:
+        old_state, old_released = h.state, h.prefill_released
+        h.state = state
+        # Once terminal, a handoff no prefill resolved can never be written.
+        unresolved_end = state.terminal and not h.prefill_instance_id
+        h.prefill_released = old_released or released or unresolved_end
+        return Transition(h.snapshot(), old_state, old_released)
 
-    def _finish(self, h: Handoff, state: HandoffState, message: str, now: float) -> Transition:
+    def _finish(
+        self, h: Handoff, state: HandoffState, message: str, now: float, released: bool = False
+    ) -> Transition:
         h.message = message
         h.terminal_at = now
-        return self._move(h, state)
+        return self._move(h, state, released)
 
 
-def _state_error(h: Handoff, verb: str, wanted: HandoffState) -> HandoffError:
-    """Refusal of ``verb`` on a handoff that is not in ``wanted``: ABORTED for an aborted
-    request, DEADLINE_EXCEEDED for a timed-out one, FAILED_PRECONDITION otherwise."""
+def _unchanged(h: Handoff) -> Transition:
+    return Transition(h.snapshot(), h.state, h.prefill_released)
+
+
+def _state_error(h: Handoff, verb: str, wanted: HandoffState, code: ErrorCode) -> HandoffError:
     text = f"cannot {verb} request {h.request_id!r}: handoff is {h.state.name}"
     if h.state.terminal and h.message:
         text += f" ({h.message})"
     else:
         text += f", not {wanted.name}"
-    if h.state is HandoffState.ABORTED:
-        code = ErrorCode.ABORTED
-    elif h.state is HandoffState.TIMED_OUT:
-        code = ErrorCode.DEADLINE_EXCEEDED
-    else:
-        code = ErrorCode.FAILED_PRECONDITION
     return HandoffError(code, text)

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64smesh/v1/kv_broker.proto\x12\tdsmesh.v1\"_\n\x08KVLayout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x0e\n\x06kv_dim\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\r\n\x05model\x18\x05 \x01(\t\"_\n\nRemotePool\x12\x18\n\x10transfer_session\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_ptr\x18\x02 \x01(\x04\x12\x11\n\tnum_pages\x18\x03 \x01(\x05\x12\x12\n\npage_bytes\x18\x04 \x01(\x03\"n\n\x08Instance\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1d\n\x04role\x18\x02 \x01(\x0e\x32\x0f.dsmesh.v1.Role\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x18\n\x10transfer_session\x18\x04 \x01(\t\"6\n\rAttachRequest\x12%\n\x08instance\x18\x01 \x01(\x0b\x32\x13.dsmesh.v1.Instance\"\x85\x01\n\x0b\x42rokerEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.dsmesh.v1.HandoffState\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x11\n\theartbeat\x18\x05 \x01(\x08\"\xc4\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x02 \x01(\t\x12#\n\x06layout\x18\x03 \x01(\x0b\x32\x13.dsmesh.v1.KVLayout\x12#\n\x04pool\x18\x04 \x01(\x0b\x32\x15.dsmesh.v1.RemotePool\x12\x10\n\x08page_ids\x18\x05 \x03(\x05\x12\x12\n\nnum_tokens\x18\x06 \x01(\x05\x12\x12\n\ntimeout_ms\x18\x07 \x01(\x05\"\x11\n\x0fReserveResponse\"w\n\x0eResolveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x13prefill_instance_id\x18\x02 \x01(\t\x12#\n\x06layout\x18\x03 \x01(\x0b\x32\x13.dsmesh.v1.KVLayout\x12\x0f\n\x07wait_ms\x18\x04 \x01(\x05\"x\n\x0fResolveResponse\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x01 \x01(\t\x12#\n\x04pool\x18\x02 \x01(\x0b\x32\x15.dsmesh.v1.RemotePool\x12\x10\n\x08page_ids\x18\x03 \x03(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\"T\n\x0fProgressRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etokens_written\x18\x02 \x01(\x05\x12\x15\n\rbytes_written\x18\x03 \x01(\x03\"R\n\rCommitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x15\n\rbytes_written\x18\x03 \x01(\x03\"1\n\x0b\x46\x61ilRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"$\n\x0eHandoffRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"3\n\x0c\x41waitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07wait_ms\x18\x02 \x01(\x05\"\xc4\x01\n\rHandoffStatus\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.dsmesh.v1.HandoffState\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x05 \x01(\t\x12\x1b\n\x13prefill_instance_id\x18\x06 \x01(\t\x12\x15\n\rbytes_written\x18\x07 \x01(\x03\"\x16\n\x14ListInstancesRequest\"?\n\x15ListInstancesResponse\x12&\n\tinstances\x18\x01 \x03(\x0b\x32\x13.dsmesh.v1.Instance*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02*\xaf\x01\n\x0cHandoffState\x12\x1d\n\x19HANDOFF_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10HANDOFF_RESERVED\x10\x01\x12\x18\n\x14HANDOFF_TRANSFERRING\x10\x02\x12\x10\n\x0cHANDOFF_DONE\x10\x03\x12\x12\n\x0eHANDOFF_FAILED\x10\x04\x12\x13\n\x0fHANDOFF_ABORTED\x10\x05\x12\x15\n\x11HANDOFF_TIMED_OUT\x10\x06\x32\x90\x05\n\x08KVBroker\x12<\n\x06\x41ttach\x12\x18.dsmesh.v1.AttachRequest\x1a\x16.dsmesh.v1.BrokerEvent0\x01\x12@\n\x07Reserve\x12\x19.dsmesh.v1.ReserveRequest\x1a\x1a.dsmesh.v1.ReserveResponse\x12@\n\x07Resolve\x12\x19.dsmesh.v1.ResolveRequest\x1a\x1a.dsmesh.v1.ResolveResponse\x12@\n\x08Progress\x12\x1a.dsmesh.v1.ProgressRequest\x1a\x18.dsmesh.v1.HandoffStatus\x12<\n\x06\x43ommit\x12\x18.dsmesh.v1.CommitRequest\x1a\x18.dsmesh.v1.HandoffStatus\x12\x38\n\x04\x46\x61il\x12\x16.dsmesh.v1.FailRequest\x1a\x18.dsmesh.v1.HandoffStatus\x12<\n\x05\x41\x62ort\x12\x19.dsmesh.v1.HandoffRequest\x1a\x18.dsmesh.v1.HandoffStatus\x12:\n\x03Get\x12\x19.dsmesh.v1.HandoffRequest\x1a\x18.dsmesh.v1.HandoffStatus\x12:\n\x05\x41wait\x12\x17.dsmesh.v1.AwaitRequest\x1a\x18.dsmesh.v1.HandoffStatus\x12R\n\rListInstances\x12\x1f.dsmesh.v1.ListInstancesRequest\x1a .dsmesh.v1.ListInstancesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64smesh/v1/kv_broker.proto\x12\tdsmesh.v1\"_\n\x08KVLayout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x0e\n\x06kv_dim\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\r\n\x05model\x18\x05 \x01(\t\"_\n\nRemotePool\x12\x18\n\x10transfer_session\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_ptr\x18\x02 \x01(\x04\x12\x11\n\tnum_pages\x18\x03 \x01(\x05\x12\x12\n\npage_bytes\x18\x04 \x01(\x03\"n\n\x08Instance\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1d\n\x04role\x18\x02 \x01(\x0e\x32\x0f.dsmesh.v1.Role\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x18\n\x10transfer_session\x18\x04 \x01(\t\"6\n\rAttachRequest\x12%\n\x08instance\x18\x01 \x01(\x0b\x32\x13.dsmesh.v1.Instance\"\x9f\x01\n\x0b\x42rokerEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.dsmesh.v1.HandoffState\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x11\n\theartbeat\x18\x05 \x01(\x08\x12\x18\n\x10prefill_released\x18\x06 \x01(\x08\"\xc4\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x02 \x01(\t\x12#\n\x06layout\x18\x03 \x01(\x0b\x32\x13.dsmesh.v1.KVLayout\x12#\n\x04pool\x18\x04 \x01(\x0b\x32\x15.dsmesh.v1.RemotePool\x12\x10\n\x08page_ids\x18\x05 \x03(\x05\x12\x12\n\nnum_tokens\x18\x06 \x01(\x05\x12\x12\n\ntimeout_ms\x18\x07 \x01(\x05\"\x11\n\x0fReserveResponse\"w\n\x0eResolveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x13prefill_instance_id\x18\x02 \x01(\t\x12#\n\x06layout\x18\x03 \x01(\x0b\x32\x13.dsmesh.v1.KVLayout\x12\x0f\n\x07wait_ms\x18\x04 \x01(\x05\"x\n\x0fResolveResponse\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x01 \x01(\t\x12#\n\x04pool\x18\x02 \x01(\x0b\x32\x15.dsmesh.v1.RemotePool\x12\x10\n\x08page_ids\x18\x03 \x03(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\"T\n\x0fProgressRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etokens_written\x18\x02 \x01(\x05\x12\x15\n\rbytes_written\x18\x03 \x01(\x03\"R\n\rCommitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x15\n\rbytes_written\x18\x03 \x01(\x03\"1\n\x0b\x46\x61ilRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"$\n\x0eHandoffRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"3\n\x0c\x41waitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07wait_ms\x18\x02 \x01(\x05\"\xde\x01\n\rHandoffStatus\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.dsmesh.v1.HandoffState\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x05 \x01(\t\x12\x1b\n\x13prefill_instance_id\x18\x06 \x01(\t\x12\x15\n\rbytes_written\x18\x07 \x01(\x03\x12\x18\n\x10prefill_released\x18\x08 \x01(\x08\"\x16\n\x14ListInstancesRequest\"?\n\x15ListInstancesResponse\x12&\n\tinstances\x18\x01 \x03(\x0b\x32\x13.dsmesh.v1.Instance*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02*\xaf\x01\n\x0cHandoffState\x12\x1d\n\x19HANDOFF_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10HANDOFF_RESERVED\x10\x01\x12\x18\n\x14HANDOFF_TRANSFERRING\x10\x02\x12\x10\n\x0cHANDOFF_DONE\x10\x03\x12\x12\n\x0eHANDOFF_FAILED\x10\x04\x12\x13\n\x0fHANDOFF_ABORTED\x10\x05\x12\x15\n\x11HANDOFF_TIMED_OUT\x10\x06\x32\xd0\x05\n\x08KVBroker\x12<\n\x06\x41ttach\x12\x18.dsmesh.v1.AttachRequest\x1a\x16.dsmesh.v1.BrokerEvent0\x01\x12@\n\x07Reserve\x12\x19.dsmesh.v1.ReserveRequest\x1a\x1a.dsmesh.v1.ReserveResponse\x12@\n\x07Resolve\x12\x19.dsmesh.v1.ResolveRequest\x1a\x1a.dsmesh.v1.ResolveResponse\x12@\n\x08Progress\x12\x1a.dsmesh.v1.ProgressRequest\x1a\x18.dsmesh.v1.HandoffStatus\x12<\n\x06\x43ommit\x12\x18.dsmesh.v1.CommitRequest\x1a\x18.dsmesh.v1.HandoffStatus\x12\x38\n\x04\x46\x61il\x12\x16.dsmesh.v1.FailRequest\x1a\x18.dsmesh.v1.HandoffStatus\x12<\n\x05\x41\x62ort\x12\x19.dsmesh.v1.HandoffRequest\x1a\x18.dsmesh.v1.HandoffStatus\x12>\n\x07Release\x12\x19.dsmesh.v1.HandoffRequest\x1a\x18.dsmesh.v1.HandoffStatus\x12:\n\x03Get\x12\x19.dsmesh.v1.HandoffRequest\x1a\x18.dsmesh.v1.HandoffStatus\x12:\n\x05\x41wait\x12\x17.dsmesh.v1.AwaitRequest\x1a\x18.dsmesh.v1.HandoffStatus\x12R\n\rListInstances\x12\x1f.dsmesh.v1.ListInstancesRequest\x1a .dsmesh.v1.ListInstancesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dsmesh.v1.kv_broker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=1599
-  _globals['_ROLE']._serialized_end=1662
-  _globals['_HANDOFFSTATE']._serialized_start=1665
-  _globals['_HANDOFFSTATE']._serialized_end=1840
+  _globals['_ROLE']._serialized_start=1651
+  _globals['_ROLE']._serialized_end=1714
+  _globals['_HANDOFFSTATE']._serialized_start=1717
+  _globals['_HANDOFFSTATE']._serialized_end=1892
   _globals['_KVLAYOUT']._serialized_start=40
   _globals['_KVLAYOUT']._serialized_end=135
   _globals['_REMOTEPOOL']._serialized_start=137
@@ -44,31 +44,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ATTACHREQUEST']._serialized_start=346
   _globals['_ATTACHREQUEST']._serialized_end=400
   _globals['_BROKEREVENT']._serialized_start=403
-  _globals['_BROKEREVENT']._serialized_end=536
-  _globals['_RESERVEREQUEST']._serialized_start=539
-  _globals['_RESERVEREQUEST']._serialized_end=735
-  _globals['_RESERVERESPONSE']._serialized_start=737
-  _globals['_RESERVERESPONSE']._serialized_end=754
-  _globals['_RESOLVEREQUEST']._serialized_start=756
-  _globals['_RESOLVEREQUEST']._serialized_end=875
-  _globals['_RESOLVERESPONSE']._serialized_start=877
-  _globals['_RESOLVERESPONSE']._serialized_end=997
-  _globals['_PROGRESSREQUEST']._serialized_start=999
-  _globals['_PROGRESSREQUEST']._serialized_end=1083
-  _globals['_COMMITREQUEST']._serialized_start=1085
-  _globals['_COMMITREQUEST']._serialized_end=1167
-  _globals['_FAILREQUEST']._serialized_start=1169
-  _globals['_FAILREQUEST']._serialized_end=1218
-  _globals['_HANDOFFREQUEST']._serialized_start=1220
-  _globals['_HANDOFFREQUEST']._serialized_end=1256
-  _globals['_AWAITREQUEST']._serialized_start=1258
-  _globals['_AWAITREQUEST']._serialized_end=1309
-  _globals['_HANDOFFSTATUS']._serialized_start=1312
-  _globals['_HANDOFFSTATUS']._serialized_end=1508
-  _globals['_LISTINSTANCESREQUEST']._serialized_start=1510
-  _globals['_LISTINSTANCESREQUEST']._serialized_end=1532
-  _globals['_LISTINSTANCESRESPONSE']._serialized_start=1534
-  _globals['_LISTINSTANCESRESPONSE']._serialized_end=1597
-  _globals['_KVBROKER']._serialized_start=1843
-  _globals['_KVBROKER']._serialized_end=2499
+  _globals['_BROKEREVENT']._serialized_end=562
+  _globals['_RESERVEREQUEST']._serialized_start=565
+  _globals['_RESERVEREQUEST']._serialized_end=761
+  _globals['_RESERVERESPONSE']._serialized_start=763
+  _globals['_RESERVERESPONSE']._serialized_end=780
+  _globals['_RESOLVEREQUEST']._serialized_start=782
+  _globals['_RESOLVEREQUEST']._serialized_end=901
+  _globals['_RESOLVERESPONSE']._serialized_start=903
+  _globals['_RESOLVERESPONSE']._serialized_end=1023
+  _globals['_PROGRESSREQUEST']._serialized_start=1025
+  _globals['_PROGRESSREQUEST']._serialized_end=1109
+  _globals['_COMMITREQUEST']._serialized_start=1111
+  _globals['_COMMITREQUEST']._serialized_end=1193
+  _globals['_FAILREQUEST']._serialized_start=1195
+  _globals['_FAILREQUEST']._serialized_end=1244
+  _globals['_HANDOFFREQUEST']._serialized_start=1246
+  _globals['_HANDOFFREQUEST']._serialized_end=1282
+  _globals['_AWAITREQUEST']._serialized_start=1284
+  _globals['_AWAITREQUEST']._serialized_end=1335
+  _globals['_HANDOFFSTATUS']._serialized_start=1338
+  _globals['_HANDOFFSTATUS']._serialized_end=1560
+  _globals['_LISTINSTANCESREQUEST']._serialized_start=1562
+  _globals['_LISTINSTANCESREQUEST']._serialized_end=1584
+  _globals['_LISTINSTANCESRESPONSE']._serialized_start=1586
+  _globals['_LISTINSTANCESRESPONSE']._serialized_end=1649
+  _globals['_KVBROKER']._serialized_start=1895
+  _globals['_KVBROKER']._serialized_end=2615
 # @@protoc_insertion_point(module_scope)

@@ -78,18 +78,20 @@ class AttachRequest(_message.Message):
     def __init__(self, instance: _Optional[_Union[Instance, _Mapping]] = ...) -> None: ...
 
 class BrokerEvent(_message.Message):
-    __slots__ = ("request_id", "state", "first_token_id", "message", "heartbeat")
+    __slots__ = ("request_id", "state", "first_token_id", "message", "heartbeat", "prefill_released")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_RELEASED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     state: HandoffState
     first_token_id: int
     message: str
     heartbeat: bool
-    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[HandoffState, str]] = ..., first_token_id: _Optional[int] = ..., message: _Optional[str] = ..., heartbeat: _Optional[bool] = ...) -> None: ...
+    prefill_released: bool
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[HandoffState, str]] = ..., first_token_id: _Optional[int] = ..., message: _Optional[str] = ..., heartbeat: _Optional[bool] = ..., prefill_released: _Optional[bool] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "decode_instance_id", "layout", "pool", "page_ids", "num_tokens", "timeout_ms")
@@ -180,7 +182,7 @@ class AwaitRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class HandoffStatus(_message.Message):
-    __slots__ = ("request_id", "state", "first_token_id", "message", "decode_instance_id", "prefill_instance_id", "bytes_written")
+    __slots__ = ("request_id", "state", "first_token_id", "message", "decode_instance_id", "prefill_instance_id", "bytes_written", "prefill_released")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +190,7 @@ class HandoffStatus(_message.Message):
     DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_RELEASED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     state: HandoffState
     first_token_id: int
@@ -195,7 +198,8 @@ class HandoffStatus(_message.Message):
     decode_instance_id: str
     prefill_instance_id: str
     bytes_written: int
-    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[HandoffState, str]] = ..., first_token_id: _Optional[int] = ..., message: _Optional[str] = ..., decode_instance_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., bytes_written: _Optional[int] = ...) -> None: ...
+    prefill_released: bool
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[HandoffState, str]] = ..., first_token_id: _Optional[int] = ..., message: _Optional[str] = ..., decode_instance_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., bytes_written: _Optional[int] = ..., prefill_released: _Optional[bool] = ...) -> None: ...
 
 class ListInstancesRequest(_message.Message):
     __slots__ = ()

@@ -69,6 +69,11 @@ class KVBrokerStub:
                 request_serializer=dsmesh_dot_v1_dot_kv__broker__pb2.HandoffRequest.SerializeToString,
                 response_deserializer=dsmesh_dot_v1_dot_kv__broker__pb2.HandoffStatus.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/dsmesh.v1.KVBroker/Release',
+                request_serializer=dsmesh_dot_v1_dot_kv__broker__pb2.HandoffRequest.SerializeToString,
+                response_deserializer=dsmesh_dot_v1_dot_kv__broker__pb2.HandoffStatus.FromString,
+                _registered_method=True)
         self.Get = channel.unary_unary(
                 '/dsmesh.v1.KVBroker/Get',
                 request_serializer=dsmesh_dot_v1_dot_kv__broker__pb2.HandoffRequest.SerializeToString,
@@ -132,6 +137,13 @@ class KVBrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Release(self, request, context):
+        """Prefill: no write into this handoff's pages is queued or in flight any more.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Get(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -186,6 +198,11 @@ def add_KVBrokerServicer_to_server(servicer, server):
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
+                    request_deserializer=dsmesh_dot_v1_dot_kv__broker__pb2.HandoffRequest.FromString,
+                    response_serializer=dsmesh_dot_v1_dot_kv__broker__pb2.HandoffStatus.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
                     request_deserializer=dsmesh_dot_v1_dot_kv__broker__pb2.HandoffRequest.FromString,
                     response_serializer=dsmesh_dot_v1_dot_kv__broker__pb2.HandoffStatus.SerializeToString,
             ),
@@ -392,6 +409,33 @@ class KVBroker:
             request,
             target,
             '/dsmesh.v1.KVBroker/Abort',
+            dsmesh_dot_v1_dot_kv__broker__pb2.HandoffRequest.SerializeToString,
+            dsmesh_dot_v1_dot_kv__broker__pb2.HandoffStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsmesh.v1.KVBroker/Release',
             dsmesh_dot_v1_dot_kv__broker__pb2.HandoffRequest.SerializeToString,
             dsmesh_dot_v1_dot_kv__broker__pb2.HandoffStatus.FromString,
             options,

@@ -91,7 +91,6 @@ def test_failed_free_frees_nothing() -> None:
     assert alloc.num_free_pages == 4
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: free([p, p]) in one call frees p twice")
 def test_duplicate_page_in_one_free_call_raises() -> None:
     alloc = PageAllocator(4)
     pages = alloc.allocate(2)

@@ -137,6 +137,9 @@ EXTRA = {
     "model.layers.0.mlp.gate.weight": (8, 64),  # layer 0 is dense: no router
     "model.layers.0.mlp.experts.0.up_proj.weight": (32, 64),
     "model.final_norm.weight": (64,),
+    # a block scale with no FP8 weight beside it (the weight is float32 here)
+    "model.layers.0.self_attn.q_a_proj.weight_scale_inv": (1, 1),
+    "model.layers.0.self_attn.bogus.weight_scale_inv": (1, 1),
 }
 
 

@@ -1,0 +1,74 @@
+"""A decode instance: engine + registered KV pool + gRPC server + kv_broker link."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from decode_svc.servicer import DecodeLimits, DecodeServicer
+from dsmesh.broker_link import BrokerLink
+from dsmesh.grpc_server import start_server
+from dsmesh.instance import TransferConfig, build_instance, health_follows_broker, new_instance_id
+from dsmesh.kv_layout import layout_of
+from dsmesh.v1 import decode_pb2_grpc
+from dsmesh.v1 import kv_broker_pb2 as kb
+from engine.llm_engine import EngineConfig
+
+log = logging.getLogger(__name__)
+SERVICE = "dsmesh.v1.Decode"
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    broker_address: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    host: str = "127.0.0.1"
+    port: int = 0
+    instance_id: str = ""
+    handoff_timeout_s: float = 30.0
+    release_quarantine_s: float = 10.0
+
+
+async def serve(
+    config: DecodeConfig, stop: asyncio.Event, ready: Callable[[str, int], None] | None = None
+) -> None:
+    parts = await build_instance(config.engine, config.transfer)
+    instance_id = config.instance_id or new_instance_id("decode")
+    limits = DecodeLimits(
+        instance_id,
+        handoff_timeout_s=config.handoff_timeout_s,
+        release_quarantine_s=config.release_quarantine_s,
+    )
+    instance = kb.Instance(
+        instance_id=instance_id, role=kb.ROLE_DECODE, transfer_session=parts.pool.session
+    )
+    broker = BrokerLink(config.broker_address, instance)
+    servicer = DecodeServicer(parts.worker, broker, layout_of(parts.engine), parts.pool, limits)
+    server = await start_server(
+        lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, s),
+        [SERVICE],
+        config.host,
+        config.port,
+    )
+    instance.grpc_address = f"{config.host}:{server.port}"
+    broker.start()
+    health = asyncio.create_task(health_follows_broker(server, broker, (SERVICE,)))
+    log.info("decode %s listening on %s:%d", instance_id, config.host, server.port)
+    if ready is not None:
+        ready(instance_id, server.port)
+    try:
+        await stop.wait()
+    finally:
+        await server.set_serving(False, ("", SERVICE))
+        health.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await health
+        await server.server.stop(grace=5)
+        await servicer.drain()
+        await broker.close()
+        parts.worker.stop()
+        parts.transport.close()

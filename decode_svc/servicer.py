@@ -1,0 +1,283 @@
+"""dsmesh.v1.Decode: reserve pages, wait for prefill's KV through kv_broker, stream tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from dsmesh.broker_link import BrokerLink
+from dsmesh.convert import require_request_id, sampling_from_proto
+from dsmesh.engine_worker import EngineWorker
+from dsmesh.transfer import RemotePool
+from dsmesh.v1 import decode_pb2, decode_pb2_grpc, generation_pb2, prefill_pb2
+from dsmesh.v1 import kv_broker_pb2 as kb
+from engine.errors import InvalidRequestError
+from engine.kv_cache import OutOfPagesError
+from engine.llm_engine import LLMEngine, StepOutput
+from engine.request import RequestStatus
+
+log = logging.getLogger(__name__)
+
+_FAILED_STATES = {
+    kb.HANDOFF_FAILED: grpc.StatusCode.UNAVAILABLE,
+    kb.HANDOFF_TIMED_OUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    kb.HANDOFF_ABORTED: grpc.StatusCode.CANCELLED,
+}
+
+
+@dataclass(frozen=True)
+class DecodeLimits:
+    instance_id: str
+    handoff_timeout_s: float = 30.0
+    release_quarantine_s: float = 10.0  # longest wait for prefill's release before page reuse
+    broker_rpc_timeout_s: float = 5.0
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    def __init__(
+        self,
+        worker: EngineWorker,
+        broker: BrokerLink,
+        layout: kb.KVLayout,
+        pool: RemotePool,
+        limits: DecodeLimits,
+    ) -> None:
+        self.worker = worker
+        self.broker = broker
+        self.layout = layout
+        self.pool = pool
+        self.limits = limits
+        self.active: set[str] = set()
+        self.waiting_handoffs = 0
+        self._background: set[asyncio.Task[None]] = set()
+
+    # ---- Decode ---------------------------------------------------------------------------
+
+    async def Decode(  # noqa: N802 - gRPC method name
+        self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        rid = request.request_id
+        try:
+            require_request_id(rid)
+            params = sampling_from_proto(request.sampling)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if rid in self.active:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already active")
+        prompt = list(request.input_ids)
+        timeout_s = (
+            request.handoff_timeout_ms / 1000
+            if request.handoff_timeout_ms > 0
+            else self.limits.handoff_timeout_s
+        )
+        try:
+            pages = await self.worker.call(lambda e: list(e.reserve(prompt, params, rid).pages))
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except OutOfPagesError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode is full: {exc}")
+        self.active.add(rid)
+        settled = False  # pages freed or handed to the running batch, nothing left to clean
+        prefill_may_write = False
+        try:
+            status = await self._handoff(rid, prompt, pages, timeout_s, context)
+            if status.state != kb.HANDOFF_DONE:
+                code = _FAILED_STATES.get(status.state, grpc.StatusCode.UNAVAILABLE)
+                if "layout mismatch" in status.message:
+                    code = grpc.StatusCode.FAILED_PRECONDITION
+                state = kb.HandoffState.Name(status.state)
+                await self._release_after_prefill(rid, status)
+                settled = True
+                await context.abort(code, f"KV handoff {state}: {status.message}".strip(": "))
+            async for out in self._decode_stream(rid, status.first_token_id):
+                settled = out.finished
+                yield decode_pb2.DecodeResponse(
+                    request_id=rid,
+                    token_ids=out.new_token_ids,
+                    finish_reason=out.finish_reason or "",
+                    prompt_tokens=len(prompt),
+                    completion_tokens=out.completion_tokens,
+                )
+        except asyncio.CancelledError:
+            prefill_may_write = True  # cancelled mid-handoff: prefill may be writing
+            raise
+        finally:
+            self.active.discard(rid)
+            if not settled:
+                self._spawn(self._cleanup(rid, prefill_may_write))
+
+    async def _handoff(
+        self,
+        rid: str,
+        prompt: list[int],
+        pages: list[int],
+        timeout_s: float,
+        context: grpc.aio.ServicerContext,
+    ) -> kb.HandoffStatus:
+        stub = self.broker.stub
+        reserve = kb.ReserveRequest(
+            request_id=rid,
+            decode_instance_id=self.limits.instance_id,
+            layout=self.layout,
+            pool=kb.RemotePool(
+                transfer_session=self.pool.session,
+                base_ptr=self.pool.base_ptr,
+                num_pages=self.pool.num_pages,
+                page_bytes=self.pool.page_bytes,
+            ),
+            page_ids=pages,
+            num_tokens=len(prompt),
+            timeout_ms=int(timeout_s * 1000),
+        )
+        try:
+            await stub.Reserve(reserve, timeout=self.limits.broker_rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            await self.worker.call(lambda e: e.abort(rid))
+            code = exc.code()
+            if code not in (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.INVALID_ARGUMENT):
+                code = grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, f"kv_broker refused the reservation: {exc.details()}")
+        self.waiting_handoffs += 1
+        try:
+            deadline = time.monotonic() + timeout_s + self.limits.broker_rpc_timeout_s
+            while True:
+                remaining = deadline - time.monotonic()
+                wait_ms = int(max(0.0, min(remaining, 10.0)) * 1000)
+                status = await stub.Await(
+                    kb.AwaitRequest(request_id=rid, wait_ms=wait_ms),
+                    timeout=wait_ms / 1000 + self.limits.broker_rpc_timeout_s,
+                )
+                if status.state in (kb.HANDOFF_RESERVED, kb.HANDOFF_TRANSFERRING):
+                    if remaining > 0:
+                        continue
+                    status.state = kb.HANDOFF_TIMED_OUT
+                    status.message = "no answer from kv_broker before the handoff deadline"
+                return status
+        except grpc.aio.AioRpcError as exc:
+            return kb.HandoffStatus(
+                request_id=rid,
+                state=kb.HANDOFF_FAILED,
+                message=f"kv_broker unreachable: {exc.code().name}",
+                prefill_instance_id="unknown",  # cannot tell whether prefill is writing
+            )
+        finally:
+            self.waiting_handoffs -= 1
+
+    async def _decode_stream(self, rid: str, first_token: int) -> AsyncIterator[_Out]:
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
+        count = 0
+
+        def activate(engine: LLMEngine) -> StepOutput:
+            self.worker.listen(rid, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o))
+            out = engine.activate(rid, first_token)
+            if out.finished:
+                self.worker.unlisten(rid)
+            return out
+
+        out = await self.worker.call(activate)
+        while True:
+            count += len(out.new_token_ids)
+            yield _Out(out.new_token_ids, out.finished, out.finish_reason, count)
+            if out.finished:
+                return
+            out = await outputs.get()
+
+    # ---- cleanup --------------------------------------------------------------------------
+
+    async def _release_after_prefill(self, rid: str, status: kb.HandoffStatus) -> None:
+        """Free a failed handoff's pages, but only once prefill can no longer write them."""
+        if status.prefill_instance_id and not status.prefill_released:
+            await self._wait_prefill_release(rid)
+        await self.worker.call(lambda e: e.abort(rid))
+
+    async def _wait_prefill_release(self, rid: str) -> None:
+        deadline = time.monotonic() + self.limits.release_quarantine_s
+        while time.monotonic() < deadline:
+            try:
+                status = await self.broker.stub.Get(
+                    kb.HandoffRequest(request_id=rid), timeout=self.limits.broker_rpc_timeout_s
+                )
+            except grpc.aio.AioRpcError:
+                status = None
+            if status is None or status.prefill_released:
+                return
+            await asyncio.sleep(0.05)
+        log.warning("prefill never released handoff %s; reusing its pages after quarantine", rid)
+
+    async def _cleanup(self, rid: str, prefill_may_write: bool) -> None:
+        """Client went away or the stream failed: abort on both sides, free pages safely."""
+        try:
+            status = await self.broker.stub.Abort(
+                kb.HandoffRequest(request_id=rid), timeout=self.limits.broker_rpc_timeout_s
+            )
+            writing = prefill_may_write or bool(status.prefill_instance_id)
+            if writing and not status.prefill_released and status.state != kb.HANDOFF_DONE:
+                await self._wait_prefill_release(rid)
+        except grpc.aio.AioRpcError:
+            if prefill_may_write:
+                await asyncio.sleep(self.limits.release_quarantine_s)
+        finally:
+            await self.worker.call(lambda e: e.abort(rid))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self) -> None:
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    # ---- Abort / GetLoad ------------------------------------------------------------------
+
+    async def Abort(  # noqa: N802
+        self, request: generation_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.AbortResponse:
+        rid = request.request_id
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self.broker.stub.Abort(
+                kb.HandoffRequest(request_id=rid), timeout=self.limits.broker_rpc_timeout_s
+            )
+        # A waiting Decode call sees the ABORTED handoff and frees safely; a running one is
+        # stopped here.
+        running = await self.worker.call(
+            lambda e: (r := e.get(rid)) is not None and r.status is RequestStatus.RUNNING
+        )
+        aborted = False
+        if running:
+            aborted = await self.worker.call(lambda e: e.abort(rid))
+        return generation_pb2.AbortResponse(aborted=aborted or rid in self.active)
+
+    async def GetLoad(  # noqa: N802
+        self, request: prefill_pb2.LoadRequest, context: grpc.aio.ServicerContext
+    ) -> decode_pb2.DecodeLoad:
+        def load(e: LLMEngine) -> tuple[int, int, int]:
+            return (
+                e.scheduler.num_pages_available,
+                e.kv_pool.num_pages,
+                len(e.scheduler.running),
+            )
+
+        free, total, running = await self.worker.call(load)
+        return decode_pb2.DecodeLoad(
+            instance_id=self.limits.instance_id,
+            free_pages=free,
+            total_pages=total,
+            running_requests=running,
+            waiting_handoffs=self.waiting_handoffs,
+        )
+
+
+@dataclass(frozen=True)
+class _Out:
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    completion_tokens: int

@@ -1,0 +1,78 @@
+"""An instance's link to kv_broker: the Attach stream (liveness + events) and the stub.
+
+The Attach stream is re-opened whenever it drops, so a restarted broker sees every instance
+again without restarting it. Events for handoffs arrive on the event loop through
+``on_event``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from dsmesh.grpc_server import channel
+from dsmesh.v1 import kv_broker_pb2 as kb
+from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
+
+log = logging.getLogger(__name__)
+
+EventHandler = Callable[[kb.BrokerEvent], None]
+
+
+class BrokerLink:
+    def __init__(
+        self, address: str, instance: kb.Instance, on_event: EventHandler | None = None
+    ) -> None:
+        self.address = address
+        self.instance = instance
+        self.on_event = on_event
+        self.channel = channel(address)
+        self.stub = kb_grpc.KVBrokerStub(self.channel)
+        self.attached = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._attach_loop(), name="broker-attach")
+
+    async def wait_attached(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self.attached.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def _attach_loop(self) -> None:
+        backoff = 0.1
+        while not self._closed:
+            call = self.stub.Attach(kb.AttachRequest(instance=self.instance))
+            try:
+                async for event in call:
+                    if not self.attached.is_set():
+                        log.info("attached to kv_broker at %s", self.address)
+                        self.attached.set()
+                        backoff = 0.1
+                    if not event.heartbeat and self.on_event is not None:
+                        self.on_event(event)
+            except grpc.aio.AioRpcError as exc:
+                if self._closed:
+                    return
+                log.warning("kv_broker stream lost (%s); re-attaching", exc.code().name)
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            self.attached.clear()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.channel.close()

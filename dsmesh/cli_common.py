@@ -1,0 +1,85 @@
+"""Command-line flags shared by sub-commands, mapped onto the frozen configs in one place."""
+
+from __future__ import annotations
+
+import argparse
+
+from engine.llm_engine import EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool = False) -> None:
+    d = EngineConfig()
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="checkpoint folder (default: tiny built-in model)")
+    g.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--dtype", default=d.dtype, help="auto, float32, bfloat16, float16")
+    g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
+    g.add_argument(
+        "--max-total-tokens", type=int, default=d.max_total_tokens, help="KV pool size in tokens"
+    )
+    g.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=d.max_running_requests,
+        help="requests in the running batch at most",
+    )
+    g.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=d.max_batch_tokens,
+        help="new tokens per forward (also the prefill chunk size)",
+    )
+    g.add_argument(
+        "--attention-mode",
+        default=d.attention_mode,
+        choices=("auto", "naive", "absorbed"),
+        help="MLA path: auto = naive for prefill, weight-absorbed for decode",
+    )
+    g.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=prefix_cache_default,
+        help="share full prompt pages between requests with a common prefix",
+    )
+
+
+def engine_config_from(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        max_total_tokens=args.max_total_tokens,
+        max_running_requests=args.max_running_requests,
+        max_batch_tokens=args.max_batch_tokens,
+        attention_mode=args.attention_mode,
+        prefix_cache=args.prefix_cache,
+    )
+
+
+def add_server_args(p: argparse.ArgumentParser, default_port: int = 0) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=default_port, help="gRPC port (0 = any free port)")
+    p.add_argument("--instance-id", default="", help="instance name (default: role-host-pid-rand)")
+
+
+def add_transfer_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("KV transfer (Mooncake Transfer Engine)")
+    g.add_argument("--broker", required=True, help="kv_broker address HOST:PORT")
+    g.add_argument("--transfer-protocol", default="tcp", choices=("tcp", "rdma"))
+    g.add_argument(
+        "--transfer-hostname",
+        default="127.0.0.1",
+        help="address peers use to reach this process's transfer engine",
+    )
+    g.add_argument("--transfer-device", default="", help='RDMA devices, e.g. "mlx5_0,mlx5_1"')
+
+
+def transfer_config_from(args: argparse.Namespace):
+    from dsmesh.instance import TransferConfig
+
+    return TransferConfig(
+        protocol=args.transfer_protocol,
+        hostname=args.transfer_hostname,
+        device_name=args.transfer_device,
+    )

@@ -1,0 +1,53 @@
+"""``dsmesh prefill``: run one prefill instance."""
+
+from __future__ import annotations
+
+import argparse
+
+from dsmesh.cli_common import (
+    add_engine_args,
+    add_server_args,
+    add_transfer_args,
+    engine_config_from,
+    transfer_config_from,
+)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "prefill",
+        help="run a prefill instance (chunked prefill, KV pushed into decode's pages)",
+        description="Prefill instance: runs prompts in chunks and writes each chunk's KV "
+        "straight into the pages a decode instance reserved, through the transfer engine.",
+    )
+    add_server_args(p)
+    add_transfer_args(p)
+    p.add_argument(
+        "--resolve-wait",
+        type=float,
+        default=30.0,
+        help="seconds to wait for decode's page reservation (default 30)",
+    )
+    add_engine_args(p, prefix_cache_default=True)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dsmesh.grpc_server import run_until_signal
+    from prefill_svc.service import PrefillConfig, serve
+
+    config = PrefillConfig(
+        broker_address=args.broker,
+        engine=engine_config_from(args),
+        transfer=transfer_config_from(args),
+        host=args.host,
+        port=args.port,
+        instance_id=args.instance_id,
+        resolve_wait_s=args.resolve_wait,
+    )
+
+    def ready(instance_id: str, port: int) -> None:
+        print(f"prefill {instance_id} listening on {args.host}:{port}", flush=True)
+
+    run_until_signal(lambda stop: serve(config, stop, ready))
+    return 0

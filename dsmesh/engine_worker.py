@@ -1,0 +1,120 @@
+"""Runs an :class:`LLMEngine` on its own thread, driven from asyncio.
+
+The engine is not thread-safe and its forward blocks, so one thread owns it: it runs queued
+commands between steps and steps while there is work. Servicers on the event loop submit
+commands with :meth:`EngineWorker.call` and receive per-request step outputs through
+listeners, which run on the engine thread (keep them short: hand off to a queue).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from engine.llm_engine import LLMEngine, StepOutput
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Listener = Callable[[StepOutput], None]
+
+
+class EngineWorker:
+    def __init__(self, engine: LLMEngine, name: str = "engine") -> None:
+        self.engine = engine
+        self.name = name
+        self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Callable]] = (
+            queue.SimpleQueue()
+        )
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._listeners: dict[str, Listener] = {}
+        self._thread: threading.Thread | None = None
+        self.num_steps = 0
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps; exceptions propagate."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def resolve(ok: bool, value: Any) -> None:
+            def settle() -> None:
+                if future.done():
+                    return
+                if ok:
+                    future.set_result(value)
+                else:
+                    future.set_exception(value)
+
+            loop.call_soon_threadsafe(settle)
+
+        self._commands.put((fn, resolve))
+        self._wake.set()
+        return await future
+
+    def listen(self, request_id: str, listener: Listener) -> None:
+        """Deliver this request's step outputs to ``listener`` (on the engine thread).
+
+        Call it from a command (``call``) before the request can produce output, so no
+        output is missed; it is dropped automatically after the finishing output.
+        """
+        self._listeners[request_id] = listener
+
+    def unlisten(self, request_id: str) -> None:
+        self._listeners.pop(request_id, None)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, resolve = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                resolve(True, fn(self.engine))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                resolve(False, exc)
+
+    def _main(self) -> None:
+        while not self._stop.is_set():
+            self._run_commands()
+            if not self.engine.has_unfinished():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception:
+                log.exception("engine step failed; aborting the running batch")
+                self._abort_all("engine error")
+                continue
+            self.num_steps += 1
+            for out in outputs:
+                listener = self._listeners.get(out.request_id)
+                if listener is None:
+                    continue
+                if out.finished:
+                    self._listeners.pop(out.request_id, None)
+                try:
+                    listener(out)
+                except Exception:
+                    log.exception("listener for %s failed", out.request_id)
+
+    def _abort_all(self, reason: str) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+            listener = self._listeners.pop(request_id, None)
+            if listener is not None:
+                listener(StepOutput(request_id, [], True, reason))

@@ -1,0 +1,70 @@
+"""What a prefill or decode instance sets up besides its servicer: the engine on its
+thread, the KV pool registered with the transfer engine, and health that follows the
+kv_broker link."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+
+from dsmesh.broker_link import BrokerLink
+from dsmesh.engine_worker import EngineWorker
+from dsmesh.grpc_server import RunningServer
+from dsmesh.transfer import KVTransport, RemotePool, make_transport
+from engine.llm_engine import EngineConfig, LLMEngine
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    backend: str = "mooncake"
+    protocol: str = "tcp"  # "tcp" or "rdma"
+    hostname: str = "127.0.0.1"  # address peers use to reach this process's transfer engine
+    device_name: str = ""  # RDMA devices, e.g. "mlx5_0,mlx5_1"
+
+
+@dataclass
+class InstanceParts:
+    engine: LLMEngine
+    worker: EngineWorker
+    transport: KVTransport
+    pool: RemotePool
+
+
+def new_instance_id(role: str) -> str:
+    host = socket.gethostname().split(".")[0]
+    return f"{role}-{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+async def build_instance(engine_config: EngineConfig, transfer: TransferConfig) -> InstanceParts:
+    """Load the model (off the event loop), register its KV pool, start the engine thread."""
+    engine = await asyncio.to_thread(LLMEngine, engine_config)
+    transport = make_transport(
+        transfer.backend,
+        hostname=transfer.hostname,
+        protocol=transfer.protocol,
+        device_name=transfer.device_name,
+    )
+    pool = transport.register_pool(engine.kv_pool)
+    worker = EngineWorker(engine)
+    worker.start()
+    return InstanceParts(engine, worker, transport, pool)
+
+
+async def health_follows_broker(
+    server: RunningServer, broker: BrokerLink, services: tuple[str, ...]
+) -> None:
+    """SERVING only while attached to kv_broker (an instance without it cannot hand off)."""
+    serving: bool | None = None
+    while True:
+        attached = broker.attached.is_set()
+        if attached != serving:
+            await server.set_serving(attached, ("", *services))
+            serving = attached
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(
+                broker.attached.wait() if not attached else asyncio.sleep(0.2), 0.2
+            )

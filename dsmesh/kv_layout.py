@@ -1,0 +1,33 @@
+"""The KV layout signature that prefill and decode must share, and the pool description."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from dsmesh.v1 import kv_broker_pb2 as kb
+from engine.llm_engine import LLMEngine
+
+_DTYPE_NAMES = {
+    "torch.float32": "float32",
+    "torch.bfloat16": "bfloat16",
+    "torch.float16": "float16",
+}
+
+
+def model_fingerprint(engine: LLMEngine) -> str:
+    """Short hash of the model's architecture (not its weights)."""
+    text = json.dumps(engine.model_config.to_official_dict(), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def layout_of(engine: LLMEngine) -> kb.KVLayout:
+    pool = engine.kv_pool
+    dtype = str(pool.buffer.dtype)
+    return kb.KVLayout(
+        dtype=_DTYPE_NAMES.get(dtype, dtype),
+        page_size=pool.page_size,
+        kv_dim=pool.kv_dim,
+        num_layers=pool.num_layers,
+        model=model_fingerprint(engine),
+    )

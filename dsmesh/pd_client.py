@@ -1,0 +1,77 @@
+"""Drive one request through a (prefill, decode) pair: the client half of PD.
+
+Decode's ``Decode`` stream and prefill's ``Prefill`` call start together; decode reserves
+pages, prefill writes the KV into them and commits the first token through kv_broker, and
+decode streams every token. Used by the gateway and by tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+
+from dsmesh.v1 import decode_pb2, decode_pb2_grpc, generation_pb2, prefill_pb2, prefill_pb2_grpc
+
+
+class PDError(Exception):
+    """The request failed; ``code`` is the most informative status of the two sides."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+async def generate_pd(
+    prefill: prefill_pb2_grpc.PrefillStub,
+    decode: decode_pb2_grpc.DecodeStub,
+    request_id: str,
+    input_ids: list[int],
+    sampling: generation_pb2.SamplingParams,
+    timeout_s: float = 120.0,
+    handoff_timeout_s: float = 0.0,
+) -> AsyncIterator[decode_pb2.DecodeResponse]:
+    """Yield decode's messages; raise :class:`PDError` on failure. Cancelling the iterator
+    (or leaving it early) cancels both calls, which frees pages on both sides."""
+    decode_call = decode.Decode(
+        decode_pb2.DecodeRequest(
+            request_id=request_id,
+            input_ids=input_ids,
+            sampling=sampling,
+            handoff_timeout_ms=int(handoff_timeout_s * 1000),
+        ),
+        timeout=timeout_s,
+    )
+    prefill_call = prefill.Prefill(
+        prefill_pb2.PrefillRequest(request_id=request_id, input_ids=input_ids, sampling=sampling),
+        timeout=timeout_s,
+    )
+    prefill_task = asyncio.ensure_future(prefill_call)
+    try:
+        async for message in decode_call:
+            yield message
+    except grpc.aio.AioRpcError as exc:
+        raise await _explain(exc, prefill_task) from None
+    finally:
+        decode_call.cancel()
+        if not prefill_task.done():
+            prefill_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+            await prefill_task
+
+
+async def _explain(decode_error: grpc.aio.AioRpcError, prefill_task: asyncio.Future) -> PDError:
+    """Prefer prefill's error when decode only reports the failed handoff it caused."""
+    with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+        await asyncio.wait_for(asyncio.shield(prefill_task), 0.5)
+    if prefill_task.done() and not prefill_task.cancelled():
+        exc = prefill_task.exception()
+        if isinstance(exc, grpc.aio.AioRpcError) and exc.code() not in (
+            grpc.StatusCode.CANCELLED,
+            grpc.StatusCode.ABORTED,
+        ):
+            return PDError(exc.code(), f"prefill: {exc.details()}")
+    return PDError(decode_error.code(), f"decode: {decode_error.details()}")

@@ -1,0 +1,45 @@
+"""KV transfer between processes: an engine-neutral interface and its implementations.
+
+Pick the implementation once at start-up with :func:`make_transport`; everything else
+depends only on :class:`KVTransport`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dsmesh.transfer.base import (
+    KVTransport,
+    RemotePool,
+    TransferError,
+    page_segments,
+    pool_segments,
+)
+
+__all__ = [
+    "KVTransport",
+    "RemotePool",
+    "TransferError",
+    "make_transport",
+    "page_segments",
+    "pool_segments",
+]
+
+
+def _mooncake(**kwargs: object) -> KVTransport:
+    from dsmesh.transfer.mooncake import MooncakeTransport
+
+    return MooncakeTransport(**kwargs)  # type: ignore[arg-type]
+
+
+# Implementations import their engine lazily, so listing one here costs nothing.
+_TRANSPORTS: dict[str, Callable[..., KVTransport]] = {"mooncake": _mooncake}
+
+
+def make_transport(kind: str = "mooncake", **kwargs: object) -> KVTransport:
+    """Build the KV transport named ``kind`` with its keyword arguments
+    (for "mooncake": ``hostname``, ``protocol``, ``device_name``, see MooncakeTransport)."""
+    factory = _TRANSPORTS.get(kind)
+    if factory is None:
+        raise ValueError(f"unknown KV transport {kind!r}; known: {', '.join(_TRANSPORTS)}")
+    return factory(**kwargs)

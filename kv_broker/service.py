@@ -1,0 +1,87 @@
+"""The kv_broker process: its config and :func:`serve`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prometheus_client import start_http_server
+
+from dsmesh.grpc_server import start_server
+from dsmesh.v1 import kv_broker_pb2, kv_broker_pb2_grpc
+from kv_broker.metrics import BrokerMetrics
+from kv_broker.servicer import KVBrokerServicer
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = kv_broker_pb2.DESCRIPTOR.services_by_name["KVBroker"].full_name
+DEFAULT_PORT = 50054  # the CLI's default; BrokerConfig's 0 picks any free port
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port (reported through ``ready``)
+    handoff_timeout_s: float = 30.0  # whole-handoff deadline when Reserve gives none
+    heartbeat_interval_s: float = 1.0  # heartbeat events on idle Attach streams
+    liveness_grace_s: float = 2.0  # time to re-attach before an instance counts as lost
+    terminal_ttl_s: float = 60.0  # how long finished handoffs stay readable (Get, Await)
+    metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0 = off
+    shutdown_grace_s: float = 5.0  # in-flight RPCs get this long after a stop
+
+    def __post_init__(self) -> None:
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if not 0 <= value <= 65535:
+                raise ValueError(f"{name} must be in 0..65535, got {value}")
+        for name in ("handoff_timeout_s", "heartbeat_interval_s", "terminal_ttl_s"):
+            value = getattr(self, name)
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        for name in ("liveness_grace_s", "shutdown_grace_s"):
+            value = getattr(self, name)
+            if value < 0:
+                raise ValueError(f"{name} must not be negative, got {value}")
+
+
+async def serve(
+    config: BrokerConfig,
+    stop: asyncio.Event,
+    ready: Callable[[int], None] | None = None,
+) -> None:
+    """Serve ``dsmesh.v1.KVBroker`` (plus health and reflection) until ``stop`` is set.
+
+    ``ready(port)`` is called once the server accepts calls, with the bound port. On stop:
+    health goes NOT_SERVING, Attach streams end with OK, in-flight calls get
+    ``config.shutdown_grace_s`` to finish.
+    """
+    metrics = BrokerMetrics()
+    servicer = KVBrokerServicer(config, metrics)
+    running = await start_server(
+        lambda server: kv_broker_pb2_grpc.add_KVBrokerServicer_to_server(servicer, server),
+        (SERVICE_NAME,),
+        config.host,
+        config.port,
+    )
+    servicer.start()
+    http_server = None
+    try:
+        if config.metrics_port > 0:
+            http_server, _ = start_http_server(
+                config.metrics_port, addr=config.host, registry=metrics.registry
+            )
+            log.info("kv-broker metrics on http://%s:%d/metrics", config.host, config.metrics_port)
+        log.info("kv-broker listening on %s:%d", config.host, running.port)
+        if ready is not None:
+            ready(running.port)
+        await stop.wait()
+    finally:
+        log.info("kv-broker stopping")
+        await running.set_serving(False, ("", SERVICE_NAME))
+        await servicer.close()
+        await running.server.stop(config.shutdown_grace_s)
+        if http_server is not None:
+            await asyncio.to_thread(http_server.shutdown)  # blocks up to its 0.5 s poll
+            http_server.server_close()

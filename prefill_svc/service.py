@@ -1,0 +1,81 @@
+"""A prefill instance: engine + transfer engine + gRPC server + kv_broker link."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from dsmesh.broker_link import BrokerLink
+from dsmesh.grpc_server import start_server
+from dsmesh.instance import TransferConfig, build_instance, health_follows_broker, new_instance_id
+from dsmesh.kv_layout import layout_of
+from dsmesh.v1 import kv_broker_pb2 as kb
+from dsmesh.v1 import prefill_pb2_grpc
+from engine.llm_engine import EngineConfig
+from prefill_svc.servicer import PrefillLimits, PrefillServicer
+from prefill_svc.transfer_queue import TransferQueue
+
+log = logging.getLogger(__name__)
+SERVICE = "dsmesh.v1.Prefill"
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    broker_address: str
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(prefix_cache=True))
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    host: str = "127.0.0.1"
+    port: int = 0
+    instance_id: str = ""
+    resolve_wait_s: float = 30.0
+
+
+async def serve(
+    config: PrefillConfig, stop: asyncio.Event, ready: Callable[[str, int], None] | None = None
+) -> None:
+    parts = await build_instance(config.engine, config.transfer)
+    instance_id = config.instance_id or new_instance_id("prefill")
+    instance = kb.Instance(
+        instance_id=instance_id, role=kb.ROLE_PREFILL, transfer_session=parts.pool.session
+    )
+    broker = BrokerLink(config.broker_address, instance)
+    servicer = PrefillServicer(
+        parts.worker,
+        broker,
+        layout=layout_of(parts.engine),
+        transfers=None,
+        limits=PrefillLimits(instance_id, resolve_wait_s=config.resolve_wait_s),
+    )
+    broker.on_event = servicer.on_broker_event
+    transfers = TransferQueue(parts.transport, parts.engine.kv_pool, servicer.callbacks())
+    servicer.transfers = transfers
+    servicer.loop = asyncio.get_running_loop()
+    transfers.start()
+    server = await start_server(
+        lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, s),
+        [SERVICE],
+        config.host,
+        config.port,
+    )
+    instance.grpc_address = f"{config.host}:{server.port}"
+    broker.start()
+    health = asyncio.create_task(health_follows_broker(server, broker, (SERVICE,)))
+    log.info("prefill %s listening on %s:%d", instance_id, config.host, server.port)
+    if ready is not None:
+        ready(instance_id, server.port)
+    try:
+        await stop.wait()
+    finally:
+        await server.set_serving(False, ("", SERVICE))
+        health.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await health
+        await server.server.stop(grace=5)
+        await servicer.drain()
+        await broker.close()
+        parts.worker.stop()
+        transfers.stop()
+        parts.transport.close()

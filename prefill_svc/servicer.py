@@ -1,0 +1,331 @@
+"""dsmesh.v1.Prefill: run the prompt in chunks, write each chunk's KV into decode's pages,
+commit the first token through kv_broker."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+
+from dsmesh.broker_link import BrokerLink
+from dsmesh.convert import require_request_id, sampling_from_proto
+from dsmesh.engine_worker import EngineWorker
+from dsmesh.transfer import RemotePool
+from dsmesh.v1 import generation_pb2, prefill_pb2, prefill_pb2_grpc
+from dsmesh.v1 import kv_broker_pb2 as kb
+from engine.errors import InvalidRequestError
+from engine.kv_cache import pages_for
+from engine.llm_engine import LLMEngine, StepOutput
+from prefill_svc.transfer_queue import ChunkJob, FinalJob, TransferCallbacks, TransferQueue
+
+log = logging.getLogger(__name__)
+
+_TERMINAL = (kb.HANDOFF_FAILED, kb.HANDOFF_ABORTED, kb.HANDOFF_TIMED_OUT)
+
+
+class PrefillFailed(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class PrefillLimits:
+    instance_id: str
+    resolve_wait_s: float = 30.0  # how long to wait for decode's reservation
+    broker_rpc_timeout_s: float = 5.0
+
+
+@dataclass
+class _Job:
+    request_id: str
+    prompt_len: int
+    done: asyncio.Future[tuple[int, int]]
+    remote: RemotePool | None = None
+    remote_pages: list[int] = field(default_factory=list)
+    next_page: int = 0  # first request page not yet (fully) sent
+    aborted: bool = False
+    cached_tokens: int = 0
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    def __init__(
+        self,
+        worker: EngineWorker,
+        broker: BrokerLink,
+        layout: kb.KVLayout,
+        transfers: TransferQueue | None,
+        limits: PrefillLimits,
+    ) -> None:
+        self.worker = worker
+        self.broker = broker
+        self.layout = layout
+        self.limits = limits
+        self.page_size = worker.engine.config.page_size
+        self.jobs: dict[str, _Job] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.transfers = transfers
+        self._background: set[asyncio.Task[None]] = set()
+
+    def callbacks(self) -> TransferCallbacks:
+        """Transfer-thread callbacks, bounced onto the event loop."""
+
+        def hop(fn, *args) -> None:
+            assert self.loop is not None
+            self.loop.call_soon_threadsafe(fn, *args)
+
+        return TransferCallbacks(
+            on_chunk=lambda rid, tokens, nbytes: hop(self._on_chunk, rid, tokens, nbytes),
+            on_final=lambda rid, tok, nbytes: hop(self._on_final, rid, tok, nbytes),
+            on_error=lambda rid, msg: hop(self._on_transfer_error, rid, msg),
+            on_release=lambda rid: hop(self._on_release, rid),
+        )
+
+    # ---- Prefill --------------------------------------------------------------------------
+
+    async def Prefill(  # noqa: N802 - gRPC method name
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.PrefillResponse:
+        rid = request.request_id
+        try:
+            require_request_id(rid)
+            params = sampling_from_proto(request.sampling)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if rid in self.jobs:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already active")
+        self.loop = asyncio.get_running_loop()
+        prompt = list(request.input_ids)
+        job = _Job(rid, len(prompt), self.loop.create_future())
+        self.jobs[rid] = job
+        try:
+            await self._resolve(job)
+            cached_pages = await self.worker.call(lambda e: self._submit(e, job, prompt, params))
+            job.cached_tokens = cached_pages * self.page_size
+            first_token, nbytes = await job.done
+            await self._commit(job, first_token, nbytes)
+            return prefill_pb2.PrefillResponse(
+                request_id=rid,
+                first_token_id=first_token,
+                prompt_tokens=len(prompt),
+                cached_tokens=job.cached_tokens,
+                kv_bytes=nbytes,
+            )
+        except InvalidRequestError as exc:
+            await self._fail(job, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except PrefillFailed as exc:
+            await context.abort(exc.code, str(exc))
+        except asyncio.CancelledError:
+            self._spawn(self._fail(job, "prefill call cancelled by its client"))
+            raise
+        finally:
+            self.jobs.pop(rid, None)
+
+    async def _resolve(self, job: _Job) -> None:
+        req = kb.ResolveRequest(
+            request_id=job.request_id,
+            prefill_instance_id=self.limits.instance_id,
+            layout=self.layout,
+            wait_ms=int(self.limits.resolve_wait_s * 1000),
+        )
+        try:
+            res = await self.broker.stub.Resolve(
+                req, timeout=self.limits.resolve_wait_s + self.limits.broker_rpc_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                code = grpc.StatusCode.UNAVAILABLE
+            raise PrefillFailed(code, f"cannot resolve the KV handoff: {exc.details()}") from exc
+        needed = pages_for(job.prompt_len, self.page_size)
+        if res.num_tokens != job.prompt_len or len(res.page_ids) < needed:
+            message = (
+                f"decode reserved {len(res.page_ids)} pages for {res.num_tokens} tokens; "
+                f"this prompt has {job.prompt_len} tokens"
+            )
+            await self._broker_call(
+                "Fail", kb.FailRequest(request_id=job.request_id, reason=message)
+            )
+            await self._release(job.request_id)  # nothing was written
+            raise PrefillFailed(grpc.StatusCode.FAILED_PRECONDITION, message)
+        job.remote = RemotePool(
+            session=res.pool.transfer_session,
+            base_ptr=res.pool.base_ptr,
+            num_pages=res.pool.num_pages,
+            page_bytes=res.pool.page_bytes,
+            num_layers=self.layout.num_layers,
+        )
+        job.remote_pages = list(res.page_ids[:needed])
+
+    def _submit(self, engine: LLMEngine, job: _Job, prompt: list[int], params) -> int:
+        """On the engine thread: queue the prompt and route its outputs to the transfers."""
+        engine.add_request(prompt, params, request_id=job.request_id, prefill_only=True)
+        self.worker.listen(job.request_id, lambda out: self._on_output(engine, job, out))
+        return engine.requests[job.request_id].num_cached_pages
+
+    def _on_output(self, engine: LLMEngine, job: _Job, out: StepOutput) -> None:
+        """Engine thread: a chunk's KV is in our pages; queue its write to decode."""
+        req = engine.requests.get(job.request_id)
+        if req is None or job.aborted or self.transfers is None:
+            return
+        if out.finished and out.finish_reason != "prefilled":
+            assert self.loop is not None
+            self.loop.call_soon_threadsafe(
+                self._on_transfer_error, job.request_id, f"prefill failed: {out.finish_reason}"
+            )
+            return
+        _, end = out.computed
+        last_page = pages_for(end, self.page_size)
+        if last_page > job.next_page:
+            assert job.remote is not None
+            idx = range(job.next_page, last_page)
+            self.transfers.put(
+                ChunkJob(
+                    job.request_id,
+                    [req.pages[i] for i in idx],
+                    [job.remote_pages[i] for i in idx],
+                    job.remote,
+                    end,
+                )
+            )
+            job.next_page = end // self.page_size  # a partial last page is re-sent later
+        if out.finished:
+            self.transfers.put(FinalJob(job.request_id, out.new_token_ids[0]))
+
+    async def _commit(self, job: _Job, first_token: int, nbytes: int) -> None:
+        req = kb.CommitRequest(
+            request_id=job.request_id, first_token_id=first_token, bytes_written=nbytes
+        )
+        try:
+            await self.broker.stub.Commit(req, timeout=self.limits.broker_rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            await self._fail(job, f"commit refused: {exc.details()}", tell_broker=False)
+            raise PrefillFailed(
+                grpc.StatusCode.ABORTED
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+                else grpc.StatusCode.UNAVAILABLE,
+                f"KV handoff could not be committed: {exc.details()}",
+            ) from exc
+        # Everything was written (the final job ran after every chunk): pages may be reused.
+        await self.worker.call(lambda e: e.release(job.request_id))
+
+    # ---- failure paths --------------------------------------------------------------------
+
+    async def _fail(self, job: _Job, reason: str, tell_broker: bool = True) -> None:
+        """Stop the request here: drop queued writes, free pages once nothing is in flight."""
+        if job.aborted:
+            return
+        job.aborted = True
+        if tell_broker:
+            await self._broker_call(
+                "Fail", kb.FailRequest(request_id=job.request_id, reason=reason)
+            )
+        await self.worker.call(lambda e: e.abort(job.request_id))
+        if self.transfers is not None and job.remote is not None:
+            self.transfers.abort(job.request_id)  # -> _on_release -> broker Release
+        elif job.remote is not None:
+            self._spawn(self._release(job.request_id))
+        if not job.done.done():
+            job.done.set_exception(PrefillFailed(grpc.StatusCode.ABORTED, reason))
+
+    def on_broker_event(self, event: kb.BrokerEvent) -> None:
+        """Event loop: decode aborted, the handoff timed out or failed elsewhere."""
+        job = self.jobs.get(event.request_id)
+        if job is None or event.state not in _TERMINAL or job.aborted:
+            return
+        state = kb.HandoffState.Name(event.state)
+        reason = f"KV handoff {state}: {event.message}".strip(": ")
+        job.aborted = True
+        self._spawn(self._stop_after_broker_end(job, reason, event.state))
+
+    async def _stop_after_broker_end(self, job: _Job, reason: str, state: int) -> None:
+        await self.worker.call(lambda e: e.abort(job.request_id))
+        if self.transfers is not None and job.remote is not None:
+            self.transfers.abort(job.request_id)
+        if not job.done.done():
+            code = {
+                kb.HANDOFF_ABORTED: grpc.StatusCode.CANCELLED,
+                kb.HANDOFF_TIMED_OUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+            }.get(state, grpc.StatusCode.UNAVAILABLE)
+            job.done.set_exception(PrefillFailed(code, reason))
+
+    def _on_chunk(self, rid: str, tokens: int, nbytes: int) -> None:
+        if rid in self.jobs and not self.jobs[rid].aborted:
+            self._spawn(self._progress(rid, tokens, nbytes))
+
+    async def _progress(self, rid: str, tokens: int, nbytes: int) -> None:
+        req = kb.ProgressRequest(request_id=rid, tokens_written=tokens, bytes_written=nbytes)
+        status = await self._broker_call("Progress", req)
+        if status is not None and status.state in _TERMINAL:
+            event = kb.BrokerEvent(request_id=rid, state=status.state, message=status.message)
+            self.on_broker_event(event)
+
+    def _on_final(self, rid: str, first_token: int, nbytes: int) -> None:
+        job = self.jobs.get(rid)
+        if job is not None and not job.done.done():
+            job.done.set_result((first_token, nbytes))
+
+    def _on_transfer_error(self, rid: str, message: str) -> None:
+        job = self.jobs.get(rid)
+        if job is not None:
+            self._spawn(self._fail(job, message))
+
+    def _on_release(self, rid: str) -> None:
+        self._spawn(self._release(rid))
+
+    async def _release(self, rid: str) -> None:
+        await self._broker_call("Release", kb.HandoffRequest(request_id=rid))
+
+    async def _broker_call(self, method: str, request):
+        try:
+            return await getattr(self.broker.stub, method)(
+                request, timeout=self.limits.broker_rpc_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.info("kv_broker %s(%s) failed: %s", method, request.request_id, exc.details())
+            return None
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self) -> None:
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    # ---- Abort / GetLoad ------------------------------------------------------------------
+
+    async def Abort(  # noqa: N802
+        self, request: generation_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.AbortResponse:
+        job = self.jobs.get(request.request_id)
+        if job is None:
+            return generation_pb2.AbortResponse(aborted=False)
+        await self._fail(job, "aborted by the client")
+        return generation_pb2.AbortResponse(aborted=True)
+
+    async def GetLoad(  # noqa: N802
+        self, request: prefill_pb2.LoadRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.PrefillLoad:
+        def load(e: LLMEngine) -> tuple[int, int, int, int]:
+            waiting = sum(r.num_pending for r in e.scheduler.running if r.is_prefilling)
+            waiting += sum(len(r.prompt_ids) for r in e.scheduler.waiting)
+            return (
+                waiting,
+                len(e.scheduler.running) + len(e.scheduler.waiting),
+                e.scheduler.num_pages_available,
+                e.kv_pool.num_pages,
+            )
+
+        waiting, running, free, total = await self.worker.call(load)
+        return prefill_pb2.PrefillLoad(
+            instance_id=self.limits.instance_id,
+            waiting_tokens=waiting,
+            running_requests=running,
+            free_pages=free,
+            total_pages=total,
+        )
