@@ -140,7 +140,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         except grpc.aio.AioRpcError as exc:
             await self.worker.call(lambda e: e.abort(rid))
             code = exc.code()
-            if code not in (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.INVALID_ARGUMENT):
+            if code == grpc.StatusCode.ABORTED:
+                code = grpc.StatusCode.CANCELLED  # the request was aborted before we got here
+            elif code not in (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.INVALID_ARGUMENT):
                 code = grpc.StatusCode.UNAVAILABLE
             await context.abort(code, f"kv_broker refused the reservation: {exc.details()}")
         self.waiting_handoffs += 1
@@ -252,7 +254,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         )
         aborted = False
         if running:
-            aborted = await self.worker.call(lambda e: e.abort(rid))
+            aborted = await self.worker.call(lambda e: self.worker.abort_request(e, rid))
         return generation_pb2.AbortResponse(aborted=aborted or rid in self.active)
 
     async def GetLoad(  # noqa: N802

@@ -76,6 +76,15 @@ class EngineWorker:
     def unlisten(self, request_id: str) -> None:
         self._listeners.pop(request_id, None)
 
+    def abort_request(self, engine: LLMEngine, request_id: str, reason: str = "abort") -> bool:
+        """Engine thread (inside :meth:`call`): abort and tell the request's listener, so a
+        stream waiting for its next token ends instead of hanging."""
+        aborted = engine.abort(request_id)
+        listener = self._listeners.pop(request_id, None)
+        if listener is not None:
+            listener(StepOutput(request_id, [], True, reason))
+        return aborted
+
     def _run_commands(self) -> None:
         while True:
             try:
@@ -114,7 +123,4 @@ class EngineWorker:
 
     def _abort_all(self, reason: str) -> None:
         for request_id in list(self.engine.requests):
-            self.engine.abort(request_id)
-            listener = self._listeners.pop(request_id, None)
-            if listener is not None:
-                listener(StepOutput(request_id, [], True, reason))
+            self.abort_request(self.engine, request_id, reason)

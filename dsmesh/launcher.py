@@ -19,7 +19,9 @@ from pathlib import Path
 
 # "<role> [<instance>] listening on HOST:PORT", at the start of a line (libraries log their
 # own "listening on" lines, e.g. the transfer engine's).
-_READY = re.compile(r"^(kv-broker|prefill|decode|gateway|eplb)\b[^\n]* listening on (\S+):(\d+)\s*$")
+_READY = re.compile(
+    r"^(kv-broker|prefill|decode|gateway|eplb)\b[^\n]* listening on (\S+):(\d+)\s*$"
+)
 
 
 class LaunchError(RuntimeError):

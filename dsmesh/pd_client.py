@@ -59,13 +59,13 @@ async def generate_pd(
         decode_call.cancel()
         if not prefill_task.done():
             prefill_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
-            await prefill_task
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await prefill_task  # its outcome was reported through decode's stream
 
 
 async def _explain(decode_error: grpc.aio.AioRpcError, prefill_task: asyncio.Future) -> PDError:
     """Prefer prefill's error when decode only reports the failed handoff it caused."""
-    with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+    with contextlib.suppress(Exception, asyncio.CancelledError):
         await asyncio.wait_for(asyncio.shield(prefill_task), 0.5)
     if prefill_task.done() and not prefill_task.cancelled():
         exc = prefill_task.exception()

@@ -72,7 +72,7 @@ def _unary(method: Handler[Req, Resp]) -> Handler[Req, Resp]:
         except HandoffError as exc:
             self._publish(exc.transitions)
             await context.abort(GRPC_CODES[exc.code], exc.message)
-        except (grpc.aio.AbortError, asyncio.CancelledError):
+        except grpc.aio.AbortError:
             raise
         except Exception as exc:
             log.exception("%s failed", method.__name__)

@@ -122,9 +122,9 @@ class KVTransport(ABC):
 
     One transport per process, picked once at start-up (:func:`dsmesh.transfer.make_transport`).
     The process's pool is registered once (:meth:`register_pool`) and stays registered until
-    :meth:`close`; the pool keeps ownership of its buffer, which must outlive the
-    registration. Peers learn each other's :class:`RemotePool` through kv_broker (gRPC);
-    only the transfer engine moves KV bytes.
+    :meth:`close`; the transport holds a reference to the pool until then, so the registered
+    memory cannot be freed and reused under the engine. Peers learn each other's
+    :class:`RemotePool` through kv_broker (gRPC); only the transfer engine moves KV bytes.
 
     Threading: :meth:`write_pages` blocks for the whole transfer and may be called from
     several threads at once (implementations guarantee it, adding a lock where their engine

@@ -51,6 +51,7 @@ class MooncakeTransport(KVTransport):
     ``hostname`` is the address peers reach this process at (also the local bind address);
     ``protocol`` is "tcp" or "rdma"; ``device_name`` lists RDMA devices ("mlx5_0,mlx5_1"),
     empty for TCP. Thread-safe: any number of threads may call :meth:`write_pages` at once.
+    A registered pool is referenced by the transport until :meth:`close`.
     """
 
     def __init__(
@@ -81,7 +82,9 @@ class MooncakeTransport(KVTransport):
         self._max_batches_per_peer = max_batches_per_peer
         # Guards the dicts below and the open/closed state; never held during a transfer.
         self._lock = threading.Lock()
-        self._pools: dict[int, tuple[int, RemotePool]] = {}  # base ptr -> (nbytes, desc)
+        # base ptr -> (pool, desc). Holding the pool keeps its registered memory alive: were
+        # it freed, the engine would still accept writes into whatever reuses the addresses.
+        self._pools: dict[int, tuple[MLAKVPool, RemotePool]] = {}
         self._peer_slots: dict[str, threading.BoundedSemaphore] = {}
 
     @property
@@ -101,11 +104,9 @@ class MooncakeTransport(KVTransport):
         with self._lock:
             engine = self._open_engine()
             if ptr in self._pools:
-                registered_nbytes, desc = self._pools[ptr]
-                if registered_nbytes != nbytes:
-                    raise ValueError(
-                        f"a {registered_nbytes}-byte buffer is already registered at {ptr:#x}"
-                    )
+                registered, desc = self._pools[ptr]
+                if registered is not pool:
+                    raise ValueError(f"another pool is already registered at {ptr:#x}")
                 return desc
             rc = engine.register_memory(ptr, nbytes)
             if rc != 0:
@@ -119,7 +120,7 @@ class MooncakeTransport(KVTransport):
                 page_bytes=pool.page_bytes,
                 num_layers=pool.num_layers,
             )
-            self._pools[ptr] = (nbytes, desc)
+            self._pools[ptr] = (pool, desc)
             return desc
 
     def write_pages(
@@ -132,7 +133,8 @@ class MooncakeTransport(KVTransport):
         segments = pool_segments(pool, remote, local_pages, remote_pages)
         with self._lock:
             engine = self._open_engine()
-            if pool.buffer.data_ptr() not in self._pools:
+            registered = self._pools.get(pool.buffer.data_ptr())
+            if registered is None or registered[0] is not pool:
                 raise ValueError("register_pool(pool) before writing its pages")
             slots = self._peer_slots.get(remote.session)
             if slots is None:

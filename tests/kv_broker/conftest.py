@@ -60,6 +60,7 @@ class Attached:
         )
         self.events: asyncio.Queue[pb.BrokerEvent] = asyncio.Queue()
         self.heartbeats = 0
+        self.heartbeat = asyncio.Event()  # set on every heartbeat after the first
         self._reader: asyncio.Task[None] | None = None
 
     async def start(self) -> Attached:
@@ -76,6 +77,7 @@ class Attached:
                     return
                 if event.heartbeat:
                     self.heartbeats += 1
+                    self.heartbeat.set()
                 else:
                     self.events.put_nowait(event)
 

@@ -326,8 +326,12 @@ async def test_reattach_replaces_the_old_stream(broker: Broker) -> None:
 @pytest.mark.asyncio
 async def test_idle_stream_gets_heartbeats(broker: Broker) -> None:
     decode = await broker.decode("d1")
-    await asyncio.sleep(TEST_CONFIG.heartbeat_interval_s * 2.5)
-    assert decode.heartbeats >= 2
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    for _ in range(2):
+        decode.heartbeat.clear()
+        await asyncio.wait_for(decode.heartbeat.wait(), WAIT_S)
+    assert loop.time() - start >= TEST_CONFIG.heartbeat_interval_s * 1.5
     decode.assert_no_event()
 
 

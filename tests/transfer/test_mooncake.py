@@ -8,11 +8,13 @@ queue to check every layer and page, written or not.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import queue
 import random
 import socket
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -224,6 +226,16 @@ def test_failures_raise_transfer_error_and_the_engine_recovers(
     assert bounded(transport.write_pages, local, remote, [3], [5]) == 2 * local.page_bytes
     got = torch.from_numpy(peer.call("read", "errors"))
     assert torch.equal(got, expected_remote(local, remote, [([3], [5])]))
+
+
+def test_a_registered_pool_is_kept_alive(transport: MooncakeTransport) -> None:
+    # Were it freed, a new tensor could reuse the registered addresses under the engine.
+    pool = random_pool(1, 3, 2, 4)
+    ref = weakref.ref(pool)
+    transport.register_pool(pool)
+    del pool
+    gc.collect()
+    assert ref() is not None
 
 
 def test_closed_transport_refuses() -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from importlib.machinery import ModuleSpec
+
 import pytest
 import torch
 
@@ -122,3 +125,26 @@ def test_pool_segments_uses_the_buffer_and_checks_the_layout() -> None:
 def test_make_transport_rejects_unknown_kind() -> None:
     with pytest.raises(ValueError, match="unknown KV transport 'nixl'; known: mooncake"):
         make_transport("nixl")
+
+
+def test_missing_engine_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)
+    with pytest.raises(ImportError, match="pip install mooncake-transfer-engine-non-cuda") as e:
+        make_transport("mooncake")
+    assert "apt-get" not in str(e.value)
+
+
+class _NoVerbs:
+    """Import finder that fails like a CUDA/RDMA wheel on a host without libibverbs."""
+
+    def find_spec(self, name: str, path: object, target: object = None) -> ModuleSpec | None:
+        if name == "mooncake.engine":
+            raise ImportError("libibverbs.so.1: cannot open shared object file")
+        return None
+
+
+def test_missing_rdma_libraries_say_what_to_apt_get(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(sys.modules, "mooncake.engine", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_NoVerbs(), *sys.meta_path])
+    with pytest.raises(ImportError, match="apt-get install libibverbs1 libnuma1"):
+        make_transport("mooncake")
