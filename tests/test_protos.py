@@ -21,9 +21,9 @@ def _load_generator():
 def test_generated_code_is_fresh(tmp_path: Path) -> None:
     gen = _load_generator()
     fresh = gen.generate(tmp_path)
-    assert {f.name for f in fresh} == {
-        f.name for f in (ROOT / "dsmesh/v1").glob("*_pb2*.py*")
-    }, "generated file set differs: run python protos/generate.py"
+    assert {f.name for f in fresh} == {f.name for f in (ROOT / "dsmesh/v1").glob("*_pb2*.py*")}, (
+        "generated file set differs: run python protos/generate.py"
+    )
     for f in fresh:
         checked_in = ROOT / "dsmesh/v1" / f.name
         assert checked_in.read_bytes() == f.read_bytes(), (
