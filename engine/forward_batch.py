@@ -31,6 +31,9 @@ class ForwardBatch:
     input_ids, positions, out_slots: [T] int64.
     kv_slots[i]: [prefix_lens[i] + extend_lens[i]] int64 slots of request i's whole context.
     last_rows: [B] int64 row of each request's last new token (its logits row).
+    decode_ids: indices (into the request list) of single-token requests.
+    decode_slots: [len(decode_ids), max_context] int64 context slots of those requests,
+        padded with -1; lets decode attention run as one batched op.
     """
 
     input_ids: torch.Tensor
@@ -40,6 +43,8 @@ class ForwardBatch:
     extend_lens: list[int]
     prefix_lens: list[int]
     last_rows: torch.Tensor
+    decode_ids: list[int]
+    decode_slots: torch.Tensor | None
 
     @property
     def num_requests(self) -> int:
@@ -78,6 +83,14 @@ class ForwardBatch:
             extend_lens.append(n)
             prefix_lens.append(c.prefix_len)
         last_rows = torch.tensor(extend_lens).cumsum(0) - 1
+        decode_ids = [i for i, n in enumerate(extend_lens) if n == 1]
+        decode_slots = None
+        if decode_ids:
+            width = max(kv_slots[i].numel() for i in decode_ids)
+            decode_slots = torch.full((len(decode_ids), width), -1, dtype=torch.int64)
+            for row, i in enumerate(decode_ids):
+                decode_slots[row, : kv_slots[i].numel()] = kv_slots[i].cpu()
+            decode_slots = decode_slots.to(device)
         return cls(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
             positions=torch.cat(positions).to(device),
@@ -86,4 +99,6 @@ class ForwardBatch:
             extend_lens=extend_lens,
             prefix_lens=prefix_lens,
             last_rows=last_rows.to(device),
+            decode_ids=decode_ids,
+            decode_slots=decode_slots,
         )

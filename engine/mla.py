@@ -83,15 +83,42 @@ class MLAttention(nn.Module):
         kv_pool.write(self.layer_idx, batch.out_slots, torch.cat([latent, k_pe], dim=-1))
 
         out = torch.empty(t, self.num_heads, self.v_dim, dtype=x.dtype, device=x.device)
+        batched_decode = mode != "naive" and batch.decode_slots is not None
+        if batched_decode:
+            rows = batch.last_rows[batch.decode_ids]
+            out[rows] = self._decode_absorbed(q_nope[rows], q_pe[rows], kv_pool, batch)
         start = 0
         for i, n in enumerate(batch.extend_lens):
-            ctx = kv_pool.read(self.layer_idx, batch.kv_slots[i]).to(x.dtype)
             rows = slice(start, start + n)
+            start += n
+            if batched_decode and n == 1:
+                continue
+            ctx = kv_pool.read(self.layer_idx, batch.kv_slots[i]).to(x.dtype)
             absorbed = mode == "absorbed" or (mode == "auto" and n == 1)
             attend = self._attend_absorbed if absorbed else self._attend_naive
             out[rows] = attend(q_nope[rows], q_pe[rows], ctx, batch.prefix_lens[i])
-            start += n
         return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
+
+    def _decode_absorbed(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_pool: MLAKVPool, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """All single-token requests at once over their padded latent contexts.
+
+        q_nope [B, H, nope], q_pe [B, H, rope] -> [B, H, v]; padding slots are masked out.
+        """
+        slots = batch.decode_slots
+        assert slots is not None
+        b, width = slots.shape
+        ctx = kv_pool.read(self.layer_idx, slots.clamp(min=0).view(-1)).view(b, width, -1)
+        latent, k_pe = ctx.to(q_nope.dtype).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        w_uk, w_uv = self.absorbed_weights()
+        q_latent = torch.einsum("bhd,hdc->bhc", q_nope, w_uk)
+        scores = torch.einsum("bhc,bsc->bhs", q_latent, latent)
+        scores = (scores + torch.einsum("bhr,bsr->bhs", q_pe, k_pe)) * self.scale
+        scores = scores.masked_fill((slots < 0)[:, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(q_nope.dtype)
+        out_latent = torch.einsum("bhs,bsc->bhc", probs, latent)
+        return torch.einsum("bhc,hvc->bhv", out_latent, w_uv)
 
     def _causal_mask(self, n: int, prefix: int, device: torch.device) -> torch.Tensor | None:
         """[n, prefix + n] additive mask: new token j sees context positions <= prefix + j."""

@@ -48,7 +48,11 @@ class DeepseekBackbone(nn.Module):
         self, cfg: ModelConfig, location: ExpertLocation, dispatcher: MoEDispatcher, ep_rank: int
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # An explicit (uninitialised) weight skips nn.Embedding's random init, which on the
+        # meta device would pull in torch._dynamo (~1 s of start-up) for values we overwrite.
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.rotary = RotaryEmbedding(cfg.rope, cfg.mla.qk_rope_head_dim)
         layers = []
         moe_idx = 0

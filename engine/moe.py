@@ -7,6 +7,8 @@ The layer never assumes where experts live. It routes to *logical* experts, asks
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,6 +17,21 @@ from engine.config import ModelConfig
 from engine.expert_location import ExpertLocation
 from engine.moe_dispatch import DispatchOutput, MoEDispatcher
 from engine.routing import select_experts
+
+
+@functools.cache
+def grouped_mm_supported(dtype: torch.dtype, device_type: str) -> bool:
+    """Whether ``torch._grouped_mm`` runs for this dtype and device (probed once)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        a = torch.ones(4, 16, dtype=dtype, device=device_type)
+        b = torch.ones(2, 16, 16, dtype=dtype, device=device_type)
+        offs = torch.tensor([1, 4], dtype=torch.int32, device=device_type)
+        out = torch._grouped_mm(a, b, offs=offs)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return bool(torch.all(out == 16))
 
 
 class DenseMLP(nn.Module):
@@ -64,6 +81,16 @@ class RoutedExperts(nn.Module):
 
     def forward(self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] grouped by local expert; tokens_per_expert [num_local] -> [N, H]."""
+        if hidden.shape[0] and grouped_mm_supported(hidden.dtype, hidden.device.type):
+            offs = tokens_per_expert.cumsum(0).to(torch.int32)
+            gate, up = torch._grouped_mm(hidden, self.w13.transpose(1, 2), offs=offs).chunk(2, -1)
+            return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offs)
+        return self.forward_reference(hidden, tokens_per_expert)
+
+    def forward_reference(
+        self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor
+    ) -> torch.Tensor:
+        """Plain per-expert loop; the grouped GEMM above must equal it."""
         out = torch.empty_like(hidden)
         start = 0
         for e, n in enumerate(tokens_per_expert.tolist()):

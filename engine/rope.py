@@ -16,7 +16,8 @@ def rope_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     with a linear ramp between the correction dims found from ``beta_fast``/``beta_slow``; cos
     and sin are scaled by mscale(factor, mscale) / mscale(factor, mscale_all_dim).
     """
-    exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+    # Always on the CPU (also inside a meta-device context): a few dozen numbers.
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim
     pos_freqs = rope.theta**exponents
     inv_freq_extra = 1.0 / pos_freqs
     if rope.scaling != "yarn":
@@ -27,7 +28,8 @@ def rope_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     )
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = torch.arange(dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((ramp - low) / (high - low)).clamp(0, 1)
     extra_weight = 1 - ramp
     inv_freq = inv_freq_inter * (1 - extra_weight) + inv_freq_extra * extra_weight
     magnitude = yarn_get_mscale(rope.factor, rope.mscale) / yarn_get_mscale(
