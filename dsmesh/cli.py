@@ -9,11 +9,14 @@ from collections.abc import Callable, Sequence
 
 from dsmesh import (
     __version__,
+    cmd_bench,
     cmd_decode,
+    cmd_gateway,
     cmd_generate,
     cmd_kv_broker,
     cmd_prefill,
     cmd_tiny,
+    cmd_up,
 )
 
 Registrar = Callable[[argparse._SubParsersAction], None]
@@ -22,7 +25,10 @@ COMMANDS: tuple[Registrar, ...] = (
     cmd_prefill.register,
     cmd_decode.register,
     cmd_kv_broker.register,
+    cmd_gateway.register,
     cmd_tiny.register,
+    cmd_bench.register,
+    cmd_up.register,
 )
 
 

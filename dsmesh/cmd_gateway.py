@@ -1,0 +1,54 @@
+"""``dsmesh gateway``: the public API in front of the prefill/decode instances."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "gateway",
+        help="serve the public API (gRPC, REST, OpenAI) and route to prefill/decode",
+        description="Gateway: gRPC dsmesh.v1.Generation, REST transcoded from its "
+        "google.api.http annotations, OpenAI-compatible routes, /health and /metrics. "
+        "Prefill and decode instances are discovered through kv_broker.",
+    )
+    p.add_argument("--broker", required=True, help="kv_broker address HOST:PORT")
+    p.add_argument("--model", default=None, help="checkpoint folder (tokenizer, chat template)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0 = any free port)")
+    p.add_argument("--http-port", type=int, default=8000, help="HTTP port (0 = any free port)")
+    p.add_argument("--served-model-name", default="", help="model id in the OpenAI routes")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument(
+        "--handoff-timeout", type=float, default=30.0, help="seconds to wait for the prompt's KV"
+    )
+    p.add_argument(
+        "--max-body-bytes", type=int, default=8 << 20, help="largest accepted HTTP body"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dsmesh.grpc_server import run_until_signal
+    from engine.llm_engine import resolve_model_dir
+    from gateway.service import GatewayConfig, serve
+
+    config = GatewayConfig(
+        broker_address=args.broker,
+        model_dir=str(resolve_model_dir(args.model)),
+        host=args.host,
+        grpc_port=args.grpc_port,
+        http_port=args.http_port,
+        served_model_name=args.served_model_name,
+        request_timeout_s=args.request_timeout,
+        handoff_timeout_s=args.handoff_timeout,
+        max_body_bytes=args.max_body_bytes,
+    )
+
+    def ready(grpc_port: int, http_port: int) -> None:
+        print(f"gateway listening on {args.host}:{grpc_port}", flush=True)
+        print(f"gateway http listening on {args.host}:{http_port}", flush=True)
+
+    run_until_signal(lambda stop: serve(config, stop, ready))
+    return 0

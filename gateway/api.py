@@ -1,0 +1,54 @@
+"""dsmesh.v1.Generation in domain terms: the handlers the gRPC servicer and REST share."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from dsmesh.convert import sampling_from_proto
+from dsmesh.v1 import generation_pb2 as pb
+from engine.errors import InvalidRequestError
+from gateway.core import GatewayError, GenerationCore, invalid
+
+
+def prepare(core: GenerationCore, request: pb.GenerateRequest):
+    try:
+        params = sampling_from_proto(request.sampling)
+    except InvalidRequestError as exc:
+        raise invalid(exc.field, str(exc).split(": ", 1)[-1]) from exc
+    return core.prepare(request.request_id, request.text, list(request.input_ids), params)
+
+
+async def generate(
+    core: GenerationCore, request: pb.GenerateRequest
+) -> AsyncIterator[pb.GenerateResponse]:
+    """GenerateResponse messages; raises GatewayError."""
+    inp = prepare(core, request)
+    async for delta in core.generate(inp):
+        msg = pb.GenerateResponse(
+            request_id=inp.request_id,
+            token_ids=delta.token_ids,
+            text=delta.text,
+            finish_reason=delta.finish_reason or "",
+        )
+        msg.usage.prompt_tokens = delta.prompt_tokens
+        msg.usage.completion_tokens = delta.completion_tokens
+        yield msg
+
+
+async def abort(core: GenerationCore, request: pb.AbortRequest) -> pb.AbortResponse:
+    if not request.request_id:
+        raise invalid("request_id", "must be a non-empty string")
+    return pb.AbortResponse(aborted=await core.abort(request.request_id))
+
+
+def aggregate(messages: list[pb.GenerateResponse]) -> pb.GenerateResponse:
+    """One response holding every new token and all the text (REST, stream=false)."""
+    if not messages:
+        raise GatewayError(13, "no response")  # pragma: no cover - generate always yields
+    out = pb.GenerateResponse(request_id=messages[-1].request_id)
+    for m in messages:
+        out.token_ids.extend(m.token_ids)
+    out.text = "".join(m.text for m in messages)
+    out.finish_reason = messages[-1].finish_reason
+    out.usage.CopyFrom(messages[-1].usage)
+    return out

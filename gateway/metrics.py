@@ -1,0 +1,79 @@
+"""The gateway's Prometheus metrics (documented in docs/OBSERVABILITY.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+
+
+class _KVPages(Collector):
+    """KV page gauges summed over decode instances, read at scrape time."""
+
+    def __init__(self, read: Callable[[], tuple[int, int]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        used, free = self._read()
+        yield GaugeMetricFamily(
+            "dsmesh_kv_pages_used",
+            "KV pages held by requests, summed over decode instances",
+            value=used,
+        )
+        yield GaugeMetricFamily(
+            "dsmesh_kv_pages_free", "free KV pages, summed over decode instances", value=free
+        )
+
+
+class GatewayMetrics:
+    def __init__(self, kv_pages: Callable[[], tuple[int, int]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "dsmesh_ttft_seconds", "time to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "dsmesh_itl_seconds", "inter-token latency", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "dsmesh_e2e_latency_seconds",
+            "request latency, first byte in to last token out",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "dsmesh_prompt_tokens", "prompt tokens of admitted requests", registry=r
+        )
+        self.generated_tokens = Counter(
+            "dsmesh_generated_tokens", "tokens generated and sent to clients", registry=r
+        )
+        self.requests = Counter(
+            "dsmesh_requests", "finished requests by outcome", ["outcome"], registry=r
+        )
+        self.running = Gauge("dsmesh_requests_running", "requests streaming tokens", registry=r)
+        self.waiting = Gauge(
+            "dsmesh_requests_waiting",
+            "requests admitted, waiting for their first token",
+            registry=r,
+        )
+        r.register(_KVPages(kv_pages))

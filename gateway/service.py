@@ -1,0 +1,91 @@
+"""The gateway process: gRPC Generation + REST/OpenAI on one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from dsmesh.grpc_server import start_server
+from dsmesh.v1 import generation_pb2_grpc
+from engine.config import load_config
+from engine.tokenizer import Tokenizer
+from gateway.core import CoreLimits, GenerationCore
+from gateway.grpc_servicer import GenerationServicer
+from gateway.http_app import build_app
+from gateway.metrics import GatewayMetrics
+from gateway.registry import InstanceRegistry
+
+log = logging.getLogger(__name__)
+SERVICE = "dsmesh.v1.Generation"
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    broker_address: str
+    model_dir: str
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    http_port: int = 8000
+    served_model_name: str = ""  # default: the model folder's name
+    request_timeout_s: float = 600.0
+    handoff_timeout_s: float = 30.0
+    max_body_bytes: int = 8 << 20
+
+
+async def serve(
+    config: GatewayConfig,
+    stop: asyncio.Event,
+    ready: Callable[[int, int], None] | None = None,
+) -> None:
+    model_config = load_config(config.model_dir)
+    tokenizer = Tokenizer.from_dir(config.model_dir)
+    name = config.served_model_name or Path(config.model_dir).resolve().name
+    registry = InstanceRegistry(config.broker_address)
+    registry.start()
+    metrics = GatewayMetrics(registry.kv_pages)
+    core = GenerationCore(
+        registry,
+        tokenizer,
+        model_config,
+        metrics,
+        CoreLimits(config.request_timeout_s, config.handoff_timeout_s),
+    )
+    grpc_server = await start_server(
+        lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(core), s),
+        [SERVICE],
+        config.host,
+        config.grpc_port,
+    )
+    runner = web.AppRunner(
+        build_app(core, name, config.max_body_bytes),
+        handler_cancellation=True,  # a client that disconnects cancels its request
+        access_log=None,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.http_port)
+    await site.start()
+    http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    log.info(
+        "gateway serving model %r: gRPC %s:%d, HTTP %s:%d",
+        name,
+        config.host,
+        grpc_server.port,
+        config.host,
+        http_port,
+    )
+    if ready is not None:
+        ready(grpc_server.port, http_port)
+    try:
+        await stop.wait()
+    finally:
+        await grpc_server.set_serving(False, ("", SERVICE))
+        await grpc_server.server.stop(grace=5)
+        with contextlib.suppress(Exception):
+            await runner.cleanup()
+        await registry.close()
