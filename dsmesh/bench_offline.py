@@ -1,0 +1,78 @@
+"""``dsmesh bench --backend offline``: the same load against the offline engine in-process,
+the baseline that shows what the mesh (gateway + PD + transfers) adds to TTFT and ITL."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+
+from dsmesh.bench_serving import Backend, RequestError
+from dsmesh.convert import sampling_from_proto
+from dsmesh.engine_worker import EngineWorker
+from dsmesh.v1 import generation_pb2 as pb
+from engine.errors import InvalidRequestError
+from engine.llm_engine import EngineConfig, LLMEngine, StepOutput, resolve_model_dir
+from engine.tokenizer import Tokenizer
+
+
+class OfflineBackend(Backend):
+    """One LLMEngine on its own thread, fed like the services feed theirs."""
+
+    def __init__(self, model: str | None) -> None:
+        self.model_dir = str(resolve_model_dir(model))
+        self.worker: EngineWorker | None = None
+        self.tokenizer: Tokenizer | None = None
+        self._ids = itertools.count()
+
+    async def connect(self, timeout_s: float) -> None:
+        engine = await asyncio.to_thread(LLMEngine, EngineConfig(model=self.model_dir))
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.worker = EngineWorker(engine, name="bench-offline")
+        self.worker.start()
+
+    async def generate(
+        self, request: pb.GenerateRequest, timeout_s: float
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        assert self.worker is not None and self.tokenizer is not None
+        worker = self.worker
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
+        rid = f"offline-{next(self._ids)}"
+        try:
+            params = sampling_from_proto(request.sampling)
+        except InvalidRequestError as exc:
+            raise RequestError(f"INVALID_ARGUMENT: {exc}") from exc
+        ids = list(request.input_ids) or self.tokenizer.encode(request.text)
+
+        def submit(engine: LLMEngine) -> None:
+            engine.add_request(ids, params, request_id=rid)
+            worker.listen(rid, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o))
+
+        try:
+            await worker.call(submit)
+        except InvalidRequestError as exc:
+            raise RequestError(f"INVALID_ARGUMENT: {exc}") from exc
+        count = 0
+        try:
+            while True:
+                out = await asyncio.wait_for(outputs.get(), timeout_s)
+                if not out.new_token_ids and not out.finished:
+                    continue  # a prompt chunk without a token yet
+                count += len(out.new_token_ids)
+                msg = pb.GenerateResponse(
+                    request_id=rid,
+                    token_ids=out.new_token_ids,
+                    finish_reason=out.finish_reason or "",
+                )
+                msg.usage.prompt_tokens = len(ids)
+                msg.usage.completion_tokens = count
+                yield msg
+                if out.finished:
+                    return
+        finally:
+            await worker.call(lambda e: worker.abort_request(e, rid))
+
+    async def close(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()

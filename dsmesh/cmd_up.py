@@ -1,0 +1,140 @@
+"""``dsmesh up``: the whole mesh on this machine with one command, supervised."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from dsmesh.cli_common import add_engine_args
+
+# Engine flags ``up`` forwards to every prefill and decode instance (``--model`` goes to every
+# service). Only flags given on the command line are forwarded, so that each service keeps
+# its own defaults (prefill caches prefixes by default, decode does not).
+FORWARDED_ENGINE_FLAGS = (
+    "device",
+    "dtype",
+    "page_size",
+    "max_total_tokens",
+    "max_running_requests",
+    "max_batch_tokens",
+    "attention_mode",
+)
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from dsmesh.supervisor import MeshConfig
+
+    d = MeshConfig()
+    p = sub.add_parser(
+        "up",
+        help="run a whole mesh locally (broker, prefill, decode, gateway), supervised",
+        description="Start kv_broker, the prefill and decode instances and the gateway as "
+        "separate processes, wait until all are healthy, print where to reach the mesh, "
+        "restart any that dies (with backoff) and stop them all on Ctrl-C or SIGTERM.",
+    )
+    p.add_argument("--host", default=d.host, help=f"address the gateway binds (default {d.host})")
+    p.add_argument(
+        "--http-port", type=int, default=d.http_port, help=f"REST port (default {d.http_port})"
+    )
+    p.add_argument(
+        "--grpc-port",
+        type=int,
+        default=d.grpc_port,
+        help=f"public gRPC port (default {d.grpc_port}; 0 = any free port)",
+    )
+    p.add_argument(
+        "--prefill",
+        type=_count,
+        default=d.num_prefill,
+        metavar="N",
+        help=f"prefill instances (default {d.num_prefill})",
+    )
+    p.add_argument(
+        "--decode",
+        type=_count,
+        default=d.num_decode,
+        metavar="N",
+        help=f"decode instances (default {d.num_decode})",
+    )
+    p.add_argument(
+        "--gateway",
+        action=argparse.BooleanOptionalAction,
+        default=d.gateway,
+        help="run the gateway (--no-gateway: broker, prefill and decode only)",
+    )
+    p.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="one log file per service instance here (default: a new folder under the "
+        "dsmesh cache folder)",
+    )
+    p.add_argument(
+        "--start-timeout",
+        type=_seconds,
+        default=d.start_timeout_s,
+        metavar="SECONDS",
+        help=f"longest wait for one service to become healthy (default {d.start_timeout_s:g})",
+    )
+    p.add_argument(
+        "--stop-timeout",
+        type=_seconds,
+        default=d.stop_timeout_s,
+        metavar="SECONDS",
+        help=f"SIGTERM to SIGKILL delay when stopping a service (default {d.stop_timeout_s:g})",
+    )
+    add_engine_args(p)
+    # None = not given: the service's own default applies.
+    p.set_defaults(prefix_cache=None, **dict.fromkeys(FORWARDED_ENGINE_FLAGS))
+    p.set_defaults(func=run)
+
+
+def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """The engine flags given to ``up``, spelled for ``dsmesh prefill``/``decode``."""
+    flags: list[str] = []
+    for dest in FORWARDED_ENGINE_FLAGS:
+        value = getattr(args, dest)
+        if value is not None:
+            flags += [f"--{dest.replace('_', '-')}", str(value)]
+    if args.prefix_cache is not None:
+        flags.append("--prefix-cache" if args.prefix_cache else "--no-prefix-cache")
+    return tuple(flags)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dsmesh.supervisor import MeshConfig, run_mesh
+
+    config = MeshConfig(
+        model=args.model,
+        host=args.host,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        engine_args=engine_flags(args),
+        gateway=args.gateway,
+        log_dir=args.log_dir,
+        start_timeout_s=args.start_timeout,
+        stop_timeout_s=args.stop_timeout,
+    )
+    return run_mesh(config)

@@ -1,0 +1,509 @@
+"""``dsmesh up``: start a whole mesh as child processes, keep it running, stop it cleanly.
+
+Stages start in order, each once the one before is healthy, and stop in reverse order:
+kv_broker, (eplb_svc), prefill + decode, gateway. Every service instance is a :class:`Slot`
+owned by one keeper thread, which starts the process, waits until it is healthy (gRPC health
+SERVING, or HTTP 200 from the gateway's ``/health``), restarts it with exponential backoff
+when it dies, and stops it (SIGTERM, then SIGKILL) when asked.
+
+A restarted prefill/decode may come back on a new port (the broker lists it); the broker and
+the gateway come back on the same ports, which other processes and clients hold. On Linux every
+child runs with ``PR_SET_PDEATHSIG``, so even a SIGKILLed ``dsmesh up`` leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dsmesh.launcher import LaunchError, ServiceProcess, dsmesh_command, start_service
+
+# Run in front of every child on Linux, then exec'd away (same pid): the kernel SIGKILLs the
+# child when the thread that started it ends, which includes the supervisor being SIGKILLed.
+# The parent-pid check closes the race of a supervisor that died before prctl ran.
+_PDEATHSIG_EXEC = (
+    "import ctypes, os, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(1)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 10.0
+    stable_after_s: float = 30.0  # a run at least this long resets the backoff
+    crash_loop_restarts: int = 5  # more restarts than this within the window = crash loop
+    crash_loop_window_s: float = 60.0
+
+    def next_delay(self, previous_s: float, ran_for_s: float) -> float:
+        """Delay before the next start: doubles after each quick death, resets after a
+        stable run."""
+        if previous_s <= 0 or ran_for_s >= self.stable_after_s:
+            return self.backoff_initial_s
+        return min(previous_s * 2, self.backoff_max_s)
+
+
+class CrashLoopDetector:
+    """Counts restarts in a sliding window; says when a service enters a crash loop."""
+
+    def __init__(self, policy: RestartPolicy) -> None:
+        self.policy = policy
+        self._times: collections.deque[float] = collections.deque()
+        self._reported = False
+
+    def record(self, now: float) -> int | None:
+        """Note a restart at ``now``; the restart count in the window when this restart
+        starts a crash loop (reported once until :meth:`reset`), else None."""
+        self._times.append(now)
+        while self._times[0] < now - self.policy.crash_loop_window_s:
+            self._times.popleft()
+        if len(self._times) > self.policy.crash_loop_restarts and not self._reported:
+            self._reported = True
+            return len(self._times)
+        return None
+
+    def reset(self) -> None:
+        """The service ran stably: a later crash loop is reported again."""
+        self._reported = False
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    model: str | None = None  # checkpoint folder; None = the embedded tiny default model
+    host: str = "127.0.0.1"  # where the gateway binds; internal services stay on loopback
+    http_port: int = 8000
+    grpc_port: int = 50051  # 0 = any free port, kept across gateway restarts
+    num_prefill: int = 1
+    num_decode: int = 1
+    engine_args: tuple[str, ...] = ()  # dsmesh flags forwarded to every prefill and decode
+    gateway: bool = True
+    log_dir: Path | None = None  # None = a fresh folder under the cache folder
+    start_timeout_s: float = 180.0  # per service: ready line, then healthy
+    stop_timeout_s: float = 10.0  # SIGTERM -> SIGKILL
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+
+    def validate(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError("need at least one prefill and one decode instance")
+        if not 0 < self.http_port <= 65535:
+            raise ValueError(f"--http-port must be in 1..65535, got {self.http_port}")
+        if not 0 <= self.grpc_port <= 65535:
+            raise ValueError(f"--grpc-port must be in 0..65535, got {self.grpc_port}")
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    name: str  # unique per instance ("decode-1"); also the log file's name
+    args: tuple[str, ...]  # dsmesh sub-command and flags
+    pinned_port_flag: str | None = None  # after the first start, restarts reuse the port
+    health_url: str | None = None  # HTTP health; None = gRPC health at the reported address
+
+
+# ---------------------------------------------------------------------------------------------
+# What runs: one builder per stage, given the config and the broker's address.
+
+StageBuilder = Callable[[MeshConfig, str], list[ServiceSpec]]
+LOOPBACK = "127.0.0.1"
+
+
+def broker_stage(config: MeshConfig, broker_address: str) -> list[ServiceSpec]:
+    args = ("kv-broker", "--host", LOOPBACK, "--port", "0")
+    return [ServiceSpec("kv-broker", args, pinned_port_flag="--port")]
+
+
+def eplb_stage(config: MeshConfig, broker_address: str) -> list[ServiceSpec]:
+    """Hook for eplb_svc (not written yet): return its ``dsmesh eplb ...`` spec here."""
+    return []
+
+
+def instance_stage(config: MeshConfig, broker_address: str) -> list[ServiceSpec]:
+    specs = []
+    for role, count in (("prefill", config.num_prefill), ("decode", config.num_decode)):
+        for index in range(count):
+            args = (role, "--broker", broker_address, "--host", LOOPBACK, "--port", "0")
+            model = ("--model", config.model) if config.model else ()
+            specs.append(ServiceSpec(f"{role}-{index}", (*args, *model, *config.engine_args)))
+    return specs
+
+
+def gateway_stage(config: MeshConfig, broker_address: str) -> list[ServiceSpec]:
+    if not config.gateway:
+        return []
+    args = (
+        "gateway",
+        "--broker",
+        broker_address,
+        "--host",
+        config.host,
+        "--grpc-port",
+        str(config.grpc_port),
+        "--http-port",
+        str(config.http_port),
+        *(("--model", config.model) if config.model else ()),
+    )
+    health = f"http://{config.host}:{config.http_port}/health"
+    return [ServiceSpec("gateway", args, pinned_port_flag="--grpc-port", health_url=health)]
+
+
+STAGES: tuple[StageBuilder, ...] = (broker_stage, eplb_stage, instance_stage, gateway_stage)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class Console:
+    """Progress on stdout, trouble on stderr; one line at a time across threads."""
+
+    def __init__(self, out: TextIO | None = None, err: TextIO | None = None) -> None:
+        self._out = out or sys.stdout
+        self._err = err or sys.stderr
+        self._lock = threading.Lock()
+
+    def info(self, text: str) -> None:
+        self._write(self._out, text)
+
+    def warn(self, text: str) -> None:
+        self._write(self._err, f"dsmesh up [{time.strftime('%H:%M:%S')}]: {text}")
+
+    def _write(self, stream: TextIO, text: str) -> None:
+        with self._lock:
+            print(text, file=stream, flush=True)
+
+
+def orphan_proof(command: list[str], parent_pid: int) -> list[str]:
+    """``command`` made to die with ``parent_pid`` (Linux; unchanged elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return command
+    return [sys.executable, "-S", "-c", _PDEATHSIG_EXEC, str(parent_pid), *command]
+
+
+def log_tail(path: Path | None, num_lines: int = 20) -> str:
+    if path is None or not path.exists():
+        return "(no log)"
+    lines = path.read_text(errors="replace").splitlines()[-num_lines:]
+    return "\n".join(f"    {line}" for line in lines) or "    (empty log)"
+
+
+def is_healthy(address: str, health_url: str | None, timeout: float = 1.0) -> bool:
+    """HTTP 200 from ``health_url`` if given, else gRPC health SERVING at ``address``."""
+    if health_url is not None:
+        try:
+            with urllib.request.urlopen(health_url, timeout=timeout) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+    with grpc.insecure_channel(address) as ch:
+        try:
+            resp = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout
+            )
+        except grpc.RpcError:
+            return False
+    return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+class Slot:
+    """One service instance and the keeper thread that owns its process.
+
+    Only the keeper thread starts and stops the process: with PR_SET_PDEATHSIG a child dies
+    with the thread that forked it, so the thread lives until its child is gone.
+    """
+
+    def __init__(
+        self, spec: ServiceSpec, config: MeshConfig, log_dir: Path, console: Console
+    ) -> None:
+        self.spec = spec
+        self.config = config
+        self.log_path = log_dir / f"{spec.name}.log"
+        self.console = console
+        self.process: ServiceProcess | None = None
+        self.settled = threading.Event()  # first start over: healthy, or failed
+        self.failure: str | None = None
+        self._log_dir = log_dir
+        self._args = list(spec.args)
+        self._stop = threading.Event()
+        self._started_at = 0.0
+        self._crash_loops = CrashLoopDetector(config.restart)
+        self._thread = threading.Thread(target=self._run, name=f"keep-{spec.name}", daemon=True)
+
+    @property
+    def address(self) -> str:
+        return self.process.address if self.process is not None else ""
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def join(self, timeout: float) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # -- keeper thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        begin = time.monotonic()
+        try:
+            self._launch()
+        except LaunchError as exc:
+            self.failure = str(exc).splitlines()[0]
+            self.settled.set()
+            return
+        if not self._wait_healthy():
+            self._halt()
+            if not self._stop.is_set():
+                self.failure = f"{self.spec.name} did not become healthy"
+            self.settled.set()
+            return
+        assert self.process is not None
+        if self.spec.pinned_port_flag is not None:
+            index = self._args.index(self.spec.pinned_port_flag)
+            self._args[index + 1] = str(self.process.port)
+        self.console.info(
+            f"  {self.spec.name:<12} ready at {self.address:<21} "
+            f"pid {self.process.process.pid:<8} {time.monotonic() - begin:5.1f}s"
+        )
+        self.settled.set()
+        self._keep()
+
+    def _launch(self) -> None:
+        command = orphan_proof(dsmesh_command(*self._args), os.getpid())
+        self.process = start_service(
+            self.spec.name, command, log_dir=self._log_dir, timeout=self.config.start_timeout_s
+        )
+        self._started_at = time.monotonic()
+
+    def _wait_healthy(self) -> bool:
+        assert self.process is not None
+        deadline = time.monotonic() + self.config.start_timeout_s
+        while time.monotonic() < deadline and self.process.alive():
+            if is_healthy(self.address, self.spec.health_url):
+                return True
+            if self._stop.wait(0.2):
+                return False
+        return False
+
+    def _keep(self) -> None:
+        """Restart the process whenever it dies, until asked to stop; then stop it."""
+        delay = 0.0
+        while True:
+            if self._wait_exit():
+                self._halt()
+                return
+            assert self.process is not None
+            ran_for = time.monotonic() - self._started_at
+            delay = self.config.restart.next_delay(delay, ran_for)
+            if ran_for >= self.config.restart.stable_after_s:
+                self._crash_loops.reset()
+            self.console.warn(
+                f"{self.spec.name} exited with code {self.process.process.returncode} after "
+                f"{ran_for:.1f}s; restarting in {delay:.1f}s (log: {self.log_path})"
+            )
+            while True:
+                if self._stop.wait(delay):
+                    return
+                if self._restart():
+                    break
+                delay = self.config.restart.next_delay(delay, 0.0)
+                self.console.warn(f"{self.spec.name}: next try in {delay:.1f}s")
+
+    def _wait_exit(self) -> bool:
+        """Wait until the process exits (False) or a stop is requested (True)."""
+        assert self.process is not None
+        while self.process.alive():
+            if self._stop.wait(0.2):
+                return True
+        return self._stop.is_set()
+
+    def _restart(self) -> bool:
+        self._count_restart()
+        with open(self.log_path, "a") as log:
+            log.write(f"\n===== dsmesh up: restarting {self.spec.name} at {time.ctime()} =====\n")
+        try:
+            self._launch()
+        except LaunchError as exc:
+            self.console.warn(f"{self.spec.name} failed to restart: {str(exc).splitlines()[0]}")
+            return False
+        assert self.process is not None
+        state = "healthy" if self._wait_healthy() else "NOT healthy yet"
+        self.console.warn(
+            f"{self.spec.name} restarted at {self.address} (pid {self.process.process.pid}), "
+            f"{state}"
+        )
+        return True
+
+    def _count_restart(self) -> None:
+        count = self._crash_loops.record(time.monotonic())
+        if count is not None:
+            policy = self.config.restart
+            self.console.warn(
+                f"!!! {self.spec.name} IS CRASH-LOOPING: {count} restarts in the last "
+                f"{policy.crash_loop_window_s:.0f}s; still retrying, backing off up to "
+                f"{policy.backoff_max_s:.0f}s. Last lines of {self.log_path}:\n"
+                f"{log_tail(self.log_path)}"
+            )
+
+    def _halt(self) -> None:
+        if self.process is not None and self.process.alive():
+            code = self.process.stop(self.config.stop_timeout_s)
+            self.console.info(f"  {self.spec.name:<12} stopped (exit code {code})")
+
+
+class Supervisor:
+    """Brings the mesh up stage by stage, then lets the slots keep it running."""
+
+    def __init__(self, config: MeshConfig, log_dir: Path, console: Console) -> None:
+        self.config = config
+        self.log_dir = log_dir
+        self.console = console
+        self.stages: list[list[Slot]] = []
+        self.stop_requested = threading.Event()
+
+    @property
+    def slots(self) -> list[Slot]:
+        return [slot for stage in self.stages for slot in stage]
+
+    def start(self) -> bool:
+        """Start every stage in order; False if one failed or a stop was requested."""
+        broker_address = ""
+        for build in STAGES:
+            specs = build(self.config, broker_address)
+            if not specs:
+                continue
+            stage = [Slot(spec, self.config, self.log_dir, self.console) for spec in specs]
+            self.stages.append(stage)
+            for slot in stage:
+                slot.start()
+            if not self._wait_settled(stage):
+                return False
+            if build is broker_stage:
+                broker_address = stage[0].address
+        return True
+
+    def _wait_settled(self, stage: list[Slot]) -> bool:
+        while not self.stop_requested.wait(0.1):
+            failed = [slot for slot in stage if slot.failure is not None]
+            if failed:
+                for slot in failed:
+                    self.console.warn(
+                        f"{slot.failure}\n  last lines of {slot.log_path}:\n"
+                        f"{log_tail(slot.log_path)}"
+                    )
+                return False
+            if all(slot.settled.is_set() for slot in stage):
+                return True
+        return False
+
+    def stop(self) -> None:
+        """Stop stage by stage, last started first; each slot SIGTERMs, then SIGKILLs."""
+        for stage in reversed(self.stages):
+            for slot in stage:
+                slot.request_stop()
+            # A slot inside a (re)start cannot stop before its child reports ready; past this
+            # bound it is left behind, and the supervisor's exit kills that child
+            # (PR_SET_PDEATHSIG).
+            bound = self.config.stop_timeout_s + 5.0
+            for slot in stage:
+                if not slot.join(bound):
+                    self.console.warn(f"{slot.spec.name} still starting; killed on exit")
+
+    def summary(self, elapsed_s: float) -> str:
+        c = self.config
+        broker = self.stages[0][0].address
+        lines = [f"dsmesh mesh ready in {elapsed_s:.1f}s"]
+        if c.gateway:
+            base = f"http://{c.host}:{c.http_port}"
+            gateway = next(s for s in self.slots if s.spec.name == "gateway")
+            lines += [
+                f"  REST     {base}",
+                f"  OpenAI   {base}/v1",
+                f"  gRPC     {gateway.address}",
+                f"  metrics  {base}/metrics",
+            ]
+        lines += [f"  broker   {broker}", f"  logs     {self.log_dir}", "Ctrl-C to stop."]
+        return "\n".join(lines)
+
+
+def default_log_dir() -> Path:
+    from engine.tiny_model import cache_root
+
+    parent = cache_root() / "logs"
+    parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=time.strftime("up-%Y%m%d-%H%M%S-"), dir=parent))
+
+
+def resolve_model(model: str | None) -> str:
+    """The checkpoint folder every child gets; builds the default model once, up front, so
+    that children do not race to build it."""
+    if model is None:
+        from engine.tiny_model import default_model_dir
+
+        return str(default_model_dir())
+    folder = Path(model).expanduser().resolve()
+    if not folder.is_dir():
+        raise FileNotFoundError(f"--model {model}: no such folder")
+    return str(folder)
+
+
+@contextmanager
+def stop_on_signals(stop: threading.Event) -> Iterator[None]:
+    """SIGINT/SIGTERM/SIGHUP set ``stop`` (main thread only) instead of raising."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run_mesh(config: MeshConfig, console: Console | None = None) -> int:
+    """Run the mesh until SIGINT/SIGTERM (exit 0); 1 if it could not be started."""
+    console = console or Console()
+    config.validate()
+    config = dataclasses.replace(config, model=resolve_model(config.model))
+    log_dir = Path(config.log_dir) if config.log_dir is not None else default_log_dir()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    console.info(f"dsmesh up: model {config.model}\ndsmesh up: logs  {log_dir}")
+    supervisor = Supervisor(config, log_dir, console)
+    begin = time.monotonic()
+    started = False
+    with stop_on_signals(supervisor.stop_requested):
+        try:
+            started = supervisor.start()
+            if started:
+                console.info(supervisor.summary(time.monotonic() - begin))
+                while not supervisor.stop_requested.wait(0.5):
+                    pass
+        finally:
+            if supervisor.stages:
+                console.info("dsmesh up: stopping")
+            supervisor.stop()
+    if started or supervisor.stop_requested.is_set():
+        console.info("dsmesh up: stopped")
+        return 0
+    console.warn("could not start the mesh; stopped what had started")
+    return 1
