@@ -10,7 +10,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry.trace import Status, StatusCode
 
+from dsmesh import telemetry
 from dsmesh.broker_link import BrokerLink
 from dsmesh.convert import require_request_id, sampling_from_proto
 from dsmesh.engine_worker import EngineWorker
@@ -95,15 +97,29 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 await self._release_after_prefill(rid, status)
                 settled = True
                 await context.abort(code, f"KV handoff {state}: {status.message}".strip(": "))
-            async for out in self._decode_stream(rid, status.first_token_id):
-                settled = out.finished
-                yield decode_pb2.DecodeResponse(
-                    request_id=rid,
-                    token_ids=out.new_token_ids,
-                    finish_reason=out.finish_reason or "",
-                    prompt_tokens=len(prompt),
-                    completion_tokens=out.completion_tokens,
-                )
+            span = telemetry.tracer().start_span(
+                "decode.generate",
+                attributes={"dsmesh.request_id": rid, "dsmesh.prompt_tokens": len(prompt)},
+            )
+            completion_tokens = 0
+            try:
+                async for out in self._decode_stream(rid, status.first_token_id):
+                    settled = out.finished
+                    completion_tokens = out.completion_tokens
+                    if out.finished:
+                        span.set_attribute("dsmesh.finish_reason", out.finish_reason or "")
+                    yield decode_pb2.DecodeResponse(
+                        request_id=rid,
+                        token_ids=out.new_token_ids,
+                        finish_reason=out.finish_reason or "",
+                        prompt_tokens=len(prompt),
+                        completion_tokens=out.completion_tokens,
+                    )
+            finally:
+                span.set_attribute("dsmesh.completion_tokens", completion_tokens)
+                if not settled:
+                    span.set_status(Status(StatusCode.ERROR, "stream ended before the last token"))
+                span.end()
         except asyncio.CancelledError:
             prefill_may_write = True  # cancelled mid-handoff: prefill may be writing
             raise
@@ -113,6 +129,32 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 self._spawn(self._cleanup(rid, prefill_may_write))
 
     async def _handoff(
+        self,
+        rid: str,
+        prompt: list[int],
+        pages: list[int],
+        timeout_s: float,
+        context: grpc.aio.ServicerContext,
+    ) -> kb.HandoffStatus:
+        """Register the reservation with kv_broker and wait until the handoff ends, inside a
+        ``decode.wait_kv`` span (the Reserve and Await RPCs are its children)."""
+        with telemetry.tracer().start_as_current_span(
+            "decode.wait_kv", attributes={"dsmesh.request_id": rid, "dsmesh.kv.pages": len(pages)}
+        ) as span:
+            status = await self._reserve_and_wait(rid, prompt, pages, timeout_s, context)
+            state = kb.HandoffState.Name(status.state).removeprefix("HANDOFF_")
+            span.set_attributes(
+                {
+                    "dsmesh.handoff.state": state,  # as kv-broker's kv.handoff span has it
+                    "dsmesh.kv.bytes": status.bytes_written,
+                    "dsmesh.prefill_instance_id": status.prefill_instance_id,
+                }
+            )
+            if status.state != kb.HANDOFF_DONE:
+                span.set_status(Status(StatusCode.ERROR, status.message))
+            return status
+
+    async def _reserve_and_wait(
         self,
         rid: str,
         prompt: list[int],

@@ -2,7 +2,9 @@
 
 The Attach stream is re-opened whenever it drops, so a restarted broker sees every instance
 again without restarting it. Events for handoffs arrive on the event loop through
-``on_event``.
+``on_event``. The stream lives as long as the process, so it is not traced
+(``dsmesh.telemetry.UNTRACED_METHOD_PREFIXES``); the stub's other calls are, in the caller's
+trace.
 """
 
 from __future__ import annotations

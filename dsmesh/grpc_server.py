@@ -12,6 +12,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from dsmesh.telemetry import client_interceptors, server_interceptors
+
 log = logging.getLogger(__name__)
 
 # Keepalive so that a peer that vanished (SIGKILL, cable) is noticed within seconds.
@@ -50,9 +52,11 @@ async def start_server(
     """Start a server with ``register``'s servicers plus health and reflection.
 
     ``service_names`` are full names (``dsmesh.v1.Decode``) reported by health and reflection;
-    port 0 picks a free port, returned in :attr:`RunningServer.port`.
+    port 0 picks a free port, returned in :attr:`RunningServer.port`. With tracing on
+    (:func:`dsmesh.telemetry.setup_tracing` called before), every RPC gets a server span that
+    continues the caller's trace.
     """
-    server = grpc.aio.server(options=KEEPALIVE_OPTIONS)
+    server = grpc.aio.server(options=KEEPALIVE_OPTIONS, interceptors=server_interceptors())
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -87,5 +91,9 @@ def run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
 
 
 def channel(address: str) -> grpc.aio.Channel:
-    """Client channel with the same keepalive settings as the servers."""
-    return grpc.aio.insecure_channel(address, options=KEEPALIVE_OPTIONS)
+    """Client channel with the same keepalive settings as the servers. With tracing on
+    (set up before the channel is made), every call gets a client span, child of the caller's
+    current span, whose context travels in the metadata."""
+    return grpc.aio.insecure_channel(
+        address, options=KEEPALIVE_OPTIONS, interceptors=client_interceptors()
+    )

@@ -3,6 +3,10 @@
 Decode's ``Decode`` stream and prefill's ``Prefill`` call start together; decode reserves
 pages, prefill writes the KV into them and commits the first token through kv_broker, and
 decode streams every token. Used by the gateway and by tests.
+
+Tracing: both calls start in the caller's current context, so with tracing on (channels from
+``dsmesh.grpc_server.channel``) their client spans are children of the caller's current span
+and the services' spans join the caller's trace.
 """
 
 from __future__ import annotations
@@ -14,6 +18,10 @@ from collections.abc import AsyncIterator
 import grpc
 
 from dsmesh.v1 import decode_pb2, decode_pb2_grpc, generation_pb2, prefill_pb2, prefill_pb2_grpc
+
+# Decode only streams once prefill committed, so prefill's answer is due when decode ends: wait
+# this long for it rather than cancel a call that succeeded (and end its span as an error).
+PREFILL_SETTLE_S = 1.0
 
 
 class PDError(Exception):
@@ -50,17 +58,23 @@ async def generate_pd(
         timeout=timeout_s,
     )
     prefill_task = asyncio.ensure_future(prefill_call)
+    finished = False
     try:
         async for message in decode_call:
             yield message
+        finished = True
     except grpc.aio.AioRpcError as exc:
         raise await _explain(exc, prefill_task) from None
     finally:
         decode_call.cancel()
-        if not prefill_task.done():
-            prefill_task.cancel()
-        with contextlib.suppress(Exception, asyncio.CancelledError):
-            await prefill_task  # its outcome was reported through decode's stream
+        try:
+            if finished and not prefill_task.done():
+                await asyncio.wait({prefill_task}, timeout=PREFILL_SETTLE_S)
+        finally:
+            if not prefill_task.done():
+                prefill_task.cancel()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await prefill_task  # its outcome was reported through decode's stream
 
 
 async def _explain(decode_error: grpc.aio.AioRpcError, prefill_task: asyncio.Future) -> PDError:

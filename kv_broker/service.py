@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from prometheus_client import start_http_server
 
 from dsmesh.grpc_server import start_server
+from dsmesh.telemetry import setup_tracing, shutdown_tracing
 from dsmesh.v1 import kv_broker_pb2, kv_broker_pb2_grpc
 from kv_broker.metrics import BrokerMetrics
 from kv_broker.servicer import KVBrokerServicer
@@ -55,8 +56,20 @@ async def serve(
 
     ``ready(port)`` is called once the server accepts calls, with the bound port. On stop:
     health goes NOT_SERVING, Attach streams end with OK, in-flight calls get
-    ``config.shutdown_grace_s`` to finish.
+    ``config.shutdown_grace_s`` to finish. Traces go wherever the ``OTEL_*`` environment says
+    (service name ``kv-broker``); off by default.
     """
+    traced = setup_tracing("kv-broker")  # before the server: it picks its interceptors
+    try:
+        await _serve(config, stop, ready)
+    finally:
+        if traced:
+            await asyncio.to_thread(shutdown_tracing)  # flush the last handoff spans
+
+
+async def _serve(
+    config: BrokerConfig, stop: asyncio.Event, ready: Callable[[int], None] | None
+) -> None:
     metrics = BrokerMetrics()
     servicer = KVBrokerServicer(config, metrics)
     running = await start_server(

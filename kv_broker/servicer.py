@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
+from opentelemetry import trace
 
+from dsmesh import telemetry
 from dsmesh.v1 import kv_broker_pb2 as pb
 from dsmesh.v1 import kv_broker_pb2_grpc
 from kv_broker.metrics import BrokerMetrics
@@ -28,6 +30,7 @@ from kv_broker.state import (
     ErrorCode,
     Handoff,
     HandoffError,
+    HandoffState,
     HandoffTable,
     KVLayout,
     RemotePool,
@@ -141,6 +144,57 @@ class _Stream:
         self.wakeup.set()
 
 
+class _HandoffSpans:
+    """One ``kv.handoff`` span per live handoff, from Reserve (child of that RPC's span, so in
+    the request's trace) to its terminal state. Stays empty while tracing is off."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, trace.Span] = {}
+        self._closed = False
+
+    def start(self, h: Handoff) -> None:
+        if self._closed or not telemetry.enabled():
+            return
+        self._open[h.request_id] = telemetry.tracer().start_span(
+            "kv.handoff",
+            attributes={
+                "dsmesh.request_id": h.request_id,
+                "dsmesh.decode_instance_id": h.decode_instance_id,
+                "dsmesh.kv.pages": len(h.page_ids),
+                "dsmesh.prompt_tokens": h.num_tokens,
+            },
+        )
+
+    def update(self, t: Transition) -> None:
+        h = t.handoff
+        span = self._open.get(h.request_id)
+        if span is None or not t.state_changed:
+            return
+        if h.state is HandoffState.TRANSFERRING:
+            span.add_event("resolved", {"dsmesh.prefill_instance_id": h.prefill_instance_id})
+        if not h.state.terminal:
+            return
+        del self._open[h.request_id]
+        span.set_attributes(
+            {
+                "dsmesh.handoff.state": h.state.name,
+                "dsmesh.prefill_instance_id": h.prefill_instance_id,
+                "dsmesh.kv.bytes": h.bytes_written,
+            }
+        )
+        if h.state is not HandoffState.DONE:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, h.message or h.state.name))
+        span.end()
+
+    def end_all(self, reason: str) -> None:
+        """Broker shutdown: end the spans of handoffs still live, so none is lost."""
+        self._closed = True
+        for span in self._open.values():
+            span.set_status(trace.Status(trace.StatusCode.ERROR, reason))
+            span.end()
+        self._open.clear()
+
+
 @dataclass
 class _Instance:
     info: pb.Instance
@@ -166,6 +220,7 @@ class KVBrokerServicer(kv_broker_pb2_grpc.KVBrokerServicer):
         self._watchers: dict[str, set[asyncio.Event]] = {}
         self._housekeeping: asyncio.Task[None] | None = None
         self._closing = False
+        self._spans = _HandoffSpans()
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -189,6 +244,7 @@ class KVBrokerServicer(kv_broker_pb2_grpc.KVBrokerServicer):
             self._housekeeping.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._housekeeping
+        self._spans.end_all("kv_broker stopped before the handoff ended")
 
     async def _housekeep(self) -> None:
         next_gc = self._clock()
@@ -208,6 +264,7 @@ class KVBrokerServicer(kv_broker_pb2_grpc.KVBrokerServicer):
     def _publish(self, transitions: Iterable[Transition]) -> None:
         transitions = [t for t in transitions if t.changed]
         for t in transitions:
+            self._spans.update(t)
             event = _event(t.handoff)
             for instance_id in t.party_ids:
                 inst = self._instances.get(instance_id)
@@ -358,7 +415,9 @@ class KVBrokerServicer(kv_broker_pb2_grpc.KVBrokerServicer):
         )
         HandoffTable.validate_reservation(**args)  # bad input before state checks
         self._require_attached(request.decode_instance_id, pb.ROLE_DECODE, "decode_instance_id")
-        self._publish([self._table.reserve(**args, now=self._clock())])
+        t = self._table.reserve(**args, now=self._clock())
+        self._spans.start(t.handoff)
+        self._publish([t])
         return pb.ReserveResponse()
 
     @_unary

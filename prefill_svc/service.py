@@ -12,6 +12,7 @@ from dsmesh.broker_link import BrokerLink
 from dsmesh.grpc_server import start_server
 from dsmesh.instance import TransferConfig, build_instance, health_follows_broker, new_instance_id
 from dsmesh.kv_layout import layout_of
+from dsmesh.telemetry import setup_tracing, shutdown_tracing
 from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import prefill_pb2_grpc
 from engine.llm_engine import EngineConfig
@@ -35,6 +36,17 @@ class PrefillConfig:
 
 async def serve(
     config: PrefillConfig, stop: asyncio.Event, ready: Callable[[str, int], None] | None = None
+) -> None:
+    traced = setup_tracing("prefill")  # before any channel or server: they pick their interceptors
+    try:
+        await _serve(config, stop, ready)
+    finally:
+        if traced:
+            await asyncio.to_thread(shutdown_tracing)  # flush this process's last spans
+
+
+async def _serve(
+    config: PrefillConfig, stop: asyncio.Event, ready: Callable[[str, int], None] | None
 ) -> None:
     parts = await build_instance(config.engine, config.transfer)
     instance_id = config.instance_id or new_instance_id("prefill")

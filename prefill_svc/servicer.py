@@ -4,11 +4,15 @@ commit the first token through kv_broker."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
+import time
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry.context import Context
 
+from dsmesh import telemetry
 from dsmesh.broker_link import BrokerLink
 from dsmesh.convert import require_request_id, sampling_from_proto
 from dsmesh.engine_worker import EngineWorker
@@ -48,6 +52,36 @@ class _Job:
     next_page: int = 0  # first request page not yet (fully) sent
     aborted: bool = False
     cached_tokens: int = 0
+    trace_context: Context | None = None  # the Prefill RPC's, for spans made on other threads
+    # Engine thread only: when the request was queued, the end of its last traced interval
+    # (submit, then each chunk), and whether its prefill.queue span is still due.
+    submit_ns: int = 0
+    mark_ns: int = 0
+    queued: bool = False
+
+
+class _StepClock:
+    """Engine thread: the time span of the step whose outputs are being delivered.
+
+    Listeners run after a step, so its end is "now"; its start is taken as the end of the
+    previous step (the worker steps back to back while there is work). Callers clamp it to
+    the request's own last mark, which covers an engine that was idle before the step.
+    """
+
+    def __init__(self, worker: EngineWorker) -> None:
+        self.worker = worker
+        self._step = 0
+        self._start_ns = 0
+        self._end_ns = 0
+
+    def bounds(self) -> tuple[int, int]:
+        step = self.worker.num_steps
+        if step != self._step:
+            consecutive = step == self._step + 1
+            self._start_ns = self._end_ns if consecutive else 0
+            self._end_ns = time.time_ns()
+            self._step = step
+        return self._start_ns, self._end_ns
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -68,13 +102,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.loop: asyncio.AbstractEventLoop | None = None
         self.transfers = transfers
         self._background: set[asyncio.Task[None]] = set()
+        self._steps = _StepClock(worker)
 
     def callbacks(self) -> TransferCallbacks:
-        """Transfer-thread callbacks, bounced onto the event loop."""
+        """Transfer-thread callbacks, bounced onto the event loop in the job's (trace)
+        context, so the RPCs they start belong to the request's trace."""
 
         def hop(fn, *args) -> None:
             assert self.loop is not None
-            self.loop.call_soon_threadsafe(fn, *args)
+            self.loop.call_soon_threadsafe(fn, *args, context=contextvars.copy_context())
 
         return TransferCallbacks(
             on_chunk=lambda rid, tokens, nbytes: hop(self._on_chunk, rid, tokens, nbytes),
@@ -98,14 +134,19 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already active")
         self.loop = asyncio.get_running_loop()
         prompt = list(request.input_ids)
-        job = _Job(rid, len(prompt), self.loop.create_future())
+        job = _Job(
+            rid, len(prompt), self.loop.create_future(), trace_context=telemetry.current_context()
+        )
         self.jobs[rid] = job
         try:
             await self._resolve(job)
             cached_pages = await self.worker.call(lambda e: self._submit(e, job, prompt, params))
             job.cached_tokens = cached_pages * self.page_size
             first_token, nbytes = await job.done
-            await self._commit(job, first_token, nbytes)
+            with telemetry.tracer().start_as_current_span(
+                "kv.commit", attributes={"dsmesh.request_id": rid, "dsmesh.kv.bytes": nbytes}
+            ):
+                await self._commit(job, first_token, nbytes)
             return prefill_pb2.PrefillResponse(
                 request_id=rid,
                 first_token_id=first_token,
@@ -163,6 +204,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def _submit(self, engine: LLMEngine, job: _Job, prompt: list[int], params) -> int:
         """On the engine thread: queue the prompt and route its outputs to the transfers."""
         engine.add_request(prompt, params, request_id=job.request_id, prefill_only=True)
+        job.submit_ns = job.mark_ns = time.time_ns()
+        job.queued = True
         self.worker.listen(job.request_id, lambda out: self._on_output(engine, job, out))
         return engine.requests[job.request_id].num_cached_pages
 
@@ -177,6 +220,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 self._on_transfer_error, job.request_id, f"prefill failed: {out.finish_reason}"
             )
             return
+        if telemetry.enabled():
+            self._trace_chunk(job, out)
         _, end = out.computed
         last_page = pages_for(end, self.page_size)
         if last_page > job.next_page:
@@ -189,11 +234,57 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     [job.remote_pages[i] for i in idx],
                     job.remote,
                     end,
+                    job.trace_context,
                 )
             )
             job.next_page = end // self.page_size  # a partial last page is re-sent later
         if out.finished:
-            self.transfers.put(FinalJob(job.request_id, out.new_token_ids[0]))
+            self.transfers.put(FinalJob(job.request_id, out.new_token_ids[0], job.trace_context))
+
+    def _trace_chunk(self, job: _Job, out: StepOutput) -> None:
+        """Engine thread: record the forward that computed ``out`` as a ``prefill.chunk`` span,
+        and the wait before the request's first forward as ``prefill.queue``."""
+        start, end = out.computed
+        if end <= start:
+            return
+        step_start_ns, step_end_ns = self._steps.bounds()
+        chunk_start_ns = max(step_start_ns, job.mark_ns)
+        if job.queued:
+            job.queued = False
+            telemetry.record_span(
+                "prefill.queue",
+                job.trace_context,
+                job.submit_ns,
+                chunk_start_ns,
+                {"dsmesh.request_id": job.request_id, "dsmesh.cached_tokens": start},
+            )
+        telemetry.record_span(
+            "prefill.chunk",
+            job.trace_context,
+            chunk_start_ns,
+            step_end_ns,
+            {
+                "dsmesh.request_id": job.request_id,
+                "dsmesh.chunk.tokens": end - start,
+                "dsmesh.chunk.start": start,
+                "dsmesh.chunk.end": end,
+            },
+        )
+        job.mark_ns = step_end_ns
+
+    def _abort_on_engine(self, engine: LLMEngine, job: _Job) -> bool:
+        """Engine thread: stop the request; a request that never ran ends its queue span."""
+        if job.queued:
+            job.queued = False
+            telemetry.record_span(
+                "prefill.queue",
+                job.trace_context,
+                job.submit_ns,
+                time.time_ns(),
+                {"dsmesh.request_id": job.request_id},
+                error="aborted before its first forward",
+            )
+        return engine.abort(job.request_id)
 
     async def _commit(self, job: _Job, first_token: int, nbytes: int) -> None:
         req = kb.CommitRequest(
@@ -223,9 +314,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await self._broker_call(
                 "Fail", kb.FailRequest(request_id=job.request_id, reason=reason)
             )
-        await self.worker.call(lambda e: e.abort(job.request_id))
+        await self.worker.call(lambda e: self._abort_on_engine(e, job))
         if self.transfers is not None and job.remote is not None:
-            self.transfers.abort(job.request_id)  # -> _on_release -> broker Release
+            self.transfers.abort(job.request_id, job.trace_context)  # -> _on_release -> Release
         elif job.remote is not None:
             self._spawn(self._release(job.request_id))
         if not job.done.done():
@@ -242,9 +333,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self._spawn(self._stop_after_broker_end(job, reason, event.state))
 
     async def _stop_after_broker_end(self, job: _Job, reason: str, state: int) -> None:
-        await self.worker.call(lambda e: e.abort(job.request_id))
+        await self.worker.call(lambda e: self._abort_on_engine(e, job))
         if self.transfers is not None and job.remote is not None:
-            self.transfers.abort(job.request_id)
+            self.transfers.abort(job.request_id, job.trace_context)
         if not job.done.done():
             code = {
                 kb.HANDOFF_ABORTED: grpc.StatusCode.CANCELLED,
