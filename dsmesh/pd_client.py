@@ -59,14 +59,30 @@ async def generate_pd(
     )
     prefill_task = asyncio.ensure_future(prefill_call)
     finished = False
+    messages = decode_call.__aiter__()
     try:
-        async for message in decode_call:
+        while True:
+            try:
+                message = await anext(messages)
+            except StopAsyncIteration:
+                finished = True
+                break
+            if message.finish_reason:
+                # Let the stream end (its trailers follow at once) before handing over the
+                # last message, so the call completes even if the caller stops here.
+                await _drain(messages, 1.0)
+                finished = True
+                yield message
+                break
             yield message
-        finished = True
     except grpc.aio.AioRpcError as exc:
         raise await _explain(exc, prefill_task) from None
     finally:
-        decode_call.cancel()
+        if not finished:
+            decode_call.cancel()
+            # Resume the (possibly intercepted) response iterator once, so whatever wraps
+            # it - e.g. a tracing span - ends now rather than when it is garbage-collected.
+            await _drain(messages, 0.5)
         try:
             if finished and not prefill_task.done():
                 await asyncio.wait({prefill_task}, timeout=PREFILL_SETTLE_S)
@@ -75,6 +91,15 @@ async def generate_pd(
                 prefill_task.cancel()
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await prefill_task  # its outcome was reported through decode's stream
+
+
+async def _drain(messages: AsyncIterator, timeout_s: float) -> None:
+    async def consume() -> None:
+        async for _ in messages:
+            pass
+
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+        await asyncio.wait_for(consume(), timeout_s)
 
 
 async def _explain(decode_error: grpc.aio.AioRpcError, prefill_task: asyncio.Future) -> PDError:

@@ -160,8 +160,21 @@ def gateway_stage(config: MeshConfig, broker_address: str) -> list[ServiceSpec]:
         str(config.http_port),
         *(("--model", config.model) if config.model else ()),
     )
-    health = f"http://{config.host}:{config.http_port}/health"
+    health = f"http://{_probe_host(config.host)}:{config.http_port}/health"
     return [ServiceSpec("gateway", args, pinned_port_flag="--grpc-port", health_url=health)]
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _probe_host(host: str) -> str:
+    """Where to reach a service bound to ``host`` from this machine, as a URL's host."""
+    if host in ("", "0.0.0.0"):
+        return LOOPBACK
+    if host == "::":
+        return "[::1]"
+    return _url_host(host)
 
 
 STAGES: tuple[StageBuilder, ...] = (broker_stage, eplb_stage, instance_stage, gateway_stage)
@@ -255,6 +268,11 @@ class Slot:
     def request_stop(self) -> None:
         self._stop.set()
 
+    def kill_now(self) -> None:
+        """SIGKILL the process without waiting (safe in a signal handler)."""
+        if self.process is not None and self.process.process.poll() is None:
+            self.process.process.kill()
+
     def join(self, timeout: float) -> bool:
         self._thread.join(timeout)
         return not self._thread.is_alive()
@@ -262,19 +280,29 @@ class Slot:
     # -- keeper thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            if self._bring_up():
+                self._keep()
+        except Exception as exc:  # a keeper never dies silently, nor leaves its child behind
+            self.console.warn(f"{self.spec.name}: supervisor error {exc!r}; stopping it")
+            self.failure = self.failure or f"{self.spec.name}: supervisor error {exc!r}"
+            self._halt()
+        finally:
+            self.settled.set()
+
+    def _bring_up(self) -> bool:
+        """First start: launched and healthy (True), or failed / stop requested (False)."""
         begin = time.monotonic()
         try:
             self._launch()
         except LaunchError as exc:
             self.failure = str(exc).splitlines()[0]
-            self.settled.set()
-            return
+            return False
         if not self._wait_healthy():
             self._halt()
             if not self._stop.is_set():
                 self.failure = f"{self.spec.name} did not become healthy"
-            self.settled.set()
-            return
+            return False
         assert self.process is not None
         if self.spec.pinned_port_flag is not None:
             index = self._args.index(self.spec.pinned_port_flag)
@@ -284,13 +312,19 @@ class Slot:
             f"pid {self.process.process.pid:<8} {time.monotonic() - begin:5.1f}s"
         )
         self.settled.set()
-        self._keep()
+        return True
 
     def _launch(self) -> None:
         command = orphan_proof(dsmesh_command(*self._args), os.getpid())
-        self.process = start_service(
-            self.spec.name, command, log_dir=self._log_dir, timeout=self.config.start_timeout_s
-        )
+        try:
+            self.process = start_service(
+                self.spec.name,
+                command,
+                log_dir=self._log_dir,
+                timeout=self.config.start_timeout_s,
+            )
+        except OSError as exc:  # e.g. the log folder is not writable
+            raise LaunchError(f"{self.spec.name} could not be started: {exc}") from exc
         self._started_at = time.monotonic()
 
     def _wait_healthy(self) -> bool:
@@ -377,7 +411,16 @@ class Supervisor:
         self.log_dir = log_dir
         self.console = console
         self.stages: list[list[Slot]] = []
-        self.stop_requested = threading.Event()
+        # A plain flag, not a threading.Event: a signal handler sets it, and Event.set could
+        # deadlock on the lock that the interrupted main thread holds.
+        self.stop_requested = False
+
+    def request_stop(self) -> None:
+        """First call: stop gracefully. A later call (a second Ctrl-C): SIGKILL every child."""
+        if self.stop_requested:
+            for slot in self.slots:
+                slot.kill_now()
+        self.stop_requested = True
 
     @property
     def slots(self) -> list[Slot]:
@@ -401,7 +444,9 @@ class Supervisor:
         return True
 
     def _wait_settled(self, stage: list[Slot]) -> bool:
-        while not self.stop_requested.wait(0.1):
+        while not self.stop_requested:
+            # read settled before failure: a keeper records its failure, then settles
+            settled = all(slot.settled.is_set() for slot in stage)
             failed = [slot for slot in stage if slot.failure is not None]
             if failed:
                 for slot in failed:
@@ -410,8 +455,9 @@ class Supervisor:
                         f"{log_tail(slot.log_path)}"
                     )
                 return False
-            if all(slot.settled.is_set() for slot in stage):
+            if settled:
                 return True
+            time.sleep(0.1)
         return False
 
     def stop(self) -> None:
@@ -432,7 +478,7 @@ class Supervisor:
         broker = self.stages[0][0].address
         lines = [f"dsmesh mesh ready in {elapsed_s:.1f}s"]
         if c.gateway:
-            base = f"http://{c.host}:{c.http_port}"
+            base = f"http://{_url_host(c.host)}:{c.http_port}"
             gateway = next(s for s in self.slots if s.spec.name == "gateway")
             lines += [
                 f"  REST     {base}",
@@ -466,13 +512,13 @@ def resolve_model(model: str | None) -> str:
 
 
 @contextmanager
-def stop_on_signals(stop: threading.Event) -> Iterator[None]:
-    """SIGINT/SIGTERM/SIGHUP set ``stop`` (main thread only) instead of raising."""
+def stop_on_signals(on_signal: Callable[[], None]) -> Iterator[None]:
+    """SIGINT/SIGTERM/SIGHUP call ``on_signal`` (in the main thread only) instead of raising."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in sigs}
+    previous = {sig: signal.signal(sig, lambda *_: on_signal()) for sig in sigs}
     try:
         yield
     finally:
@@ -491,18 +537,18 @@ def run_mesh(config: MeshConfig, console: Console | None = None) -> int:
     supervisor = Supervisor(config, log_dir, console)
     begin = time.monotonic()
     started = False
-    with stop_on_signals(supervisor.stop_requested):
+    with stop_on_signals(supervisor.request_stop):
         try:
             started = supervisor.start()
             if started:
                 console.info(supervisor.summary(time.monotonic() - begin))
-                while not supervisor.stop_requested.wait(0.5):
-                    pass
+                while not supervisor.stop_requested:
+                    time.sleep(0.2)
         finally:
             if supervisor.stages:
                 console.info("dsmesh up: stopping")
             supervisor.stop()
-    if started or supervisor.stop_requested.is_set():
+    if started or supervisor.stop_requested:
         console.info("dsmesh up: stopped")
         return 0
     console.warn("could not start the mesh; stopped what had started")

@@ -19,11 +19,11 @@ def prepare(core: GenerationCore, request: pb.GenerateRequest):
 
 
 async def generate(
-    core: GenerationCore, request: pb.GenerateRequest
+    core: GenerationCore, request: pb.GenerateRequest, trace_parent=None
 ) -> AsyncIterator[pb.GenerateResponse]:
     """GenerateResponse messages; raises GatewayError."""
     inp = prepare(core, request)
-    async for delta in core.generate(inp):
+    async for delta in core.generate(inp, trace_parent):
         msg = pb.GenerateResponse(
             request_id=inp.request_id,
             token_ids=delta.token_ids,

@@ -15,7 +15,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.context import Context
 
+from dsmesh import telemetry
 from dsmesh.convert import sampling_to_proto
 from dsmesh.pd_client import PDError, generate_pd
 from dsmesh.v1 import generation_pb2
@@ -121,9 +124,12 @@ class GenerationCore:
 
     # ---- generation -------------------------------------------------------------------------
 
-    async def generate(self, inp: GenerationInput) -> AsyncIterator[Delta]:
+    async def generate(
+        self, inp: GenerationInput, trace_parent: Context | None = None
+    ) -> AsyncIterator[Delta]:
         """Stream deltas; the last one has ``finish_reason``. Leaving early cancels both
-        sides of the request (pages are freed)."""
+        sides of the request (pages are freed). ``trace_parent``: the caller's trace context
+        (an HTTP traceparent, or the gRPC server span); the request's spans hang below it."""
         start = time.monotonic()
         m = self.metrics
         m.waiting.inc()
@@ -132,8 +138,27 @@ class GenerationCore:
             prefill, decode = await self._route(inp)
             self.active[inp.request_id] = (prefill, decode)
             m.prompt_tokens.inc(len(inp.prompt_ids))
-            async for delta in self._stream(inp, prefill, decode, start, state):
-                yield delta
+            span = telemetry.tracer().start_span(
+                "gateway.request",
+                context=trace_parent,
+                kind=trace.SpanKind.SERVER,
+                attributes={
+                    "dsmesh.request_id": inp.request_id,
+                    "dsmesh.prompt_tokens": len(inp.prompt_ids),
+                    "dsmesh.prefill": prefill.instance_id,
+                    "dsmesh.decode": decode.instance_id,
+                },
+            )
+            ctx = trace.set_span_in_context(span, trace_parent)
+            try:
+                async for delta in self._stream(inp, prefill, decode, start, state, ctx):
+                    yield delta
+            except GatewayError as exc:
+                span.set_status(trace.StatusCode.ERROR, exc.message)
+                raise
+            finally:
+                span.set_attribute("dsmesh.outcome", state["outcome"])
+                span.end()
         finally:
             self.active.pop(inp.request_id, None)
             if state["waiting"]:
@@ -152,7 +177,7 @@ class GenerationCore:
                     raise GatewayError(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
                 await self.registry.wait_healthy(max(0.0, deadline - time.monotonic()))
 
-    async def _stream(self, inp, prefill, decode, start, state) -> AsyncIterator[Delta]:
+    async def _stream(self, inp, prefill, decode, start, state, ctx) -> AsyncIterator[Delta]:
         m = self.metrics
         detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
         stops = StopStringMatcher(inp.params.stop)
@@ -169,7 +194,7 @@ class GenerationCore:
             handoff_timeout_s=self.limits.handoff_timeout_s,
         )
         try:
-            async for msg in stream:
+            async for msg in _first_in_context(stream, ctx):
                 now = time.monotonic()
                 tokens = list(msg.token_ids)
                 if tokens:
@@ -225,3 +250,16 @@ class GenerationCore:
             return_exceptions=True,
         )
         return any(getattr(r, "aborted", False) for r in results)
+
+
+async def _first_in_context(stream: AsyncIterator, ctx: Context) -> AsyncIterator:
+    """Advance ``stream`` the first time with ``ctx`` current: generate_pd starts its two
+    calls then, so they (and everything downstream) join the request's trace."""
+    with telemetry.attached(ctx):
+        try:
+            first = await anext(stream)
+        except StopAsyncIteration:
+            return
+    yield first
+    async for item in stream:
+        yield item

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from dsmesh import telemetry
 from dsmesh.v1 import generation_pb2 as pb
 from dsmesh.v1 import generation_pb2_grpc
 from gateway import api
@@ -20,7 +21,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            async for msg in api.generate(self.core, request):
+            async for msg in api.generate(self.core, request, telemetry.current_context()):
                 yield msg
         except GatewayError as exc:
             await context.abort(exc.code, exc.message)

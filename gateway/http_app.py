@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from dsmesh.telemetry import context_from_headers
 from dsmesh.v1 import generation_pb2
 from gateway import api
 from gateway.core import GenerationCore
@@ -18,8 +19,13 @@ def build_app(core: GenerationCore, model_name: str, max_body_bytes: int) -> web
     app.add_routes(
         transcoded_routes(
             service,
-            streaming={"Generate": (lambda m: api.generate(core, m), api.aggregate)},
-            unary={"Abort": lambda m: api.abort(core, m)},
+            streaming={
+                "Generate": (
+                    lambda m, r: api.generate(core, m, context_from_headers(r.headers)),
+                    api.aggregate,
+                )
+            },
+            unary={"Abort": lambda m, r: api.abort(core, m)},
         )
     )
     app.add_routes(OpenAIRoutes(core, model_name).routes())

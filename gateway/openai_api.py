@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
+from dsmesh.telemetry import context_from_headers
 from engine.sampling_params import SamplingParams
 from gateway.core import GatewayError, GenerationCore
 from gateway.rest import http_status, read_json, sse
@@ -200,9 +201,11 @@ class OpenAIRoutes:
             }
 
         if stream:
-            return await sse(request, self._stream(inp, chunk, include_usage), done_marker=True)
+            return await sse(
+                request, self._stream(inp, chunk, include_usage, request), done_marker=True
+            )
         try:
-            text, reason, usage = await self._collect(inp)
+            text, reason, usage = await self._collect(inp, request)
         except GatewayError as exc:
             return _from_gateway(exc).response()
         out = chunk(text, reason)
@@ -250,9 +253,11 @@ class OpenAIRoutes:
             }
 
         if stream:
-            return await sse(request, self._stream(inp, chunk, include_usage), done_marker=True)
+            return await sse(
+                request, self._stream(inp, chunk, include_usage, request), done_marker=True
+            )
         try:
-            text, reason, usage = await self._collect(inp)
+            text, reason, usage = await self._collect(inp, request)
         except GatewayError as exc:
             return _from_gateway(exc).response()
         return web.json_response(
@@ -275,20 +280,22 @@ class OpenAIRoutes:
 
     # ---- shared ----------------------------------------------------------------------------
 
-    async def _collect(self, inp) -> tuple[str, str, dict[str, int]]:
+    async def _collect(self, inp, request: web.Request) -> tuple[str, str, dict[str, int]]:
         parts: list[str] = []
         reason, usage = "stop", {}
-        async for delta in self.core.generate(inp):
+        async for delta in self.core.generate(inp, context_from_headers(request.headers)):
             parts.append(delta.text)
             if delta.finish_reason:
                 reason = _finish(delta.finish_reason)
                 usage = _usage(delta.prompt_tokens, delta.completion_tokens)
         return "".join(parts), reason, usage
 
-    async def _stream(self, inp, chunk, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+    async def _stream(
+        self, inp, chunk, include_usage: bool, request: web.Request
+    ) -> AsyncIterator[dict[str, Any]]:
         usage = None
         sent_any = False
-        async for delta in self.core.generate(inp):
+        async for delta in self.core.generate(inp, context_from_headers(request.headers)):
             finish = _finish(delta.finish_reason) if delta.finish_reason else None
             if delta.text or finish or not sent_any:
                 out = chunk(delta.text, finish)

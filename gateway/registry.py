@@ -140,6 +140,9 @@ class InstanceRegistry:
                 if self.broker_ok:
                     log.warning("kv_broker unreachable: %s", exc.code().name)
                 self.broker_ok = False
+            except Exception:  # never let discovery die
+                log.exception("instance discovery failed")
+                self.broker_ok = False
             self.changed.set()
             await asyncio.sleep(1.0 if self.broker_ok else 0.25)
 
@@ -171,14 +174,16 @@ class InstanceRegistry:
         while True:
             insts = list(self.instances.values())
             if insts:
-                await asyncio.gather(*(self._poll(i) for i in insts))
+                # return_exceptions: one instance's failure must never end this loop
+                await asyncio.gather(*(self._poll(i) for i in insts), return_exceptions=True)
                 self.changed.set()
             await asyncio.sleep(self.poll_interval_s)
 
     async def _poll(self, inst: Instance) -> None:
         try:
             msg = await inst.stub.GetLoad(prefill_pb2.LoadRequest(), timeout=self.rpc_timeout_s)
-        except grpc.aio.AioRpcError:
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.CancelledError):
+            # unreachable, or its channel was closed under us (the instance left)
             inst.healthy = False
             return
         if inst.role == kb.ROLE_PREFILL:

@@ -40,8 +40,9 @@ HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 
-StreamHandler = Callable[[Message], AsyncIterator[Message]]
-UnaryHandler = Callable[[Message], Awaitable[Message]]
+# handlers get the parsed message and the HTTP request (headers carry trace context)
+StreamHandler = Callable[[Message, web.Request], AsyncIterator[Message]]
+UnaryHandler = Callable[[Message, web.Request], Awaitable[Message]]
 Aggregator = Callable[[list[Message]], Message]
 
 
@@ -148,9 +149,9 @@ def _stream_route(cls: type[Message], fn: StreamHandler, aggregate: Aggregator):
             return error_response(exc.code, exc.message)
         wants_stream = getattr(msg, "stream", True)
         if wants_stream:
-            return await sse(request, (to_json(m) async for m in fn(msg)))
+            return await sse(request, (to_json(m) async for m in fn(msg, request)))
         try:
-            messages = [m async for m in fn(msg)]
+            messages = [m async for m in fn(msg, request)]
         except GatewayError as exc:
             return error_response(exc.code, exc.message)
         return web.json_response(to_json(aggregate(messages)))
@@ -162,7 +163,7 @@ def _unary_route(cls: type[Message], fn: UnaryHandler):
     async def handle(request: web.Request) -> web.Response:
         try:
             msg = parse_message(await read_json(request), cls)
-            return web.json_response(to_json(await fn(msg)))
+            return web.json_response(to_json(await fn(msg, request)))
         except GatewayError as exc:
             return error_response(exc.code, exc.message)
 

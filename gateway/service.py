@@ -11,6 +11,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from dsmesh import telemetry
 from dsmesh.grpc_server import start_server
 from dsmesh.v1 import generation_pb2_grpc
 from engine.config import load_config
@@ -43,6 +44,7 @@ async def serve(
     stop: asyncio.Event,
     ready: Callable[[int, int], None] | None = None,
 ) -> None:
+    tracing = telemetry.setup_tracing("gateway")  # before any channel or server exists
     model_config = load_config(config.model_dir)
     tokenizer = Tokenizer.from_dir(config.model_dir)
     name = config.served_model_name or Path(config.model_dir).resolve().name
@@ -89,3 +91,5 @@ async def serve(
         with contextlib.suppress(Exception):
             await runner.cleanup()
         await registry.close()
+        if tracing:
+            telemetry.shutdown_tracing()

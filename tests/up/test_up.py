@@ -1,0 +1,270 @@
+"""``dsmesh up``: a whole mesh as real processes, supervised, stopped without orphans."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from dsmesh.cli import build_parser
+from dsmesh.cmd_up import engine_flags
+from dsmesh.supervisor import (
+    Console,
+    CrashLoopDetector,
+    MeshConfig,
+    RestartPolicy,
+    Slot,
+    broker_stage,
+)
+from tests.up.harness import (
+    UpProcess,
+    free_port,
+    grpc_serving,
+    list_instances,
+    pid_alive,
+    wait_until,
+)
+
+ROLE_PREFILL = 1
+ROLE_DECODE = 2
+
+
+@pytest.fixture(scope="module")
+def cache_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A cache folder of its own: ``dsmesh up`` builds the default model there."""
+    return {"DSMESH_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))}
+
+
+def test_help_lists_the_flags() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "dsmesh", "up", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    for flag in (
+        "--model",
+        "--http-port",
+        "--grpc-port",
+        "--prefill",
+        "--decode",
+        "--host",
+        "--log-dir",
+        "--page-size",
+        "--max-total-tokens",
+        "--prefix-cache",
+    ):
+        assert flag in out, f"up --help lacks {flag}"
+
+
+def test_only_given_engine_flags_are_forwarded() -> None:
+    args = build_parser().parse_args(["up"])
+    assert engine_flags(args) == ()
+    args = build_parser().parse_args(
+        ["up", "--page-size", "1", "--max-total-tokens", "4096", "--no-prefix-cache"]
+    )
+    assert engine_flags(args) == (
+        "--page-size",
+        "1",
+        "--max-total-tokens",
+        "4096",
+        "--no-prefix-cache",
+    )
+
+
+def test_backoff_doubles_to_the_cap_and_resets_after_a_stable_run() -> None:
+    policy = RestartPolicy()
+    delays = [0.0]
+    for _ in range(7):
+        delays.append(policy.next_delay(delays[-1], ran_for_s=1.0))
+    assert delays[1:] == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+    assert policy.next_delay(10.0, ran_for_s=policy.stable_after_s) == 0.5
+
+
+def test_crash_loop_is_reported_once_per_loop() -> None:
+    detector = CrashLoopDetector(RestartPolicy(crash_loop_restarts=5, crash_loop_window_s=60))
+    reports = [detector.record(float(t)) for t in range(8)]
+    assert reports == [None] * 5 + [6, None, None]
+    detector.reset()
+    assert detector.record(8.0) == 9
+    # restarts spread out beyond the window are no loop
+    spread = CrashLoopDetector(RestartPolicy(crash_loop_restarts=5, crash_loop_window_s=60))
+    assert all(spread.record(t * 30.0) is None for t in range(10))
+
+
+def _http_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status
+    except OSError:
+        return 0
+
+
+def _http_body(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.read().decode()
+    except OSError as exc:
+        return str(exc)
+
+
+def _roles(broker: str) -> dict[int, list[str]]:
+    roles: dict[int, list[str]] = {ROLE_PREFILL: [], ROLE_DECODE: []}
+    for inst in list_instances(broker):
+        roles.setdefault(inst.role, []).append(inst.instance_id)
+    return roles
+
+
+def test_mesh_comes_up_survives_crashes_and_stops_cleanly(
+    cache_env: dict[str, str], tmp_path: Path
+) -> None:
+    http_port, grpc_port = free_port(), free_port()
+    log_dir = tmp_path / "logs"
+    up = UpProcess(
+        ["--http-port", str(http_port), "--grpc-port", str(grpc_port), "--log-dir", str(log_dir)],
+        cache_env,
+    )
+    try:
+        up.wait_for(r"^Ctrl-C to stop\.", timeout=90)
+        out = up.output
+        assert f"http://127.0.0.1:{http_port}/v1" in out
+        assert f"http://127.0.0.1:{http_port}/metrics" in out
+        assert f"127.0.0.1:{grpc_port}" in out
+        services = up.ready_services()
+        assert set(services) == {"kv-broker", "prefill-0", "decode-0", "gateway"}
+        assert sorted(p.name for p in log_dir.iterdir()) == [
+            "decode-0.log",
+            "gateway.log",
+            "kv-broker.log",
+            "prefill-0.log",
+        ]
+        assert up.note_children() == {pid for _, pid in services.values()}
+
+        # every internal service serves health; the broker lists both instances
+        broker = services["kv-broker"][0]
+        assert grpc_serving(broker)
+        instances = list_instances(broker)
+        assert sorted(i.role for i in instances) == [ROLE_PREFILL, ROLE_DECODE]
+        for inst in instances:
+            assert grpc_serving(inst.grpc_address), inst
+        assert {i.grpc_address for i in instances} == {
+            services["prefill-0"][0],
+            services["decode-0"][0],
+        }
+        assert _http_status(f"http://127.0.0.1:{http_port}/health") == 200
+        assert grpc_serving(f"127.0.0.1:{grpc_port}")
+
+        # a SIGKILLed decode is restarted and attaches again
+        old_decode = _roles(broker)[ROLE_DECODE]
+        os.kill(services["decode-0"][1], signal.SIGKILL)
+        up.wait_for(r"decode-0 exited with code -9.*restarting in 0\.5s", timeout=10)
+        up.wait_for(r"decode-0 restarted at \S+ \(pid \d+\), healthy", timeout=30)
+        new_decode = wait_until(
+            lambda: [i for i in _roles(broker)[ROLE_DECODE] if i not in old_decode], 30
+        )
+        assert new_decode, f"no new decode instance attached: {list_instances(broker)}"
+        assert wait_until(lambda: len(_roles(broker)[ROLE_DECODE]) == 1, 10)
+
+        # a SIGKILLed broker comes back on the same port; everyone re-attaches
+        os.kill(services["kv-broker"][1], signal.SIGKILL)
+        up.wait_for(rf"kv-broker restarted at {broker} \(pid \d+\), healthy", timeout=30)
+        assert wait_until(
+            lambda: sorted(i.role for i in list_instances(broker)) == [ROLE_PREFILL, ROLE_DECODE],
+            30,
+        ), list_instances(broker)
+        health = f"http://127.0.0.1:{http_port}/health"
+        assert wait_until(lambda: _http_status(health) == 200, 30), (
+            _http_body(health) + (log_dir / "gateway.log").read_text()
+        )
+
+        # a SIGKILLed gateway comes back on the same gRPC and HTTP ports
+        os.kill(services["gateway"][1], signal.SIGKILL)
+        up.wait_for(rf"gateway restarted at 127\.0\.0\.1:{grpc_port} \(pid \d+\), healthy", 30)
+        assert _http_status(health) == 200
+        assert grpc_serving(f"127.0.0.1:{grpc_port}")
+
+        # SIGTERM: everything stops, in order, and up exits 0
+        children = up.note_children()
+        assert len(children) == 4
+        up.process.send_signal(signal.SIGTERM)
+        assert up.process.wait(20) == 0, up.output
+        stopped = [line.split()[0] for line in up.output.splitlines() if "stopped (exit" in line]
+        assert stopped[0] == "gateway" and stopped[-1] == "kv-broker", stopped
+        assert set(stopped[1:3]) == {"prefill-0", "decode-0"}
+        assert not [pid for pid in up.seen_pids if pid_alive(pid)]
+    finally:
+        up.close()
+
+
+def test_sigkilled_up_leaves_no_orphans(cache_env: dict[str, str]) -> None:
+    up = UpProcess(["--no-gateway", "--decode", "2"], cache_env)
+    try:
+        up.wait_for(r"^Ctrl-C to stop\.", timeout=90)
+        services = up.ready_services()
+        assert set(services) == {"kv-broker", "prefill-0", "decode-0", "decode-1"}
+        # the default log folder is a fresh one under the cache folder
+        log_dir = Path(up.wait_for(r"^\s+logs\s+(\S+)$", timeout=1).group(1))
+        assert log_dir.parent == Path(cache_env["DSMESH_CACHE_DIR"]) / "logs"
+        assert len(list(log_dir.glob("*.log"))) == 4
+        children = up.note_children()
+        assert children == {pid for _, pid in services.values()}
+        up.process.kill()
+        up.process.wait(5)
+        left = wait_until(lambda: not [p for p in children if pid_alive(p)], 10)
+        assert left, f"orphans: {[p for p in children if pid_alive(p)]}"
+    finally:
+        up.close()
+
+
+def test_failed_start_stops_everything_and_shows_the_log(cache_env: dict[str, str]) -> None:
+    up = UpProcess(["--no-gateway", "--page-size", "0"], cache_env)
+    try:
+        code = up.process.wait(60)
+        out = up.output
+        assert code == 1, out
+        assert "page_size must be > 0" in out  # the failed service's last log lines
+        assert "could not start the mesh" in out
+        broker_pid = up.ready_services()["kv-broker"][1]
+        assert wait_until(lambda: not pid_alive(broker_pid), 5)
+    finally:
+        up.close()
+
+
+def test_crash_loop_is_reported_loudly_and_retried(tmp_path: Path) -> None:
+    """The keeper of one kv_broker, SIGKILLed again and again: restarted on the same port
+    each time, and the crash loop is reported once, with the log's last lines."""
+    policy = RestartPolicy(backoff_initial_s=0.1, crash_loop_restarts=2, crash_loop_window_s=60)
+    config = MeshConfig(start_timeout_s=60, stop_timeout_s=5, restart=policy)
+    out, err = io.StringIO(), io.StringIO()
+    slot = Slot(broker_stage(config, "")[0], config, tmp_path, Console(out, err))
+    slot.start()
+    try:
+        assert slot.settled.wait(60) and slot.failure is None, err.getvalue()
+        restarted = re.compile(rf"kv-broker restarted at {slot.address} .*healthy")
+        for restarts in range(1, 4):
+            assert slot.process is not None
+            slot.process.process.kill()
+            assert wait_until(lambda n=restarts: len(restarted.findall(err.getvalue())) == n, 30), (
+                err.getvalue()
+            )
+        log = err.getvalue()
+        assert log.count("IS CRASH-LOOPING") == 1, log
+        assert "3 restarts in the last 60s" in log
+        assert "kv-broker listening on" in log  # the last lines of its log
+        assert re.search(r"restarting in 0\.1s.*\n.*\n.*restarting in 0\.2s", log), log
+    finally:
+        slot.request_stop()
+        assert slot.join(20)
+    assert slot.process is not None and not slot.process.alive()
+    assert "kv-broker    stopped (exit code 0)" in out.getvalue()
