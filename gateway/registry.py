@@ -182,8 +182,13 @@ class InstanceRegistry:
     async def _poll(self, inst: Instance) -> None:
         try:
             msg = await inst.stub.GetLoad(prefill_pb2.LoadRequest(), timeout=self.rpc_timeout_s)
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.CancelledError):
-            # unreachable, or its channel was closed under us (the instance left)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the registry is closing
+            inst.healthy = False  # its channel was closed under us: the instance left
+            return
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError):
             inst.healthy = False
             return
         if inst.role == kb.ROLE_PREFILL:
