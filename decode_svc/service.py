@@ -13,6 +13,7 @@ from dsmesh.broker_link import BrokerLink
 from dsmesh.grpc_server import start_server
 from dsmesh.instance import TransferConfig, build_instance, health_follows_broker, new_instance_id
 from dsmesh.kv_layout import layout_of
+from dsmesh.service_metrics import InstanceMetrics
 from dsmesh.telemetry import setup_tracing, shutdown_tracing
 from dsmesh.v1 import decode_pb2_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
@@ -30,6 +31,7 @@ class DecodeConfig:
     host: str = "127.0.0.1"
     port: int = 0
     instance_id: str = ""
+    metrics_port: int = 0  # Prometheus /metrics port; 0 = off
     handoff_timeout_s: float = 30.0
     release_quarantine_s: float = 10.0
 
@@ -67,6 +69,11 @@ async def _serve(
         config.port,
     )
     instance.grpc_address = f"{config.host}:{server.port}"
+    if config.metrics_port:
+        metrics = InstanceMetrics(parts.engine, "decode", lambda: servicer.waiting_handoffs)
+        servicer.metrics = metrics
+        port = metrics.serve(config.metrics_port, config.host)
+        log.info("decode metrics on http://%s:%d/metrics", config.host, port)
     broker.start()
     health = asyncio.create_task(health_follows_broker(server, broker, (SERVICE,)))
     log.info("decode %s listening on %s:%d", instance_id, config.host, server.port)

@@ -57,6 +57,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.limits = limits
         self.active: set[str] = set()
         self.waiting_handoffs = 0
+        self.metrics = None  # dsmesh.service_metrics.InstanceMetrics, when served
         self._background: set[asyncio.Task[None]] = set()
 
     # ---- Decode ---------------------------------------------------------------------------
@@ -89,6 +90,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         prefill_may_write = False
         try:
             status = await self._handoff(rid, prompt, pages, timeout_s, context)
+            if self.metrics is not None:
+                self.metrics.handoffs.labels(kb.HandoffState.Name(status.state)).inc()
+                if status.state == kb.HANDOFF_DONE:
+                    self.metrics.prompt_tokens.inc(len(prompt))
             if status.state != kb.HANDOFF_DONE:
                 code = _FAILED_STATES.get(status.state, grpc.StatusCode.UNAVAILABLE)
                 if "layout mismatch" in status.message:
@@ -228,6 +233,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         out = await self.worker.call(activate)
         while True:
             count += len(out.new_token_ids)
+            if self.metrics is not None:
+                self.metrics.generated_tokens.inc(len(out.new_token_ids))
             yield _Out(out.new_token_ids, out.finished, out.finish_reason, count)
             if out.finished:
                 return

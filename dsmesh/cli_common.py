@@ -61,6 +61,9 @@ def add_server_args(p: argparse.ArgumentParser, default_port: int = 0) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=default_port, help="gRPC port (0 = any free port)")
     p.add_argument("--instance-id", default="", help="instance name (default: role-host-pid-rand)")
+    p.add_argument(
+        "--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0 = off)"
+    )
 
 
 def add_transfer_args(p: argparse.ArgumentParser) -> None:

@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         instance_id=args.instance_id,
+        metrics_port=args.metrics_port,
         handoff_timeout_s=args.handoff_timeout,
         release_quarantine_s=args.release_quarantine,
     )

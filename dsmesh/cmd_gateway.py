@@ -23,9 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--handoff-timeout", type=float, default=30.0, help="seconds to wait for the prompt's KV"
     )
-    p.add_argument(
-        "--max-body-bytes", type=int, default=8 << 20, help="largest accepted HTTP body"
-    )
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest accepted HTTP body")
     p.set_defaults(func=run)
 
 

@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         instance_id=args.instance_id,
+        metrics_port=args.metrics_port,
         resolve_wait_s=args.resolve_wait,
     )
 

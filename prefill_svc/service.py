@@ -12,6 +12,7 @@ from dsmesh.broker_link import BrokerLink
 from dsmesh.grpc_server import start_server
 from dsmesh.instance import TransferConfig, build_instance, health_follows_broker, new_instance_id
 from dsmesh.kv_layout import layout_of
+from dsmesh.service_metrics import InstanceMetrics
 from dsmesh.telemetry import setup_tracing, shutdown_tracing
 from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import prefill_pb2_grpc
@@ -31,6 +32,7 @@ class PrefillConfig:
     host: str = "127.0.0.1"
     port: int = 0
     instance_id: str = ""
+    metrics_port: int = 0  # Prometheus /metrics port; 0 = off
     resolve_wait_s: float = 30.0
 
 
@@ -73,6 +75,14 @@ async def _serve(
         config.port,
     )
     instance.grpc_address = f"{config.host}:{server.port}"
+    if config.metrics_port:
+        metrics = InstanceMetrics(
+            parts.engine, "prefill", lambda: len(parts.engine.scheduler.waiting)
+        )
+        servicer.metrics = metrics
+        transfers.metrics = metrics
+        port = metrics.serve(config.metrics_port, config.host)
+        log.info("prefill metrics on http://%s:%d/metrics", config.host, port)
     broker.start()
     health = asyncio.create_task(health_follows_broker(server, broker, (SERVICE,)))
     log.info("prefill %s listening on %s:%d", instance_id, config.host, server.port)

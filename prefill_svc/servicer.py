@@ -99,6 +99,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.limits = limits
         self.page_size = worker.engine.config.page_size
         self.jobs: dict[str, _Job] = {}
+        self.metrics = None  # dsmesh.service_metrics.InstanceMetrics, when served
         self.loop: asyncio.AbstractEventLoop | None = None
         self.transfers = transfers
         self._background: set[asyncio.Task[None]] = set()
@@ -143,6 +144,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             cached_pages = await self.worker.call(lambda e: self._submit(e, job, prompt, params))
             job.cached_tokens = cached_pages * self.page_size
             first_token, nbytes = await job.done
+            if self.metrics is not None:
+                self.metrics.prompt_tokens.inc(len(prompt))
+                self.metrics.cached_tokens.inc(job.cached_tokens)
             with telemetry.tracer().start_as_current_span(
                 "kv.commit", attributes={"dsmesh.request_id": rid, "dsmesh.kv.bytes": nbytes}
             ):

@@ -88,6 +88,7 @@ class TransferQueue:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._main, name="kv-transfer", daemon=True)
         self.total_bytes = 0
+        self.metrics = None  # dsmesh.service_metrics.InstanceMetrics, when served
 
     def start(self) -> None:
         self._thread.start()
@@ -142,6 +143,9 @@ class TransferQueue:
             self.callbacks.on_error(rid, f"KV transfer failed: {exc}")
             return
         self._trace_write(job, start_ns, n)
+        if self.metrics is not None:
+            self.metrics.transfer_bytes.inc(n)
+            self.metrics.transfer_seconds.observe((time.time_ns() - start_ns) / 1e9)
         self.total_bytes += n
         self._bytes[rid] = self._bytes.get(rid, 0) + n
         self.callbacks.on_chunk(rid, job.tokens_done, self._bytes[rid])

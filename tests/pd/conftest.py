@@ -13,6 +13,14 @@ import pytest
 from dsmesh.launcher import ServiceProcess, dsmesh_command, start_service
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @dataclass
 class Mesh:
     broker: ServiceProcess
@@ -20,6 +28,7 @@ class Mesh:
     decode: dict[int, ServiceProcess]
     cache_dir: Path
     log_dir: Path
+    metrics_ports: dict[str, int]  # "prefill"/"decode" (page size 16) -> /metrics port
 
 
 @pytest.fixture(scope="session")
@@ -39,10 +48,20 @@ def mesh(tmp_path_factory: pytest.TempPathFactory):
         log_dir=logs,
     )
     specs = {}
+    metrics_ports = {"prefill": free_port(), "decode": free_port()}
     for page_size in (1, 16):
         common = ["--broker", broker.address, "--page-size", str(page_size)]
+        extra = {"prefill": [], "decode": []}
+        if page_size == 16:
+            extra = {role: ["--metrics-port", str(port)] for role, port in metrics_ports.items()}
         specs[("prefill", page_size)] = dsmesh_command(
-            "prefill", *common, "--max-batch-tokens", "96", "--max-total-tokens", "32768"
+            "prefill",
+            *common,
+            "--max-batch-tokens",
+            "96",
+            "--max-total-tokens",
+            "32768",
+            *extra["prefill"],
         )
         specs[("decode", page_size)] = dsmesh_command(
             "decode",
@@ -53,6 +72,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory):
             "20",
             "--release-quarantine",
             "5",
+            *extra["decode"],
         )
     started: list[ServiceProcess] = [broker]
     try:
@@ -69,6 +89,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory):
             {ps: procs[("decode", ps)] for ps in (1, 16)},
             cache,
             logs,
+            metrics_ports,
         )
     finally:
         for proc in reversed(started):

@@ -303,3 +303,49 @@ def test_decode_refuses_when_pages_run_out(mesh) -> None:
             await client.close()
 
     asyncio.run(main())
+
+
+def test_instance_metrics_move(mesh) -> None:
+    import urllib.request
+
+    def scrape(role: str) -> str:
+        url = f"http://127.0.0.1:{mesh.metrics_ports[role]}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.read().decode()
+
+    def value(text: str, line_prefix: str) -> float:
+        for line in text.splitlines():
+            if line.startswith(line_prefix + " "):
+                return float(line.split()[-1])
+        raise AssertionError(f"{line_prefix} missing")
+
+    before_p, before_d = scrape("prefill"), scrape("decode")
+
+    async def main() -> list[int]:
+        client = Client(mesh, 16, 16)
+        try:
+            tokens, _ = await client.run("metrics-1", list(range(40)), sampling(7, ignore_eos=True))
+            await client.wait_pages_free(5)
+            return tokens
+        finally:
+            await client.close()
+
+    tokens = asyncio.run(main())
+    after_p, after_d = scrape("prefill"), scrape("decode")
+    assert (
+        value(after_p, "dsmesh_prompt_tokens_total") - value(before_p, "dsmesh_prompt_tokens_total")
+        == 40
+    )
+    assert value(after_p, "dsmesh_kv_transfer_bytes_total") > value(
+        before_p, "dsmesh_kv_transfer_bytes_total"
+    )
+    assert value(after_p, "dsmesh_kv_transfer_seconds_count") > value(
+        before_p, "dsmesh_kv_transfer_seconds_count"
+    )
+    # decode counts the tokens it generated (the first came from prefill)
+    assert value(after_d, "dsmesh_generated_tokens_total") - value(
+        before_d, "dsmesh_generated_tokens_total"
+    ) == len(tokens)
+    assert value(after_d, 'dsmesh_kv_pages_used{role="decode"}') == 0
+    assert value(after_p, 'dsmesh_kv_pages_used{role="prefill"}') == 0
+    assert value(after_d, 'dsmesh_kv_handoffs_seen_total{state="HANDOFF_DONE"}') >= 1
