@@ -55,11 +55,15 @@ from opentelemetry.trace import Status, StatusCode
 log = logging.getLogger(__name__)
 
 EXPORTERS = ("otlp", "console")
-# Probes and the long-lived Attach stream (one span per process lifetime) carry no request.
+# Probes, load polls and the long-lived Attach stream (one span per process lifetime) carry
+# no request; tracing them would bury the request traces under a poll every 250 ms.
 UNTRACED_METHOD_PREFIXES = (
     "/grpc.health.v1.Health/",
     "/grpc.reflection.",
     "/dsmesh.v1.KVBroker/Attach",
+    "/dsmesh.v1.KVBroker/ListInstances",
+    "/dsmesh.v1.Prefill/GetLoad",
+    "/dsmesh.v1.Decode/GetLoad",
 )
 _NOOP_TRACER = trace.NoOpTracer()
 

@@ -336,3 +336,35 @@ def test_grpc_abort_ends_the_stream(gw) -> None:
 
     reason, count = asyncio.run(main())
     assert reason == "abort" and count < 2000
+
+
+def test_rest_client_disconnect_cancels_both_sides(gw) -> None:
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", 8000, timeout=30)
+    body = json.dumps(
+        {
+            "input_ids": [7, 8, 9],
+            "stream": True,
+            "sampling": {"max_new_tokens": 3000, "ignore_eos": True},
+        }
+    )
+    conn.request("POST", "/v1/generate", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    seen = 0
+    while seen < 3:  # a few events, then hang up mid-stream
+        if resp.readline().startswith(b"data: "):
+            seen += 1
+    conn.sock.close()
+    conn.close()
+    deadline = time.monotonic() + 2.0
+    while True:
+        _, text = get(f"{gw.url}/metrics")
+        if (
+            metric(text, "dsmesh_kv_pages_used") == 0
+            and metric(text, "dsmesh_requests_running") == 0
+        ):
+            break
+        assert time.monotonic() < deadline, "request not cancelled after the client left"
+        time.sleep(0.05)
