@@ -24,6 +24,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--handoff-timeout", type=float, default=30.0, help="seconds to wait for the prompt's KV"
     )
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest accepted HTTP body")
+    p.add_argument(
+        "--max-inflight",
+        type=int,
+        default=512,
+        help="requests in flight at most; beyond it clients get 429 / RESOURCE_EXHAUSTED",
+    )
     p.set_defaults(func=run)
 
 
@@ -42,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
         handoff_timeout_s=args.handoff_timeout,
         max_body_bytes=args.max_body_bytes,
+        max_inflight=args.max_inflight,
     )
 
     def ready(grpc_port: int, http_port: int) -> None:

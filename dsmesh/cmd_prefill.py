@@ -28,6 +28,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=30.0,
         help="seconds to wait for decode's page reservation (default 30)",
     )
+    p.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=262144,
+        help="prompt tokens admitted and unfinished at most; beyond it RESOURCE_EXHAUSTED",
+    )
     add_engine_args(p, prefix_cache_default=True)
     p.set_defaults(func=run)
 
@@ -45,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
         instance_id=args.instance_id,
         metrics_port=args.metrics_port,
         resolve_wait_s=args.resolve_wait,
+        max_queued_tokens=args.max_queued_tokens,
     )
 
     def ready(instance_id: str, port: int) -> None:

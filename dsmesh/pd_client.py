@@ -58,6 +58,18 @@ async def generate_pd(
         timeout=timeout_s,
     )
     prefill_task = asyncio.ensure_future(prefill_call)
+
+    def prefill_done(task: asyncio.Future) -> None:
+        # A failed prefill means no KV will come: stop waiting on decode at once (decode
+        # then aborts the handoff and frees its pages); _explain reports prefill's error.
+        exc = None if task.cancelled() else task.exception()
+        if isinstance(exc, grpc.aio.AioRpcError) and exc.code() not in (
+            grpc.StatusCode.CANCELLED,
+            grpc.StatusCode.ABORTED,  # an abort reaches decode through kv_broker
+        ):
+            decode_call.cancel()
+
+    prefill_task.add_done_callback(prefill_done)
     finished = False
     messages = decode_call.__aiter__()
     try:
@@ -75,7 +87,9 @@ async def generate_pd(
                 yield message
                 break
             yield message
-    except grpc.aio.AioRpcError as exc:
+    except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+        if isinstance(exc, asyncio.CancelledError) and not _failed(prefill_task):
+            raise  # our caller was cancelled
         raise await _explain(exc, prefill_task) from None
     finally:
         if not finished:
@@ -93,6 +107,10 @@ async def generate_pd(
                 await prefill_task  # its outcome was reported through decode's stream
 
 
+def _failed(task: asyncio.Future) -> bool:
+    return task.done() and not task.cancelled() and task.exception() is not None
+
+
 async def _drain(messages: AsyncIterator, timeout_s: float) -> None:
     async def consume() -> None:
         async for _ in messages:
@@ -102,7 +120,7 @@ async def _drain(messages: AsyncIterator, timeout_s: float) -> None:
         await asyncio.wait_for(consume(), timeout_s)
 
 
-async def _explain(decode_error: grpc.aio.AioRpcError, prefill_task: asyncio.Future) -> PDError:
+async def _explain(decode_error: BaseException, prefill_task: asyncio.Future) -> PDError:
     """Prefer prefill's error when decode only reports the failed handoff it caused."""
     with contextlib.suppress(Exception, asyncio.CancelledError):
         await asyncio.wait_for(asyncio.shield(prefill_task), 0.5)
@@ -113,4 +131,6 @@ async def _explain(decode_error: grpc.aio.AioRpcError, prefill_task: asyncio.Fut
             grpc.StatusCode.ABORTED,
         ):
             return PDError(exc.code(), f"prefill: {exc.details()}")
-    return PDError(decode_error.code(), f"decode: {decode_error.details()}")
+    if isinstance(decode_error, grpc.aio.AioRpcError):
+        return PDError(decode_error.code(), f"decode: {decode_error.details()}")
+    return PDError(grpc.StatusCode.UNAVAILABLE, "decode stream stopped after prefill failed")

@@ -68,6 +68,7 @@ class CoreLimits:
     request_timeout_s: float = 600.0
     handoff_timeout_s: float = 30.0
     route_wait_s: float = 5.0  # how long a request may wait for a healthy instance pair
+    max_inflight: int = 512  # requests in flight at most; more get RESOURCE_EXHAUSTED (429)
 
 
 class GenerationCore:
@@ -85,6 +86,7 @@ class GenerationCore:
         self.metrics = metrics
         self.limits = limits
         self.active: dict[str, tuple] = {}  # request_id -> (prefill, decode) instances
+        self.inflight = 0
 
     # ---- validation -------------------------------------------------------------------------
 
@@ -130,6 +132,13 @@ class GenerationCore:
         """Stream deltas; the last one has ``finish_reason``. Leaving early cancels both
         sides of the request (pages are freed). ``trace_parent``: the caller's trace context
         (an HTTP traceparent, or the gRPC server span); the request's spans hang below it."""
+        if self.inflight >= self.limits.max_inflight:
+            self.metrics.requests.labels("rejected").inc()
+            raise GatewayError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the gateway is at capacity ({self.inflight} requests in flight); retry later",
+            )
+        self.inflight += 1
         start = time.monotonic()
         m = self.metrics
         m.waiting.inc()
@@ -160,6 +169,7 @@ class GenerationCore:
                 span.set_attribute("dsmesh.outcome", state["outcome"])
                 span.end()
         finally:
+            self.inflight -= 1
             self.active.pop(inp.request_id, None)
             if state["waiting"]:
                 m.waiting.dec()

@@ -37,6 +37,7 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     handoff_timeout_s: float = 30.0
     max_body_bytes: int = 8 << 20
+    max_inflight: int = 512
 
 
 async def serve(
@@ -56,7 +57,11 @@ async def serve(
         tokenizer,
         model_config,
         metrics,
-        CoreLimits(config.request_timeout_s, config.handoff_timeout_s),
+        CoreLimits(
+            config.request_timeout_s,
+            config.handoff_timeout_s,
+            max_inflight=config.max_inflight,
+        ),
     )
     grpc_server = await start_server(
         lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(core), s),

@@ -34,6 +34,7 @@ class PrefillConfig:
     instance_id: str = ""
     metrics_port: int = 0  # Prometheus /metrics port; 0 = off
     resolve_wait_s: float = 30.0
+    max_queued_tokens: int = 262144
 
 
 async def serve(
@@ -61,7 +62,11 @@ async def _serve(
         broker,
         layout=layout_of(parts.engine),
         transfers=None,
-        limits=PrefillLimits(instance_id, resolve_wait_s=config.resolve_wait_s),
+        limits=PrefillLimits(
+            instance_id,
+            resolve_wait_s=config.resolve_wait_s,
+            max_queued_tokens=config.max_queued_tokens,
+        ),
     )
     broker.on_event = servicer.on_broker_event
     transfers = TransferQueue(parts.transport, parts.engine.kv_pool, servicer.callbacks())

@@ -39,6 +39,7 @@ class PrefillFailed(Exception):
 class PrefillLimits:
     instance_id: str
     resolve_wait_s: float = 30.0  # how long to wait for decode's reservation
+    max_queued_tokens: int = 262144  # prompt tokens admitted and not finished, at most
     broker_rpc_timeout_s: float = 5.0
 
 
@@ -135,6 +136,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already active")
         self.loop = asyncio.get_running_loop()
         prompt = list(request.input_ids)
+        queued = sum(j.prompt_len for j in self.jobs.values())
+        if queued + len(prompt) > self.limits.max_queued_tokens and self.jobs:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"prefill is full: {queued} prompt tokens queued "
+                f"(limit {self.limits.max_queued_tokens}); retry later",
+            )
         job = _Job(
             rid, len(prompt), self.loop.create_future(), trace_context=telemetry.current_context()
         )
