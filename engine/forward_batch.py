@@ -55,6 +55,12 @@ class ForwardBatch:
         return int(self.input_ids.shape[0])
 
     @classmethod
+    def empty(cls, device: torch.device | str) -> ForwardBatch:
+        """No tokens: an idle expert-parallel rank still joins the step's collectives."""
+        none = torch.empty(0, dtype=torch.int64, device=device)
+        return cls(none, none, none, [], [], [], none, [], None)
+
+    @classmethod
     def build(
         cls, chunks: list[SequenceChunk], page_size: int, device: torch.device | str
     ) -> ForwardBatch:

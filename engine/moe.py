@@ -122,6 +122,7 @@ class DeepseekMoE(nn.Module):
         self.experts = RoutedExperts(
             location.num_local_physical, cfg.hidden_size, cfg.moe.moe_intermediate_size
         )
+        self.load_recorder = None  # engine.ep.load_recorder.ExpertLoadRecorder, when set
         self.shared_experts: DenseMLP | None = None
         if cfg.moe.n_shared_experts:
             self.shared_experts = DenseMLP(
@@ -138,6 +139,8 @@ class DeepseekMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         weights, physical = self.route(x)
+        if self.load_recorder is not None:
+            self.load_recorder.record(self.moe_layer_idx, physical)
         dispatched: DispatchOutput = self.dispatcher.dispatch(x, physical, weights)
         expert_out = self.experts(dispatched.hidden, dispatched.tokens_per_expert)
         out = self.dispatcher.combine(expert_out, dispatched)

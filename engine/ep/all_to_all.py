@@ -1,0 +1,81 @@
+"""Dispatch/combine over torch.distributed all-to-all (gloo on CPU, NCCL on GPU).
+
+Every rank calls ``dispatch`` and ``combine`` for every MoE layer of every step, in the same
+order, also with zero tokens: the collectives pair up across ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from engine.moe_dispatch import DispatchOutput, MoEDispatcher
+
+
+@dataclass
+class _A2AHandle:
+    order: torch.Tensor  # [T*k] (token, slot) pairs in send order
+    weights: torch.Tensor  # [T*k] routing weights in send order, float32
+    perm: torch.Tensor  # [N] received rows -> grouped by local expert
+    send_splits: list[int]
+    recv_splits: list[int]
+    num_tokens: int
+    top_k: int
+
+
+class AllToAllDispatcher(MoEDispatcher):
+    """Physical expert ``p`` lives on rank ``p // num_local`` as local expert
+    ``p % num_local``; (token, expert) pairs travel to that rank and come back weighted."""
+
+    def __init__(self, num_local_experts: int, group: dist.ProcessGroup | None = None) -> None:
+        self.num_local = num_local_experts
+        self.group = group
+        self.ep_size = dist.get_world_size(group)
+
+    def _exchange(
+        self, src: torch.Tensor, send_splits: list[int], recv_splits: list[int]
+    ) -> torch.Tensor:
+        out = src.new_empty((sum(recv_splits), *src.shape[1:]))
+        dist.all_to_all_single(out, src.contiguous(), recv_splits, send_splits, group=self.group)
+        return out
+
+    def dispatch(
+        self, hidden: torch.Tensor, physical_ids: torch.Tensor, weights: torch.Tensor
+    ) -> DispatchOutput:
+        num_tokens, top_k = physical_ids.shape
+        flat = physical_ids.reshape(-1)
+        dest = flat // self.num_local
+        local = flat % self.num_local
+        order = torch.argsort(flat, stable=True)  # by rank, then local expert
+        send_counts = torch.bincount(dest, minlength=self.ep_size).to(torch.int64)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+        rows = self._exchange(hidden.index_select(0, order // top_k), send_splits, recv_splits)
+        experts = self._exchange(local[order], send_splits, recv_splits)
+        perm = torch.argsort(experts, stable=True)
+        tokens_per_expert = torch.bincount(experts, minlength=self.num_local)
+        handle = _A2AHandle(
+            order,
+            weights.reshape(-1)[order].to(torch.float32),
+            perm,
+            send_splits,
+            recv_splits,
+            num_tokens,
+            top_k,
+        )
+        return DispatchOutput(rows.index_select(0, perm), tokens_per_expert, handle)
+
+    def combine(self, expert_out: torch.Tensor, dispatched: DispatchOutput) -> torch.Tensor:
+        h = dispatched.handle
+        assert isinstance(h, _A2AHandle)
+        received_order = torch.empty_like(expert_out)
+        received_order[h.perm] = expert_out
+        back = self._exchange(received_order, h.recv_splits, h.send_splits)
+        out = torch.zeros(
+            (h.num_tokens, expert_out.shape[1]), dtype=expert_out.dtype, device=expert_out.device
+        )
+        out.index_add_(0, h.order // h.top_k, back * h.weights[:, None].to(back.dtype))
+        return out

@@ -1,0 +1,42 @@
+"""Tokens routed to each physical expert, per MoE layer, over a sliding window of steps.
+
+One recorder per rank; EPLB (a later issue) streams its windows to eplb_svc and turns them
+into placements. Recording is a bincount per MoE layer per step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+class ExpertLoadRecorder:
+    def __init__(self, num_moe_layers: int, num_physical: int, window_steps: int = 1000) -> None:
+        self.num_moe_layers = num_moe_layers
+        self.num_physical = num_physical
+        self.window_steps = window_steps
+        self._current = torch.zeros(num_moe_layers, num_physical, dtype=torch.int64)
+        self._window: deque[torch.Tensor] = deque()
+        self._total = torch.zeros_like(self._current)
+
+    def record(self, moe_layer: int, physical_ids: torch.Tensor) -> None:
+        """physical_ids [T, k]: the physical experts this rank's tokens were sent to."""
+        counts = torch.bincount(physical_ids.reshape(-1).cpu(), minlength=self.num_physical)
+        self._current[moe_layer] += counts
+
+    def end_step(self) -> None:
+        """Close the step: its counts enter the window, the oldest step leaves it."""
+        self._window.append(self._current)
+        self._total += self._current
+        self._current = torch.zeros_like(self._total)
+        if len(self._window) > self.window_steps:
+            self._total -= self._window.popleft()
+
+    def window(self) -> torch.Tensor:
+        """[num_moe_layers, num_physical] int64 tokens over the window's steps."""
+        return self._total.clone()
+
+    @property
+    def num_steps(self) -> int:
+        return len(self._window)
