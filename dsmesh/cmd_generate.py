@@ -48,6 +48,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    p.add_argument(
+        "--ep-size",
+        type=int,
+        default=1,
+        help="expert-parallel ranks (processes; gloo on CPU, NCCL on GPU); prompts are spread "
+        "over the ranks (DP attention)",
+    )
+    p.add_argument(
+        "--num-redundant-experts",
+        type=int,
+        default=0,
+        help="extra physical expert replicas (logical + R must divide by --ep-size)",
+    )
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -76,9 +89,15 @@ def run(args: argparse.Namespace) -> int:
         for kind, value in args.inputs
     ]
     config = dataclasses.replace(engine_config_from(args), model=str(model_dir))
-    engine = LLMEngine(config)
     start = time.perf_counter()
-    results = engine.generate(prompts, params)
+    if args.ep_size > 1 or args.num_redundant_experts:
+        from engine.ep.generate import generate_ep
+        from engine.ep.runtime import EPConfig
+
+        ep = EPConfig(ep_size=args.ep_size, num_redundant_experts=args.num_redundant_experts)
+        results = generate_ep(config, ep, prompts, params)
+    else:
+        results = LLMEngine(config).generate(prompts, params)
     elapsed = time.perf_counter() - start
     for res in results:
         text = tokenizer.decode(res.output_ids, skip_special_tokens=True)

@@ -261,10 +261,16 @@ class LLMEngine:
 
     # ---- stepping -------------------------------------------------------------------------
 
-    def step(self) -> list[StepOutput]:
-        """Run one forward over everything scheduled and sample where a token is due."""
+    def step(self, idle_forward: bool = False) -> list[StepOutput]:
+        """Run one forward over everything scheduled and sample where a token is due.
+
+        With ``idle_forward`` a rank with nothing scheduled still runs an empty forward, so
+        it joins the expert-parallel collectives of the step.
+        """
         chunks = self.scheduler.schedule()
         if not chunks:
+            if idle_forward:
+                self.model(ForwardBatch.empty(self.device), self.kv_pool)
             return []
         seqs = []
         for c in chunks:

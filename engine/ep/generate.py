@@ -1,0 +1,93 @@
+"""Offline generation on an expert-parallel group (``dsmesh generate --ep-size N``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch.multiprocessing as mp
+
+from engine.ep.runtime import EPConfig, build_ep_engine, free_port, init_group, run_lockstep
+from engine.llm_engine import EngineConfig, GenerationResult
+from engine.sampling_params import SamplingParams
+
+
+def _rank_main(
+    rank: int,
+    config: EngineConfig,
+    ep: EPConfig,
+    work: list[list[tuple[int, list[int]]]],
+    params: SamplingParams,
+    results,
+) -> None:
+    import torch.distributed as dist
+
+    init_group(ep, rank, config.resolved_device())
+    try:
+        engine = build_ep_engine(config, ep, rank)
+        reqs = {}
+        for index, prompt in work[rank]:
+            reqs[index] = engine.make_request(prompt, params, request_id=f"p{index}")
+            engine.requests[reqs[index].request_id] = reqs[index]
+            engine.scheduler.add(reqs[index])
+        run_lockstep(engine)
+        for index, req in reqs.items():
+            results[index] = (req.prompt_ids, req.output_ids, req.finish_reason or "")
+        assert engine.num_pages_in_use == 0
+    finally:
+        dist.destroy_process_group()
+
+
+def generate_ep(
+    config: EngineConfig,
+    ep: EPConfig,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+) -> list[GenerationResult]:
+    """Spread the prompts over the ranks (DP attention), run the group, gather in order."""
+    ep.validate()
+    _check_inputs(config, ep, prompts)
+    if ep.master_port == 0:
+        ep = dataclasses.replace(ep, master_port=free_port())
+    work: list[list[tuple[int, list[int]]]] = [[] for _ in range(ep.ep_size)]
+    for i, prompt in enumerate(prompts):
+        work[i % ep.ep_size].append((i, list(prompt)))
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        results = manager.dict()
+        mp.start_processes(
+            _rank_main,
+            args=(config, ep, work, params, results),
+            nprocs=ep.ep_size,
+            start_method="spawn",
+        )
+        out = dict(results)
+    return [GenerationResult(f"p{i}", out[i][0], out[i][1], out[i][2]) for i in range(len(prompts))]
+
+
+def _check_inputs(config: EngineConfig, ep: EPConfig, prompts: Sequence[Sequence[int]]) -> None:
+    """Refuse bad input here, with the offline engine's errors, before any rank starts."""
+    from engine.config import load_config
+    from engine.errors import InvalidRequestError
+    from engine.llm_engine import resolve_model_dir
+
+    cfg = load_config(resolve_model_dir(config.model))
+    from engine.ep.placement import round_robin_placement
+
+    round_robin_placement(  # raises a clear error for an impossible placement
+        len(cfg.moe_layer_ids), cfg.moe.n_routed_experts, ep.ep_size, ep.num_redundant_experts
+    )
+    for ids in prompts:
+        if not ids:
+            raise InvalidRequestError("input_ids", "the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                "input_ids", f"token {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})"
+            )
+        if len(ids) >= cfg.max_position_embeddings:
+            raise InvalidRequestError(
+                "input_ids",
+                f"prompt has {len(ids)} tokens; the model's context is "
+                f"{cfg.max_position_embeddings}",
+            )

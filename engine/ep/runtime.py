@@ -1,0 +1,106 @@
+"""An expert-parallel group of engines: one process per rank, stepping in lockstep.
+
+Each rank owns its requests and KV pages (DP attention), runs the dense layers and LM head
+on its own tokens (DP), and holds only its physical experts; MoE layers exchange tokens by
+all-to-all. Every rank runs one forward per step, an empty one when it has no work, so the
+collectives always pair up; the group stops when no rank has work.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from engine.config import load_config
+from engine.ep.all_to_all import AllToAllDispatcher
+from engine.ep.placement import round_robin_placement
+from engine.llm_engine import EngineConfig, LLMEngine, resolve_model_dir
+from engine.loader import load_model
+from engine.moe_dispatch import MoEDispatcher
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EPConfig:
+    ep_size: int = 1
+    num_redundant_experts: int = 0
+    backend: str = "auto"  # "auto" = nccl on CUDA, gloo on CPU
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0 = pick a free port (single host)
+
+    def validate(self) -> None:
+        if self.ep_size < 1:
+            raise ValueError(f"ep_size must be >= 1, got {self.ep_size}")
+        if self.num_redundant_experts < 0:
+            raise ValueError("num_redundant_experts must be >= 0")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_group(ep: EPConfig, rank: int, device: torch.device) -> None:
+    backend = ep.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{ep.master_addr}:{ep.master_port}",
+        rank=rank,
+        world_size=ep.ep_size,
+    )
+
+
+def make_dispatcher(num_local: int) -> MoEDispatcher:
+    """DeepEP when it imports (GPU), otherwise torch.distributed all-to-all; logged once."""
+    try:
+        import deep_ep  # noqa: F401
+    except ImportError:
+        log.info("MoE dispatch: torch.distributed all-to-all")
+        return AllToAllDispatcher(num_local)
+    log.info(
+        "MoE dispatch: deep_ep is installed, but its backend is not wired yet; "
+        "using torch.distributed all-to-all"
+    )
+    return AllToAllDispatcher(num_local)
+
+
+def build_ep_engine(config: EngineConfig, ep: EPConfig, rank: int) -> LLMEngine:
+    """This rank's engine: its experts only, all-to-all dispatch, its own KV pool."""
+    model_dir = resolve_model_dir(config.model)
+    cfg = load_config(model_dir)
+    placement = round_robin_placement(
+        len(cfg.moe_layer_ids), cfg.moe.n_routed_experts, ep.ep_size, ep.num_redundant_experts
+    )
+    device = config.resolved_device()
+    if device.type == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+    model = load_model(
+        model_dir,
+        config.resolved_dtype(),
+        device,
+        expert_location=placement,
+        dispatcher=make_dispatcher(placement.num_local_physical),
+        ep_rank=rank,
+    )
+    return LLMEngine(config, model=model)
+
+
+def run_lockstep(engine: LLMEngine) -> None:
+    """Step until no rank of the group has work; idle ranks run empty forwards."""
+    flag = torch.zeros(1, dtype=torch.int64)
+    while True:
+        flag.fill_(1 if engine.has_unfinished() else 0)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if int(flag) == 0:
+            return
+        engine.step(idle_forward=True)
