@@ -56,6 +56,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "over the ranks (DP attention)",
     )
     p.add_argument(
+        "--tbo",
+        action="store_true",
+        help="two-batch overlap: each forward runs as two micro-batches whose MoE "
+        "dispatch/combine overlaps the other's compute",
+    )
+    p.add_argument(
         "--num-redundant-experts",
         type=int,
         default=0,
@@ -88,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer.encode(value) if kind == "text" else parse_input_ids(value)
         for kind, value in args.inputs
     ]
-    config = dataclasses.replace(engine_config_from(args), model=str(model_dir))
+    config = dataclasses.replace(engine_config_from(args), model=str(model_dir), tbo=args.tbo)
     start = time.perf_counter()
     if args.ep_size > 1 or args.num_redundant_experts:
         from engine.ep.generate import generate_ep

@@ -108,3 +108,42 @@ class ForwardBatch:
             decode_ids=decode_ids,
             decode_slots=decode_slots,
         )
+
+    def split(self) -> tuple[ForwardBatch, ForwardBatch]:
+        """Two micro-batches of whole requests with about half the tokens each (either may be
+        empty), for two-batch overlap. Requests keep their order: first, then second."""
+        total = self.num_tokens
+        best, acc, best_gap = 0, 0, total
+        for i, n in enumerate(self.extend_lens):
+            acc += n
+            if abs(total - 2 * acc) < best_gap:
+                best, best_gap = i + 1, abs(total - 2 * acc)
+        return self._subset(0, best), self._subset(best, self.num_requests)
+
+    def _subset(self, lo: int, hi: int) -> ForwardBatch:
+        device = self.input_ids.device
+        if lo >= hi:
+            return ForwardBatch.empty(device)
+        start = sum(self.extend_lens[:lo])
+        end = start + sum(self.extend_lens[lo:hi])
+        extend = self.extend_lens[lo:hi]
+        decode_ids = [i for i, n in enumerate(extend) if n == 1]
+        decode_slots = None
+        if decode_ids:
+            kv = self.kv_slots[lo:hi]
+            width = max(kv[i].numel() for i in decode_ids)
+            decode_slots = torch.full((len(decode_ids), width), -1, dtype=torch.int64)
+            for row, i in enumerate(decode_ids):
+                decode_slots[row, : kv[i].numel()] = kv[i].cpu()
+            decode_slots = decode_slots.to(device)
+        return ForwardBatch(
+            input_ids=self.input_ids[start:end],
+            positions=self.positions[start:end],
+            out_slots=self.out_slots[start:end],
+            kv_slots=self.kv_slots[lo:hi],
+            extend_lens=extend,
+            prefix_lens=self.prefix_lens[lo:hi],
+            last_rows=(torch.tensor(extend).cumsum(0) - 1).to(device),
+            decode_ids=decode_ids,
+            decode_slots=decode_slots,
+        )

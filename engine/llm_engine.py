@@ -41,6 +41,7 @@ class EngineConfig:
     max_batch_tokens: int = 2048
     attention_mode: str = "auto"  # "auto" (naive prefill, absorbed decode) | "naive" | "absorbed"
     prefix_cache: bool = False  # share full prompt pages between requests with equal prefixes
+    tbo: bool = False  # two-batch overlap: two micro-batches per forward (MoE comm overlap)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -270,7 +271,7 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             if idle_forward:
-                self.model(ForwardBatch.empty(self.device), self.kv_pool)
+                self.model(ForwardBatch.empty(self.device), self.kv_pool, tbo=self.config.tbo)
             return []
         seqs = []
         for c in chunks:
@@ -280,7 +281,7 @@ class LLMEngine:
                 SequenceChunk(req.pending_ids(c.num_tokens), req.num_computed, req.page_table)
             )
         batch = ForwardBatch.build(seqs, self.config.page_size, self.device)
-        logits = self.model(batch, self.kv_pool, self.config.attention_mode)
+        logits = self.model(batch, self.kv_pool, self.config.attention_mode, tbo=self.config.tbo)
 
         due_rows: list[int] = []
         due: list[Request] = []

@@ -104,12 +104,17 @@ class DeepseekForCausalLM(nn.Module):
         kv_pool: MLAKVPool,
         attention_mode: str = "auto",
         all_logits: bool = False,
+        tbo: bool = False,
     ) -> torch.Tensor:
         """Run the new tokens of ``batch``, caching their KV.
 
         Returns float32 logits [B, vocab] for each request's last new token, or [T, vocab]
-        for every new token when ``all_logits``.
+        for every new token when ``all_logits``. With ``tbo`` the batch runs as two
+        micro-batches whose MoE communication overlaps the other's compute (every rank of an
+        expert-parallel group must then use it: the collectives pair up by micro-batch).
         """
+        if tbo:
+            return self._forward_two_batch(batch, kv_pool, attention_mode, all_logits)
         m = self.model
         x = m.embed_tokens(batch.input_ids)
         cos, sin = m.rotary.cos_sin(batch.positions, x.dtype)
@@ -118,6 +123,39 @@ class DeepseekForCausalLM(nn.Module):
         if not all_logits:
             x = x.index_select(0, batch.last_rows)
         return self.lm_head(m.norm(x)).to(torch.float32)
+
+    def _forward_two_batch(
+        self, batch: ForwardBatch, kv_pool: MLAKVPool, mode: str, all_logits: bool
+    ) -> torch.Tensor:
+        """Two-batch overlap: per MoE layer the order is attention(0), dispatch(0) starts,
+        attention(1), dispatch(1) starts, experts(0), experts(1), combine(0), combine(1), so
+        each micro-batch's tokens travel while the other computes."""
+        m = self.model
+        halves = batch.split()
+        xs = [m.embed_tokens(h.input_ids) for h in halves]
+        rope = [m.rotary.cos_sin(h.positions, xs[0].dtype) for h in halves]
+        for layer in m.layers:
+            mlp = layer.mlp
+            attn: list[torch.Tensor] = []
+            normed: list[torch.Tensor] = []
+            started = []
+            for i, h in enumerate(halves):
+                cos, sin = rope[i]
+                a = xs[i] + layer.self_attn(
+                    layer.input_layernorm(xs[i]), h, kv_pool, cos, sin, mode
+                )
+                attn.append(a)
+                normed.append(layer.post_attention_layernorm(a))
+                if isinstance(mlp, DeepseekMoE):
+                    started.append(mlp.start(normed[i]))
+            if isinstance(mlp, DeepseekMoE):
+                combining = [mlp.compute(p) for p in started]
+                xs = [attn[i] + mlp.finish(normed[i], combining[i]) for i in range(2)]
+            else:
+                xs = [attn[i] + mlp(normed[i]) for i in range(2)]
+        if not all_logits:
+            xs = [x.index_select(0, h.last_rows) for x, h in zip(xs, halves, strict=True)]
+        return self.lm_head(m.norm(torch.cat(xs))).to(torch.float32)
 
     def moe_layers(self) -> list[DeepseekMoE]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, DeepseekMoE)]

@@ -15,7 +15,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.expert_location import ExpertLocation
-from engine.moe_dispatch import DispatchOutput, MoEDispatcher
+from engine.moe_dispatch import DispatchOutput, MoEDispatcher, Pending
 from engine.routing import select_experts
 
 
@@ -138,12 +138,26 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
+        return self.finish(x, self.compute(self.start(x)))
+
+    # The three phases, so two micro-batches can interleave (two-batch overlap): while one
+    # micro-batch's tokens travel, the other computes.
+
+    def start(self, x: torch.Tensor) -> Pending:
+        """Route and start dispatching ``x`` [T, hidden]."""
         weights, physical = self.route(x)
         if self.load_recorder is not None:
             self.load_recorder.record(self.moe_layer_idx, physical)
-        dispatched: DispatchOutput = self.dispatcher.dispatch(x, physical, weights)
+        return self.dispatcher.dispatch_start(x, physical, weights)
+
+    def compute(self, pending_dispatch: Pending) -> Pending:
+        """Wait for this rank's tokens, run its experts, start sending results back."""
+        dispatched: DispatchOutput = pending_dispatch.wait()
         expert_out = self.experts(dispatched.hidden, dispatched.tokens_per_expert)
-        out = self.dispatcher.combine(expert_out, dispatched)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        return self.dispatcher.combine_start(expert_out, dispatched)
+
+    def finish(self, x: torch.Tensor, pending_combine: Pending) -> torch.Tensor:
+        """Shared experts on ``x`` (overlapping the combine), then the routed sum."""
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        out = pending_combine.wait()
+        return out if shared is None else out + shared

@@ -27,6 +27,16 @@ class DispatchOutput:
     handle: object
 
 
+class Pending:
+    """An operation in flight; ``wait()`` returns its result (once)."""
+
+    def __init__(self, finish) -> None:
+        self._finish = finish
+
+    def wait(self):
+        return self._finish()
+
+
 class MoEDispatcher(ABC):
     """Contract: ``combine(f(dispatch(x, ids, w).hidden), handle)[t] == sum_k w[t,k] *
     f_{ids[t,k]}(x[t])`` for every token ``t`` of this rank, where ``f_e`` is physical expert
@@ -43,6 +53,20 @@ class MoEDispatcher(ABC):
     @abstractmethod
     def combine(self, expert_out: torch.Tensor, dispatched: DispatchOutput) -> torch.Tensor:
         """expert_out [N, H] (rows as in ``dispatched.hidden``) -> [T, H] weighted sums."""
+
+    def dispatch_start(
+        self, hidden: torch.Tensor, physical_ids: torch.Tensor, weights: torch.Tensor
+    ) -> Pending:
+        """Start ``dispatch``; ``wait()`` gives its DispatchOutput. Backends with asynchronous
+        communication override this so that compute can run while tokens travel (two-batch
+        overlap); the default does the work at once."""
+        out = self.dispatch(hidden, physical_ids, weights)
+        return Pending(lambda: out)
+
+    def combine_start(self, expert_out: torch.Tensor, dispatched: DispatchOutput) -> Pending:
+        """Start ``combine``; ``wait()`` gives the [T, H] result."""
+        out = self.combine(expert_out, dispatched)
+        return Pending(lambda: out)
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """Dispatch/combine over torch.distributed all-to-all (gloo on CPU, NCCL on GPU).
 
 Every rank calls ``dispatch`` and ``combine`` for every MoE layer of every step, in the same
-order, also with zero tokens: the collectives pair up across ranks.
+order, also with zero tokens: the collectives pair up across ranks. The payload moves with
+asynchronous collectives, so ``dispatch_start``/``combine_start`` return while bytes travel
+and a second micro-batch can compute meanwhile (two-batch overlap).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.moe_dispatch import DispatchOutput, MoEDispatcher
+from engine.moe_dispatch import DispatchOutput, MoEDispatcher, Pending
 
 
 @dataclass
@@ -36,14 +38,25 @@ class AllToAllDispatcher(MoEDispatcher):
 
     def _exchange(
         self, src: torch.Tensor, send_splits: list[int], recv_splits: list[int]
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, dist.Work]:
+        """Start an all-to-all of ``src``'s rows; the output is valid after ``work.wait()``."""
         out = src.new_empty((sum(recv_splits), *src.shape[1:]))
-        dist.all_to_all_single(out, src.contiguous(), recv_splits, send_splits, group=self.group)
-        return out
+        work = dist.all_to_all_single(
+            out, src.contiguous(), recv_splits, send_splits, group=self.group, async_op=True
+        )
+        return out, work
 
     def dispatch(
         self, hidden: torch.Tensor, physical_ids: torch.Tensor, weights: torch.Tensor
     ) -> DispatchOutput:
+        return self.dispatch_start(hidden, physical_ids, weights).wait()
+
+    def combine(self, expert_out: torch.Tensor, dispatched: DispatchOutput) -> torch.Tensor:
+        return self.combine_start(expert_out, dispatched).wait()
+
+    def dispatch_start(
+        self, hidden: torch.Tensor, physical_ids: torch.Tensor, weights: torch.Tensor
+    ) -> Pending:
         num_tokens, top_k = physical_ids.shape
         flat = physical_ids.reshape(-1)
         dest = flat // self.num_local
@@ -51,31 +64,41 @@ class AllToAllDispatcher(MoEDispatcher):
         order = torch.argsort(flat, stable=True)  # by rank, then local expert
         send_counts = torch.bincount(dest, minlength=self.ep_size).to(torch.int64)
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # sizes first
         send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
-        rows = self._exchange(hidden.index_select(0, order // top_k), send_splits, recv_splits)
-        experts = self._exchange(local[order], send_splits, recv_splits)
-        perm = torch.argsort(experts, stable=True)
-        tokens_per_expert = torch.bincount(experts, minlength=self.num_local)
-        handle = _A2AHandle(
-            order,
-            weights.reshape(-1)[order].to(torch.float32),
-            perm,
-            send_splits,
-            recv_splits,
-            num_tokens,
-            top_k,
+        rows, rows_work = self._exchange(
+            hidden.index_select(0, order // top_k), send_splits, recv_splits
         )
-        return DispatchOutput(rows.index_select(0, perm), tokens_per_expert, handle)
+        experts, experts_work = self._exchange(local[order], send_splits, recv_splits)
+        weights_sorted = weights.reshape(-1)[order].to(torch.float32)
 
-    def combine(self, expert_out: torch.Tensor, dispatched: DispatchOutput) -> torch.Tensor:
+        def finish() -> DispatchOutput:
+            rows_work.wait()
+            experts_work.wait()
+            perm = torch.argsort(experts, stable=True)
+            tokens_per_expert = torch.bincount(experts, minlength=self.num_local)
+            handle = _A2AHandle(
+                order, weights_sorted, perm, send_splits, recv_splits, num_tokens, top_k
+            )
+            return DispatchOutput(rows.index_select(0, perm), tokens_per_expert, handle)
+
+        return Pending(finish)
+
+    def combine_start(self, expert_out: torch.Tensor, dispatched: DispatchOutput) -> Pending:
         h = dispatched.handle
         assert isinstance(h, _A2AHandle)
         received_order = torch.empty_like(expert_out)
         received_order[h.perm] = expert_out
-        back = self._exchange(received_order, h.recv_splits, h.send_splits)
-        out = torch.zeros(
-            (h.num_tokens, expert_out.shape[1]), dtype=expert_out.dtype, device=expert_out.device
-        )
-        out.index_add_(0, h.order // h.top_k, back * h.weights[:, None].to(back.dtype))
-        return out
+        back, work = self._exchange(received_order, h.recv_splits, h.send_splits)
+
+        def finish() -> torch.Tensor:
+            work.wait()
+            out = torch.zeros(
+                (h.num_tokens, expert_out.shape[1]),
+                dtype=expert_out.dtype,
+                device=expert_out.device,
+            )
+            out.index_add_(0, h.order // h.top_k, back * h.weights[:, None].to(back.dtype))
+            return out
+
+        return Pending(finish)

@@ -63,9 +63,9 @@ def _group_main(rank: int, ep_size: int, port: int, jobs, results) -> None:
     ep0 = EPConfig(ep_size, 0, master_port=port)
     init_group(ep0, rank, torch.device("cpu"))
     try:
-        for arch, path, redundant in jobs:
+        for arch, path, redundant, tbo in jobs:
             ep = EPConfig(ep_size, redundant, master_port=port)
-            config = EngineConfig(model=path, page_size=4, max_total_tokens=4096)
+            config = EngineConfig(model=path, page_size=4, max_total_tokens=4096, tbo=tbo)
             engine = build_ep_engine(config, ep, rank)
             mine = {}
             for i, p in enumerate(prompts()):
@@ -77,8 +77,8 @@ def _group_main(rank: int, ep_size: int, port: int, jobs, results) -> None:
             experts = engine.model.moe_layers()[0].experts
             expert_bytes = sum(t.numel() * t.element_size() for t in (experts.w13, experts.w2))
             for i, req in mine.items():
-                results[(arch, redundant, i)] = req.output_ids
-            results[(arch, redundant, "bytes", rank)] = expert_bytes
+                results[(arch, redundant, tbo, i)] = req.output_ids
+            results[(arch, redundant, tbo, "bytes", rank)] = expert_bytes
             assert engine.num_pages_in_use == 0
     finally:
         dist.destroy_process_group()
@@ -88,7 +88,12 @@ def _group_main(rank: int, ep_size: int, port: int, jobs, results) -> None:
 def test_ep_generate_equals_single_rank_and_transformers(
     checkpoints, references, ep_size: int
 ) -> None:
-    jobs = [(arch, str(checkpoints[arch]), r) for arch in ARCHES for r in (0, ep_size)]
+    jobs = [
+        (arch, str(checkpoints[arch]), r, tbo)
+        for arch in ARCHES
+        for r in (0, ep_size)
+        for tbo in (False, True)
+    ]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with mp.get_context("spawn").Manager() as manager:
         results = manager.dict()
@@ -99,15 +104,15 @@ def test_ep_generate_equals_single_rank_and_transformers(
             start_method="spawn",
         )
         results = dict(results)
-    for arch, _, redundant in jobs:
-        got = [results[(arch, redundant, i)] for i in range(len(prompts()))]
-        assert got == references[arch], (arch, ep_size, redundant)
+    for arch, _, redundant, tbo in jobs:
+        got = [results[(arch, redundant, tbo, i)] for i in range(len(prompts()))]
+        assert got == references[arch], (arch, ep_size, redundant, tbo)
         # each rank holds (16 + R) / N of the 16 logical experts' weights
         full = LLMEngine(EngineConfig(model=str(checkpoints[arch]))).model.moe_layers()[0]
         total = sum(t.numel() * t.element_size() for t in (full.experts.w13, full.experts.w2))
         n_logical = full.experts.w13.shape[0]
         for rank in range(ep_size):
-            per_rank = results[(arch, redundant, "bytes", rank)]
+            per_rank = results[(arch, redundant, tbo, "bytes", rank)]
             assert per_rank == total * (n_logical + redundant) // ep_size // n_logical
 
 
