@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 
 from decode_svc.servicer import DecodeLimits, DecodeServicer
 from dsmesh.broker_link import BrokerLink
-from dsmesh.grpc_server import start_server
+from dsmesh.grpc_server import set_channel_defaults, start_server
 from dsmesh.instance import TransferConfig, build_instance, health_follows_broker, new_instance_id
 from dsmesh.kv_layout import layout_of
+from dsmesh.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
 from dsmesh.service_metrics import InstanceMetrics
 from dsmesh.telemetry import setup_tracing, shutdown_tracing
 from dsmesh.v1 import decode_pb2_grpc
@@ -34,6 +35,8 @@ class DecodeConfig:
     metrics_port: int = 0  # Prometheus /metrics port; 0 = off
     handoff_timeout_s: float = 30.0
     release_quarantine_s: float = 10.0
+    tls: TLSConfig = TLSConfig()  # every gRPC server and channel of the process; off by default
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
 
 async def serve(
@@ -50,6 +53,7 @@ async def serve(
 async def _serve(
     config: DecodeConfig, stop: asyncio.Event, ready: Callable[[str, int], None] | None
 ) -> None:
+    set_channel_defaults(config.tls, config.max_message_bytes)  # before the broker channel
     parts = await build_instance(config.engine, config.transfer)
     instance_id = config.instance_id or new_instance_id("decode")
     limits = DecodeLimits(
@@ -67,6 +71,8 @@ async def _serve(
         [SERVICE],
         config.host,
         config.port,
+        tls=config.tls,
+        max_message_bytes=config.max_message_bytes,
     )
     instance.grpc_address = f"{config.host}:{server.port}"
     if config.metrics_port:

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from dsmesh.security import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    TLSConfig,
+    api_keys_from_env_and_args,
+)
 from engine.llm_engine import EngineConfig
 
 
@@ -86,3 +91,57 @@ def transfer_config_from(args: argparse.Namespace):
         hostname=args.transfer_hostname,
         device_name=args.transfer_device,
     )
+
+
+def add_security_args(p: argparse.ArgumentParser, api_keys: bool = False) -> None:
+    """TLS for every gRPC server and channel of the process, message size limit, and (gateway,
+    ``up``) API keys. Unset flags fall back to the environment (docs/SECURITY.md)."""
+    g = p.add_argument_group("security (docs/SECURITY.md)")
+    g.add_argument(
+        "--tls-cert", default=None, metavar="PEM", help="certificate chain (env DSMESH_TLS_CERT)"
+    )
+    g.add_argument("--tls-key", default=None, metavar="PEM", help="its key (env DSMESH_TLS_KEY)")
+    g.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="PEM",
+        help="CA that verifies peers (env DSMESH_TLS_CA)",
+    )
+    g.add_argument(
+        "--tls-client-auth",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="servers require client certificates: mTLS (env DSMESH_TLS_CLIENT_AUTH=1)",
+    )
+    g.add_argument(
+        "--tls-server-name",
+        default=None,
+        metavar="NAME",
+        help="name expected in servers' certificates instead of the dialled host "
+        "(env DSMESH_TLS_SERVER_NAME)",
+    )
+    g.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        metavar="N",
+        help="largest gRPC message sent or received; beyond it RESOURCE_EXHAUSTED "
+        f"(default {DEFAULT_MAX_MESSAGE_BYTES})",
+    )
+    if api_keys:
+        g.add_argument(
+            "--api-key",
+            action="append",
+            default=None,
+            metavar="KEY",
+            help="require 'Authorization: Bearer KEY' on HTTP and gRPC (repeatable; env "
+            "DSMESH_API_KEYS=k1,k2, which keeps keys out of the process list)",
+        )
+
+
+def tls_config_from(args: argparse.Namespace) -> TLSConfig:
+    return TLSConfig.from_env_and_args(args)
+
+
+def api_keys_from(args: argparse.Namespace) -> tuple[str, ...]:
+    return api_keys_from_env_and_args(args.api_key)

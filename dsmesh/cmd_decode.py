@@ -6,9 +6,11 @@ import argparse
 
 from dsmesh.cli_common import (
     add_engine_args,
+    add_security_args,
     add_server_args,
     add_transfer_args,
     engine_config_from,
+    tls_config_from,
     transfer_config_from,
 )
 
@@ -34,6 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=10.0,
         help="longest wait for prefill to release a failed handoff before its pages are reused",
     )
+    add_security_args(p)
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -50,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         instance_id=args.instance_id,
         metrics_port=args.metrics_port,
+        tls=tls_config_from(args),
+        max_message_bytes=args.max_message_bytes,
         handoff_timeout_s=args.handoff_timeout,
         release_quarantine_s=args.release_quarantine,
     )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from dsmesh.cli_common import add_security_args, api_keys_from, tls_config_from
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -30,6 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=512,
         help="requests in flight at most; beyond it clients get 429 / RESOURCE_EXHAUSTED",
     )
+    add_security_args(p, api_keys=True)
     p.set_defaults(func=run)
 
 
@@ -49,6 +52,9 @@ def run(args: argparse.Namespace) -> int:
         handoff_timeout_s=args.handoff_timeout,
         max_body_bytes=args.max_body_bytes,
         max_inflight=args.max_inflight,
+        tls=tls_config_from(args),
+        max_message_bytes=args.max_message_bytes,
+        api_keys=api_keys_from(args),
     )
 
     def ready(grpc_port: int, http_port: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from dsmesh.cli_common import add_security_args, tls_config_from
 from dsmesh.grpc_server import run_until_signal
 from kv_broker.service import DEFAULT_PORT, BrokerConfig, serve
 
@@ -95,6 +96,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=d.metrics_port,
         help="serve Prometheus /metrics on this port (default 0: off)",
     )
+    add_security_args(p)
     p.set_defaults(func=run)
 
 
@@ -107,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
         liveness_grace_s=args.liveness_grace,
         terminal_ttl_s=args.terminal_ttl,
         metrics_port=args.metrics_port,
+        tls=tls_config_from(args),
+        max_message_bytes=args.max_message_bytes,
     )
 
     def ready(port: int) -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
-from dsmesh.cli_common import add_engine_args
+from dsmesh.cli_common import add_engine_args, add_security_args, api_keys_from, tls_config_from
+from dsmesh.security import ENV_API_KEYS
 
 # Engine flags ``up`` forwards to every prefill and decode instance (``--model`` goes to every
 # service). Only flags given on the command line are forwarded, so that each service keeps
@@ -103,6 +105,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help=f"SIGTERM to SIGKILL delay when stopping a service (default {d.stop_timeout_s:g})",
     )
+    add_security_args(p, api_keys=True)
     add_engine_args(p)
     # None = not given: the service's own default applies.
     p.set_defaults(prefix_cache=None, **dict.fromkeys(FORWARDED_ENGINE_FLAGS))
@@ -124,6 +127,11 @@ def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
 def run(args: argparse.Namespace) -> int:
     from dsmesh.supervisor import MeshConfig, run_mesh
 
+    api_keys = api_keys_from(args)
+    if api_keys:
+        # to the gateway through the environment children inherit, not its command line
+        # (which every local user can read in the process list)
+        os.environ[ENV_API_KEYS] = ",".join(api_keys)
     config = MeshConfig(
         model=args.model,
         host=args.host,
@@ -136,5 +144,7 @@ def run(args: argparse.Namespace) -> int:
         log_dir=args.log_dir,
         start_timeout_s=args.start_timeout,
         stop_timeout_s=args.stop_timeout,
+        tls=tls_config_from(args),
+        max_message_bytes=args.max_message_bytes,
     )
     return run_mesh(config)

@@ -1,4 +1,11 @@
-"""Shared gRPC server plumbing: grpc.aio on uvloop, health, reflection, graceful stop."""
+"""Shared gRPC server plumbing: grpc.aio on uvloop, health, reflection, graceful stop, and
+the one place where servers bind and channels dial (TLS, message size limits, keepalive).
+
+Channels are made all over the code base with just an address, so their TLS and message size
+come from a process-wide default that each service sets once at start-up, from its config
+(:func:`set_channel_defaults`, before it makes any channel); explicit arguments to
+:func:`channel` override it. Servers always get theirs explicitly.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from dsmesh.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
 from dsmesh.telemetry import client_interceptors, server_interceptors
 
 log = logging.getLogger(__name__)
@@ -25,6 +33,40 @@ KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
     ("grpc.http2.min_ping_interval_without_data_ms", 4000),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 4000),
 ]
+
+
+def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Keepalive plus the message size limit, for servers and channels alike."""
+    if max_message_bytes < 1:
+        raise ValueError(f"max_message_bytes must be positive, got {max_message_bytes}")
+    return [
+        *KEEPALIVE_OPTIONS,
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
+@dataclass(frozen=True)
+class ChannelDefaults:
+    tls: TLSConfig = TLSConfig()
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+
+
+_channel_defaults = ChannelDefaults()
+
+
+def set_channel_defaults(
+    tls: TLSConfig, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> None:
+    """Set what :func:`channel` uses when not told: called once by each service at start-up,
+    before it makes any channel (a channel keeps the settings it was made with)."""
+    global _channel_defaults
+    grpc_options(max_message_bytes)  # validates
+    _channel_defaults = ChannelDefaults(tls, max_message_bytes)
+
+
+def channel_defaults() -> ChannelDefaults:
+    return _channel_defaults
 
 
 @dataclass
@@ -48,21 +90,32 @@ async def start_server(
     service_names: Sequence[str],
     host: str = "127.0.0.1",
     port: int = 0,
+    tls: TLSConfig | None = None,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> RunningServer:
     """Start a server with ``register``'s servicers plus health and reflection.
 
     ``service_names`` are full names (``dsmesh.v1.Decode``) reported by health and reflection;
     port 0 picks a free port, returned in :attr:`RunningServer.port`. With tracing on
     (:func:`dsmesh.telemetry.setup_tracing` called before), every RPC gets a server span that
-    continues the caller's trace.
+    continues the caller's trace. ``tls`` enabled: the port speaks only TLS (mTLS with
+    ``tls.client_auth``). Messages over ``max_message_bytes`` get RESOURCE_EXHAUSTED.
+    ``interceptors`` run after the tracing ones.
     """
-    server = grpc.aio.server(options=KEEPALIVE_OPTIONS, interceptors=server_interceptors())
+    server = grpc.aio.server(
+        options=grpc_options(max_message_bytes),
+        interceptors=[*server_interceptors(), *interceptors],
+    )
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if tls is not None and tls.enabled:
+        bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials())
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
     await server.start()
@@ -90,10 +143,30 @@ def run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
     runner(wrapper())
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    """Client channel with the same keepalive settings as the servers. With tracing on
-    (set up before the channel is made), every call gets a client span, child of the caller's
-    current span, whose context travels in the metadata."""
-    return grpc.aio.insecure_channel(
-        address, options=KEEPALIVE_OPTIONS, interceptors=client_interceptors()
-    )
+def channel(
+    address: str, tls: TLSConfig | None = None, max_message_bytes: int | None = None
+) -> grpc.aio.Channel:
+    """Client channel with the same keepalive settings as the servers; ``tls`` and
+    ``max_message_bytes`` default to the process-wide :func:`channel_defaults` (pass
+    ``TLSConfig()`` for plaintext). With tracing on (set up before the channel is made), every
+    call gets a client span, child of the caller's current span, whose context travels in the
+    metadata."""
+    defaults = _channel_defaults
+    tls = defaults.tls if tls is None else tls
+    options = grpc_options(max_message_bytes or defaults.max_message_bytes)
+    if tls.enabled:
+        return grpc.aio.secure_channel(
+            address,
+            tls.channel_credentials(),
+            options=[*options, *tls.channel_options()],
+            interceptors=client_interceptors(),
+        )
+    return grpc.aio.insecure_channel(address, options=options, interceptors=client_interceptors())
+
+
+def sync_channel(address: str, tls: TLSConfig | None = None) -> grpc.Channel:
+    """A blocking channel (probes, scripts) with the same TLS rule as :func:`channel`."""
+    tls = _channel_defaults.tls if tls is None else tls
+    if tls.enabled:
+        return grpc.secure_channel(address, tls.channel_credentials(), tls.channel_options())
+    return grpc.insecure_channel(address)

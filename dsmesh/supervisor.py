@@ -32,7 +32,9 @@ from typing import TextIO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from dsmesh.grpc_server import sync_channel
 from dsmesh.launcher import LaunchError, ServiceProcess, dsmesh_command, start_service
+from dsmesh.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
 
 # Run in front of every child on Linux, then exec'd away (same pid): the kernel SIGKILLs the
 # child when the thread that started it ends, which includes the supervisor being SIGKILLed.
@@ -100,6 +102,9 @@ class MeshConfig:
     start_timeout_s: float = 180.0  # per service: ready line, then healthy
     stop_timeout_s: float = 10.0  # SIGTERM -> SIGKILL
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+    # forwarded to every child; the supervisor's own health probes use ``tls`` too
+    tls: TLSConfig = TLSConfig()
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
     def validate(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -108,6 +113,8 @@ class MeshConfig:
             raise ValueError(f"--http-port must be in 1..65535, got {self.http_port}")
         if not 0 <= self.grpc_port <= 65535:
             raise ValueError(f"--grpc-port must be in 0..65535, got {self.grpc_port}")
+        if self.max_message_bytes < 1:
+            raise ValueError(f"--max-message-bytes must be positive, got {self.max_message_bytes}")
 
 
 @dataclass(frozen=True)
@@ -125,8 +132,16 @@ StageBuilder = Callable[[MeshConfig, str], list[ServiceSpec]]
 LOOPBACK = "127.0.0.1"
 
 
+def security_flags(config: MeshConfig) -> tuple[str, ...]:
+    """TLS and message size flags every child gets (API keys reach the gateway through its
+    environment, out of the process list)."""
+    size = config.max_message_bytes
+    limit = ("--max-message-bytes", str(size)) if size != DEFAULT_MAX_MESSAGE_BYTES else ()
+    return (*config.tls.to_args(), *limit)
+
+
 def broker_stage(config: MeshConfig, broker_address: str) -> list[ServiceSpec]:
-    args = ("kv-broker", "--host", LOOPBACK, "--port", "0")
+    args = ("kv-broker", "--host", LOOPBACK, "--port", "0", *security_flags(config))
     return [ServiceSpec("kv-broker", args, pinned_port_flag="--port")]
 
 
@@ -140,6 +155,7 @@ def instance_stage(config: MeshConfig, broker_address: str) -> list[ServiceSpec]
     for role, count in (("prefill", config.num_prefill), ("decode", config.num_decode)):
         for index in range(count):
             args = (role, "--broker", broker_address, "--host", LOOPBACK, "--port", "0")
+            args += security_flags(config)
             model = ("--model", config.model) if config.model else ()
             specs.append(ServiceSpec(f"{role}-{index}", (*args, *model, *config.engine_args)))
     return specs
@@ -159,6 +175,7 @@ def gateway_stage(config: MeshConfig, broker_address: str) -> list[ServiceSpec]:
         "--http-port",
         str(config.http_port),
         *(("--model", config.model) if config.model else ()),
+        *security_flags(config),
     )
     health = f"http://{_probe_host(config.host)}:{config.http_port}/health"
     return [ServiceSpec("gateway", args, pinned_port_flag="--grpc-port", health_url=health)]
@@ -216,15 +233,18 @@ def log_tail(path: Path | None, num_lines: int = 20) -> str:
     return "\n".join(f"    {line}" for line in lines) or "    (empty log)"
 
 
-def is_healthy(address: str, health_url: str | None, timeout: float = 1.0) -> bool:
-    """HTTP 200 from ``health_url`` if given, else gRPC health SERVING at ``address``."""
+def is_healthy(
+    address: str, health_url: str | None, timeout: float = 1.0, tls: TLSConfig | None = None
+) -> bool:
+    """HTTP 200 from ``health_url`` if given, else gRPC health SERVING at ``address``
+    (over TLS when ``tls`` is on)."""
     if health_url is not None:
         try:
             with urllib.request.urlopen(health_url, timeout=timeout) as resp:
                 return resp.status == 200
         except (urllib.error.URLError, OSError):
             return False
-    with grpc.insecure_channel(address) as ch:
+    with sync_channel(address, tls or TLSConfig()) as ch:
         try:
             resp = health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout
@@ -331,7 +351,7 @@ class Slot:
         assert self.process is not None
         deadline = time.monotonic() + self.config.start_timeout_s
         while time.monotonic() < deadline and self.process.alive():
-            if is_healthy(self.address, self.spec.health_url):
+            if is_healthy(self.address, self.spec.health_url, tls=self.config.tls):
                 return True
             if self._stop.wait(0.2):
                 return False

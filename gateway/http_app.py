@@ -2,19 +2,38 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Collection, Sequence
+
+import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from dsmesh.security import bearer_matches
 from dsmesh.telemetry import context_from_headers
 from dsmesh.v1 import generation_pb2
 from gateway import api
 from gateway.core import GenerationCore
-from gateway.openai_api import OpenAIRoutes
-from gateway.rest import transcoded_routes
+from gateway.openai_api import OpenAIError, OpenAIRoutes
+from gateway.rest import error_response, transcoded_routes
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # no API key needed: probes and scrapers
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def build_app(core: GenerationCore, model_name: str, max_body_bytes: int) -> web.Application:
-    app = web.Application(client_max_size=max_body_bytes)
+def build_app(
+    core: GenerationCore,
+    model_name: str,
+    max_body_bytes: int,
+    api_keys: Sequence[str] = (),
+) -> web.Application:
+    """``api_keys`` non-empty: every route but /health and /metrics needs
+    ``Authorization: Bearer <key>`` (401 otherwise). A body over ``max_body_bytes`` is 413."""
+    openai_routes = OpenAIRoutes(core, model_name).routes()
+    openai_paths = frozenset(route.path for route in openai_routes)  # type: ignore[attr-defined]
+    middlewares = [body_limit(max_body_bytes, openai_paths)]
+    if api_keys:
+        middlewares.insert(0, require_api_key(tuple(api_keys), openai_paths))  # before reading
+    app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
     service = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
     app.add_routes(
         transcoded_routes(
@@ -28,7 +47,7 @@ def build_app(core: GenerationCore, model_name: str, max_body_bytes: int) -> web
             unary={"Abort": lambda m, r: api.abort(core, m)},
         )
     )
-    app.add_routes(OpenAIRoutes(core, model_name).routes())
+    app.add_routes(openai_routes)
 
     async def health(request: web.Request) -> web.Response:
         reg = core.registry
@@ -49,3 +68,51 @@ def build_app(core: GenerationCore, model_name: str, max_body_bytes: int) -> web
 
     app.add_routes([web.get("/health", health), web.get("/metrics", metrics)])
     return app
+
+
+def require_api_key(keys: tuple[str, ...], openai_paths: Collection[str]):
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in OPEN_PATHS or bearer_matches(request.headers.get("Authorization"), keys):
+            return await handler(request)
+        message = "missing or invalid API key: send 'Authorization: Bearer <key>'"
+        if request.path in openai_paths:
+            resp = OpenAIError(
+                401, message, code="invalid_api_key", kind="authentication_error"
+            ).response()
+        else:
+            resp = error_response(grpc.StatusCode.UNAUTHENTICATED, message)
+        resp.headers["WWW-Authenticate"] = "Bearer"
+        return resp
+
+    return middleware
+
+
+def body_limit(max_body_bytes: int, openai_paths: Collection[str]):
+    """Reads the body up front (the handlers find it cached) so that one over the limit is a
+    413 with a JSON error instead of a failure inside a handler."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.can_read_body:
+            size = request.content_length
+            too_large = size is not None and size > max_body_bytes
+            if not too_large:
+                try:
+                    await request.read()
+                except web.HTTPRequestEntityTooLarge:
+                    too_large = True
+            if too_large:
+                return _too_large(request.path in openai_paths, max_body_bytes)
+        return await handler(request)
+
+    return middleware
+
+
+def _too_large(openai: bool, max_body_bytes: int) -> web.Response:
+    message = f"request body is larger than the limit of {max_body_bytes} bytes"
+    if openai:
+        return OpenAIError(413, message, code="request_too_large").response()
+    # RESOURCE_EXHAUSTED: what gRPC answers for a message over its limit
+    body = {"error": {"code": 413, "status": "RESOURCE_EXHAUSTED", "message": message}}
+    return web.json_response(body, status=413)

@@ -6,13 +6,14 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
 
 from dsmesh import telemetry
-from dsmesh.grpc_server import start_server
+from dsmesh.grpc_server import set_channel_defaults, start_server
+from dsmesh.security import DEFAULT_MAX_MESSAGE_BYTES, ApiKeyInterceptor, TLSConfig
 from dsmesh.v1 import generation_pb2_grpc
 from engine.config import load_config
 from engine.tokenizer import Tokenizer
@@ -38,6 +39,9 @@ class GatewayConfig:
     handoff_timeout_s: float = 30.0
     max_body_bytes: int = 8 << 20
     max_inflight: int = 512
+    tls: TLSConfig = TLSConfig()  # the public gRPC port and every channel; off by default
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no key needed
 
 
 async def serve(
@@ -46,6 +50,7 @@ async def serve(
     ready: Callable[[int, int], None] | None = None,
 ) -> None:
     tracing = telemetry.setup_tracing("gateway")  # before any channel or server exists
+    set_channel_defaults(config.tls, config.max_message_bytes)  # ditto
     model_config = load_config(config.model_dir)
     tokenizer = Tokenizer.from_dir(config.model_dir)
     name = config.served_model_name or Path(config.model_dir).resolve().name
@@ -68,9 +73,12 @@ async def serve(
         [SERVICE],
         config.host,
         config.grpc_port,
+        tls=config.tls,
+        max_message_bytes=config.max_message_bytes,
+        interceptors=[ApiKeyInterceptor(config.api_keys)] if config.api_keys else (),
     )
     runner = web.AppRunner(
-        build_app(core, name, config.max_body_bytes),
+        build_app(core, name, config.max_body_bytes, config.api_keys),
         handler_cancellation=True,  # a client that disconnects cancels its request
         access_log=None,
     )

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from prometheus_client import start_http_server
 
-from dsmesh.grpc_server import start_server
+from dsmesh.grpc_server import set_channel_defaults, start_server
+from dsmesh.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
 from dsmesh.telemetry import setup_tracing, shutdown_tracing
 from dsmesh.v1 import kv_broker_pb2, kv_broker_pb2_grpc
 from kv_broker.metrics import BrokerMetrics
@@ -31,8 +32,12 @@ class BrokerConfig:
     terminal_ttl_s: float = 60.0  # how long finished handoffs stay readable (Get, Await)
     metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0 = off
     shutdown_grace_s: float = 5.0  # in-flight RPCs get this long after a stop
+    tls: TLSConfig = TLSConfig()  # TLS / mTLS on the server; off by default
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
     def __post_init__(self) -> None:
+        if self.max_message_bytes < 1:
+            raise ValueError(f"max_message_bytes must be positive, got {self.max_message_bytes}")
         for name in ("port", "metrics_port"):
             value = getattr(self, name)
             if not 0 <= value <= 65535:
@@ -70,6 +75,7 @@ async def serve(
 async def _serve(
     config: BrokerConfig, stop: asyncio.Event, ready: Callable[[int], None] | None
 ) -> None:
+    set_channel_defaults(config.tls, config.max_message_bytes)
     metrics = BrokerMetrics()
     servicer = KVBrokerServicer(config, metrics)
     running = await start_server(
@@ -77,6 +83,8 @@ async def _serve(
         (SERVICE_NAME,),
         config.host,
         config.port,
+        tls=config.tls,
+        max_message_bytes=config.max_message_bytes,
     )
     servicer.start()
     http_server = None

@@ -9,9 +9,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dsmesh.broker_link import BrokerLink
-from dsmesh.grpc_server import start_server
+from dsmesh.grpc_server import set_channel_defaults, start_server
 from dsmesh.instance import TransferConfig, build_instance, health_follows_broker, new_instance_id
 from dsmesh.kv_layout import layout_of
+from dsmesh.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
 from dsmesh.service_metrics import InstanceMetrics
 from dsmesh.telemetry import setup_tracing, shutdown_tracing
 from dsmesh.v1 import kv_broker_pb2 as kb
@@ -35,6 +36,8 @@ class PrefillConfig:
     metrics_port: int = 0  # Prometheus /metrics port; 0 = off
     resolve_wait_s: float = 30.0
     max_queued_tokens: int = 262144
+    tls: TLSConfig = TLSConfig()  # every gRPC server and channel of the process; off by default
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
 
 async def serve(
@@ -51,6 +54,7 @@ async def serve(
 async def _serve(
     config: PrefillConfig, stop: asyncio.Event, ready: Callable[[str, int], None] | None
 ) -> None:
+    set_channel_defaults(config.tls, config.max_message_bytes)  # before the broker channel
     parts = await build_instance(config.engine, config.transfer)
     instance_id = config.instance_id or new_instance_id("prefill")
     instance = kb.Instance(
@@ -78,6 +82,8 @@ async def _serve(
         [SERVICE],
         config.host,
         config.port,
+        tls=config.tls,
+        max_message_bytes=config.max_message_bytes,
     )
     instance.grpc_address = f"{config.host}:{server.port}"
     if config.metrics_port:
