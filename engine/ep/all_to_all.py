@@ -35,12 +35,16 @@ class AllToAllDispatcher(MoEDispatcher):
         self.num_local = num_local_experts
         self.group = group
         self.ep_size = dist.get_world_size(group)
+        self.bytes_sent = 0  # payload bytes this rank sent to other ranks (dispatch + combine)
 
     def _exchange(
         self, src: torch.Tensor, send_splits: list[int], recv_splits: list[int]
     ) -> tuple[torch.Tensor, dist.Work]:
         """Start an all-to-all of ``src``'s rows; the output is valid after ``work.wait()``."""
         out = src.new_empty((sum(recv_splits), *src.shape[1:]))
+        me = dist.get_rank(self.group)
+        row_bytes = src[0].numel() * src.element_size() if src.shape[0] else 0
+        self.bytes_sent += row_bytes * (sum(send_splits) - send_splits[me])
         work = dist.all_to_all_single(
             out, src.contiguous(), recv_splits, send_splits, group=self.group, async_op=True
         )
