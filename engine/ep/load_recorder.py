@@ -40,3 +40,12 @@ class ExpertLoadRecorder:
     @property
     def num_steps(self) -> int:
         return len(self._window)
+
+    def export(self) -> dict[str, object]:
+        """JSON-ready window: what eplb_svc and ``dsmesh eplb dump`` consume."""
+        return {
+            "num_moe_layers": self.num_moe_layers,
+            "num_physical_experts": self.num_physical,
+            "window_steps": self.num_steps,
+            "tokens_per_expert": self.window().tolist(),
+        }

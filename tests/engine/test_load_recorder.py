@@ -21,6 +21,9 @@ def test_window_counts() -> None:
     rec.end_step()  # an empty step pushes the first one out of the window
     assert rec.window().tolist() == [[0, 0, 0, 0], [0, 0, 2, 0]]
     assert rec.num_steps == 2
+    exported = rec.export()
+    assert exported["tokens_per_expert"] == [[0, 0, 0, 0], [0, 0, 2, 0]]
+    assert exported["window_steps"] == 2 and exported["num_physical_experts"] == 4
 
 
 def test_model_records_every_routed_token(tmp_path) -> None:
