@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 
 import grpc
@@ -73,6 +73,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if rid in self.active:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already active")
+        # Claimed before the first await, so a concurrent duplicate is refused above.
+        self.active.add(rid)
         prompt = list(request.input_ids)
         timeout_s = (
             request.handoff_timeout_ms / 1000
@@ -82,14 +84,29 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         try:
             pages = await self.worker.call(lambda e: list(e.reserve(prompt, params, rid).pages))
         except InvalidRequestError as exc:
+            self.active.discard(rid)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except OutOfPagesError as exc:
+            self.active.discard(rid)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode is full: {exc}")
-        self.active.add(rid)
+        except asyncio.CancelledError:
+            # The engine may still take the pages: free them after it (its commands are FIFO).
+            self._spawn(self._forget_after(rid, self.worker.call(lambda e: e.abort(rid))))
+            raise
+        except BaseException:
+            self.active.discard(rid)
+            raise
         settled = False  # pages freed or handed to the running batch, nothing left to clean
         prefill_may_write = False
+        freeing: Coroutine[None, None, None] | None = None  # frees the pages after the stream
         try:
-            status = await self._handoff(rid, prompt, pages, timeout_s, context)
+            try:
+                status = await self._handoff(rid, prompt, pages, timeout_s, context)
+            except _Refused as exc:
+                # kv_broker refused the reservation: the handoff (if any) is not ours to
+                # abort - it may be a live duplicate's. Our pages are already free.
+                settled = True
+                await context.abort(exc.code, exc.message)
             if self.metrics is not None:
                 self.metrics.handoffs.labels(kb.HandoffState.Name(status.state)).inc()
                 if status.state == kb.HANDOFF_DONE:
@@ -99,7 +116,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 if "layout mismatch" in status.message:
                     code = grpc.StatusCode.FAILED_PRECONDITION
                 state = kb.HandoffState.Name(status.state)
-                await self._release_after_prefill(rid, status)
+                # End the stream now; the pages follow once prefill can no longer write them.
+                freeing = self._release_after_prefill(rid, status)
                 settled = True
                 await context.abort(code, f"KV handoff {state}: {status.message}".strip(": "))
             span = telemetry.tracer().start_span(
@@ -129,9 +147,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             prefill_may_write = True  # cancelled mid-handoff: prefill may be writing
             raise
         finally:
-            self.active.discard(rid)
             if not settled:
-                self._spawn(self._cleanup(rid, prefill_may_write))
+                freeing = self._cleanup(rid, prefill_may_write)
+            if freeing is None:
+                self.active.discard(rid)
+            else:  # the id stays taken until its pages are free
+                self._spawn(self._forget_after(rid, freeing))
 
     async def _handoff(
         self,
@@ -185,12 +206,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         try:
             await stub.Reserve(reserve, timeout=self.limits.broker_rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
-            await self.worker.call(lambda e: e.abort(rid))
             code = exc.code()
+            if code in (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.INVALID_ARGUMENT):
+                # Certainly not registered: no prefill can write into these pages.
+                await self.worker.call(lambda e: e.abort(rid))
+                message = f"kv_broker refused the reservation: {exc.details()}"
+                raise _Refused(code, message) from None
             if code == grpc.StatusCode.ABORTED:
                 code = grpc.StatusCode.CANCELLED  # the request was aborted before we got here
-            elif code not in (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.INVALID_ARGUMENT):
+            else:
                 code = grpc.StatusCode.UNAVAILABLE
+            # The reservation may have reached the broker (a lost answer): the cleanup aborts
+            # it there and frees the pages only once no prefill can be writing them.
             await context.abort(code, f"kv_broker refused the reservation: {exc.details()}")
         self.waiting_handoffs += 1
         try:
@@ -249,18 +276,27 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         await self.worker.call(lambda e: e.abort(rid))
 
     async def _wait_prefill_release(self, rid: str) -> None:
+        """Until kv_broker says prefill released the handoff, or the quarantine passes. A
+        broker that cannot say (unreachable, or restarted and without the record) proves
+        nothing: prefill may still be writing, so that waits out the quarantine."""
         deadline = time.monotonic() + self.limits.release_quarantine_s
         while time.monotonic() < deadline:
             try:
                 status = await self.broker.stub.Get(
                     kb.HandoffRequest(request_id=rid), timeout=self.limits.broker_rpc_timeout_s
                 )
+                if status.prefill_released:
+                    return
             except grpc.aio.AioRpcError:
-                status = None
-            if status is None or status.prefill_released:
-                return
+                pass
             await asyncio.sleep(0.05)
         log.warning("prefill never released handoff %s; reusing its pages after quarantine", rid)
+
+    async def _forget_after(self, rid: str, freeing: Coroutine[None, None, None]) -> None:
+        try:
+            await freeing
+        finally:
+            self.active.discard(rid)
 
     async def _cleanup(self, rid: str, prefill_may_write: bool) -> None:
         """Client went away or the stream failed: abort on both sides, free pages safely."""
@@ -324,6 +360,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             running_requests=running,
             waiting_handoffs=self.waiting_handoffs,
         )
+
+
+class _Refused(Exception):
+    """kv_broker refused the reservation outright; our pages were freed."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 @dataclass(frozen=True)

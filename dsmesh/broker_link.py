@@ -2,9 +2,10 @@
 
 The Attach stream is re-opened whenever it drops, so a restarted broker sees every instance
 again without restarting it. Events for handoffs arrive on the event loop through
-``on_event``. The stream lives as long as the process, so it is not traced
-(``dsmesh.telemetry.UNTRACED_METHOD_PREFIXES``); the stub's other calls are, in the caller's
-trace.
+``on_event``; losing an established stream calls every ``on_lost`` listener (the broker's
+handoff records may be gone with it: a restarted broker starts empty). The stream lives as
+long as the process, so it is not traced (``dsmesh.telemetry.UNTRACED_METHOD_PREFIXES``); the
+stub's other calls are, in the caller's trace.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
 log = logging.getLogger(__name__)
 
 EventHandler = Callable[[kb.BrokerEvent], None]
+LostHandler = Callable[[str], None]  # called with why the stream ended
 
 
 class BrokerLink:
@@ -35,6 +37,7 @@ class BrokerLink:
         self.channel = channel(address)
         self.stub = kb_grpc.KVBrokerStub(self.channel)
         self.attached = asyncio.Event()
+        self.on_lost: list[LostHandler] = []
         self._task: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -52,6 +55,7 @@ class BrokerLink:
         backoff = 0.1
         while not self._closed:
             call = self.stub.Attach(kb.AttachRequest(instance=self.instance))
+            why = "kv_broker ended the stream"
             try:
                 async for event in call:
                     if not self.attached.is_set():
@@ -63,11 +67,18 @@ class BrokerLink:
             except grpc.aio.AioRpcError as exc:
                 if self._closed:
                     return
-                log.warning("kv_broker stream lost (%s); re-attaching", exc.code().name)
+                why = f"kv_broker stream lost ({exc.code().name})"
+                log.warning("%s; re-attaching", why)
             except asyncio.CancelledError:
                 call.cancel()
                 raise
-            self.attached.clear()
+            if self.attached.is_set():
+                self.attached.clear()
+                for listener in list(self.on_lost):
+                    try:
+                        listener(why)
+                    except Exception:  # a listener must not stop the re-attaching
+                        log.exception("kv_broker on_lost listener failed")
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
 

@@ -17,7 +17,15 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from dsmesh.v1 import decode_pb2, decode_pb2_grpc, generation_pb2, prefill_pb2, prefill_pb2_grpc
+from dsmesh.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
+    generation_pb2,
+    kv_broker_pb2,
+    kv_broker_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
 
 # Decode only streams once prefill committed, so prefill's answer is due when decode ends: wait
 # this long for it rather than cancel a call that succeeded (and end its span as an error).
@@ -41,9 +49,14 @@ async def generate_pd(
     sampling: generation_pb2.SamplingParams,
     timeout_s: float = 120.0,
     handoff_timeout_s: float = 0.0,
+    broker: kv_broker_pb2_grpc.KVBrokerStub | None = None,
 ) -> AsyncIterator[decode_pb2.DecodeResponse]:
     """Yield decode's messages; raise :class:`PDError` on failure. Cancelling the iterator
-    (or leaving it early) cancels both calls, which frees pages on both sides."""
+    (or leaving it early) cancels both calls, which frees pages on both sides.
+
+    ``broker``: kv_broker, told that the handoff FAILED when prefill becomes unreachable
+    (e.g. it died), before decode's call is cancelled; without it the handoff ends ABORTED.
+    """
     decode_call = decode.Decode(
         decode_pb2.DecodeRequest(
             request_id=request_id,
@@ -59,14 +72,33 @@ async def generate_pd(
     )
     prefill_task = asyncio.ensure_future(prefill_call)
 
+    stopping: list[asyncio.Task[None]] = []
+
     def prefill_done(task: asyncio.Future) -> None:
         # A failed prefill means no KV will come: stop waiting on decode at once (decode
         # then aborts the handoff and frees its pages); _explain reports prefill's error.
         exc = None if task.cancelled() else task.exception()
-        if isinstance(exc, grpc.aio.AioRpcError) and exc.code() not in (
+        if not isinstance(exc, grpc.aio.AioRpcError) or exc.code() in (
             grpc.StatusCode.CANCELLED,
             grpc.StatusCode.ABORTED,  # an abort reaches decode through kv_broker
         ):
+            return
+        if broker is not None and exc.code() == grpc.StatusCode.UNAVAILABLE:
+            reason = f"prefill unreachable: {exc.details()}"
+            stopping.append(asyncio.ensure_future(_fail_then_cancel(broker, request_id, reason)))
+        else:
+            decode_call.cancel()
+
+    async def _fail_then_cancel(
+        stub: kv_broker_pb2_grpc.KVBrokerStub, rid: str, reason: str
+    ) -> None:
+        # Only for UNAVAILABLE: prefill never reached, or lost, this request's handoff. Other
+        # errors (ALREADY_EXISTS, FAILED_PRECONDITION) may concern a duplicate's live handoff.
+        try:
+            await stub.Fail(kv_broker_pb2.FailRequest(request_id=rid, reason=reason), timeout=1.0)
+        except grpc.aio.AioRpcError:
+            pass  # decode's cancellation aborts the handoff instead
+        finally:
             decode_call.cancel()
 
     prefill_task.add_done_callback(prefill_done)
@@ -105,6 +137,9 @@ async def generate_pd(
                 prefill_task.cancel()
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await prefill_task  # its outcome was reported through decode's stream
+            for task in stopping:
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await task
 
 
 def _failed(task: asyncio.Future) -> bool:
@@ -121,7 +156,13 @@ async def _drain(messages: AsyncIterator, timeout_s: float) -> None:
 
 
 async def _explain(decode_error: BaseException, prefill_task: asyncio.Future) -> PDError:
-    """Prefer prefill's error when decode only reports the failed handoff it caused."""
+    """Prefer prefill's error when decode only reports the failed handoff it caused, but
+    decode's ALREADY_EXISTS: the request id is a duplicate, prefill's error follows from it."""
+    if (
+        isinstance(decode_error, grpc.aio.AioRpcError)
+        and decode_error.code() == grpc.StatusCode.ALREADY_EXISTS
+    ):
+        return PDError(decode_error.code(), f"decode: {decode_error.details()}")
     with contextlib.suppress(Exception, asyncio.CancelledError):
         await asyncio.wait_for(asyncio.shield(prefill_task), 0.5)
     if prefill_task.done() and not prefill_task.cancelled():

@@ -26,7 +26,7 @@ from engine.config import ModelConfig
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from gateway.metrics import GatewayMetrics
-from gateway.registry import InstanceRegistry, NoInstanceError
+from gateway.registry import Instance, InstanceRegistry, NoInstanceError
 from gateway.stop_strings import StopStringMatcher
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,8 @@ class GenerationCore:
         self.model_config = model_config
         self.metrics = metrics
         self.limits = limits
-        self.active: dict[str, tuple] = {}  # request_id -> (prefill, decode) instances
+        # request_id -> its (prefill, decode) instances; None while it is being routed
+        self.active: dict[str, tuple[Instance, Instance] | None] = {}
         self.inflight = 0
 
     # ---- validation -------------------------------------------------------------------------
@@ -132,6 +133,12 @@ class GenerationCore:
         """Stream deltas; the last one has ``finish_reason``. Leaving early cancels both
         sides of the request (pages are freed). ``trace_parent``: the caller's trace context
         (an HTTP traceparent, or the gRPC server span); the request's spans hang below it."""
+        if inp.request_id in self.active:
+            self.metrics.requests.labels("rejected").inc()
+            raise GatewayError(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request_id {inp.request_id!r} is already in flight; a request id is used once",
+            )
         if self.inflight >= self.limits.max_inflight:
             self.metrics.requests.labels("rejected").inc()
             raise GatewayError(
@@ -139,6 +146,7 @@ class GenerationCore:
                 f"the gateway is at capacity ({self.inflight} requests in flight); retry later",
             )
         self.inflight += 1
+        self.active[inp.request_id] = None  # taken before the first await: no duplicate runs
         start = time.monotonic()
         m = self.metrics
         m.waiting.inc()
@@ -202,6 +210,7 @@ class GenerationCore:
             sampling,
             timeout_s=self.limits.request_timeout_s,
             handoff_timeout_s=self.limits.handoff_timeout_s,
+            broker=self.registry.broker,
         )
         try:
             async for msg in _first_in_context(stream, ctx):

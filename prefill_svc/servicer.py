@@ -105,6 +105,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.transfers = transfers
         self._background: set[asyncio.Task[None]] = set()
         self._steps = _StepClock(worker)
+        broker.on_lost.append(self.on_broker_lost)
 
     def callbacks(self) -> TransferCallbacks:
         """Transfer-thread callbacks, bounced onto the event loop in the job's (trace)
@@ -172,7 +173,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         except PrefillFailed as exc:
             await context.abort(exc.code, str(exc))
         except asyncio.CancelledError:
-            self._spawn(self._fail(job, "prefill call cancelled by its client"))
+            # The client went away: the request is aborted (decode answers CANCELLED), not failed.
+            self._spawn(self._fail(job, "prefill call cancelled by its client", abort=True))
             raise
         finally:
             self.jobs.pop(rid, None)
@@ -192,6 +194,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             code = exc.code()
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 code = grpc.StatusCode.UNAVAILABLE
+            elif code == grpc.StatusCode.FAILED_PRECONDITION and await self._resolved_before(job):
+                code = grpc.StatusCode.ALREADY_EXISTS  # a duplicate of a prefilled request
             raise PrefillFailed(code, f"cannot resolve the KV handoff: {exc.details()}") from exc
         needed = pages_for(job.prompt_len, self.page_size)
         if res.num_tokens != job.prompt_len or len(res.page_ids) < needed:
@@ -212,6 +216,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             num_layers=self.layout.num_layers,
         )
         job.remote_pages = list(res.page_ids[:needed])
+
+    async def _resolved_before(self, job: _Job) -> bool:
+        """Whether the handoff was already taken by a prefill (TRANSFERRING or DONE): the
+        request id is then a duplicate, and the request must not run again."""
+        status = await self._broker_call("Get", kb.HandoffRequest(request_id=job.request_id))
+        return status is not None and status.state in (kb.HANDOFF_TRANSFERRING, kb.HANDOFF_DONE)
 
     def _submit(self, engine: LLMEngine, job: _Job, prompt: list[int], params) -> int:
         """On the engine thread: queue the prompt and route its outputs to the transfers."""
@@ -317,12 +327,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     # ---- failure paths --------------------------------------------------------------------
 
-    async def _fail(self, job: _Job, reason: str, tell_broker: bool = True) -> None:
-        """Stop the request here: drop queued writes, free pages once nothing is in flight."""
+    async def _fail(
+        self, job: _Job, reason: str, tell_broker: bool = True, abort: bool = False
+    ) -> None:
+        """Stop the request here: drop queued writes, free pages once nothing is in flight.
+        The broker is told the handoff FAILED, or ABORTED when ``abort`` (client gone)."""
         if job.aborted:
             return
         job.aborted = True
-        if tell_broker:
+        if tell_broker and abort:
+            await self._broker_call("Abort", kb.HandoffRequest(request_id=job.request_id))
+        elif tell_broker:
             await self._broker_call(
                 "Fail", kb.FailRequest(request_id=job.request_id, reason=reason)
             )
@@ -333,6 +348,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self._spawn(self._release(job.request_id))
         if not job.done.done():
             job.done.set_exception(PrefillFailed(grpc.StatusCode.ABORTED, reason))
+            job.done.exception()  # retrieved: the Prefill call may be gone already
 
     def on_broker_event(self, event: kb.BrokerEvent) -> None:
         """Event loop: decode aborted, the handoff timed out or failed elsewhere."""
@@ -344,6 +360,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         job.aborted = True
         self._spawn(self._stop_after_broker_end(job, reason, event.state))
 
+    def on_broker_lost(self, why: str) -> None:
+        """Event loop: the kv_broker stream dropped. Its handoff records may be gone (a
+        restarted broker starts empty) and decode stops waiting when its own calls fail, so
+        no live handoff can be committed: stop writing into decode's pages now rather than
+        at the commit. Requests still resolving fail through their Resolve call."""
+        for job in list(self.jobs.values()):
+            if job.remote is None or job.aborted or job.done.done():
+                continue
+            job.aborted = True
+            reason = f"{why}; the KV handoff cannot complete"
+            self._spawn(self._stop_after_broker_end(job, reason, kb.HANDOFF_FAILED))
+
     async def _stop_after_broker_end(self, job: _Job, reason: str, state: int) -> None:
         await self.worker.call(lambda e: self._abort_on_engine(e, job))
         if self.transfers is not None and job.remote is not None:
@@ -354,6 +382,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 kb.HANDOFF_TIMED_OUT: grpc.StatusCode.DEADLINE_EXCEEDED,
             }.get(state, grpc.StatusCode.UNAVAILABLE)
             job.done.set_exception(PrefillFailed(code, reason))
+            job.done.exception()  # retrieved: the Prefill call may be gone already
 
     def _on_chunk(self, rid: str, tokens: int, nbytes: int) -> None:
         if rid in self.jobs and not self.jobs[rid].aborted:
@@ -408,7 +437,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         job = self.jobs.get(request.request_id)
         if job is None:
             return generation_pb2.AbortResponse(aborted=False)
-        await self._fail(job, "aborted by the client")
+        await self._fail(job, "aborted by the client", abort=True)
         return generation_pb2.AbortResponse(aborted=True)
 
     async def GetLoad(  # noqa: N802
