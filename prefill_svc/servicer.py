@@ -225,6 +225,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     def _submit(self, engine: LLMEngine, job: _Job, prompt: list[int], params) -> int:
         """On the engine thread: queue the prompt and route its outputs to the transfers."""
+        if self.transfers is not None:
+            self.transfers.begin(job.request_id)
         engine.add_request(prompt, params, request_id=job.request_id, prefill_only=True)
         job.submit_ns = job.mark_ns = time.time_ns()
         job.queued = True

@@ -1,7 +1,11 @@
-"""One FIFO thread that writes finished prefill chunks into decode's pages.
+"""FIFO threads that write finished prefill chunks into decode's pages, one per decode peer.
 
 FIFO matters: a page half-filled by chunk k is re-sent with chunk k+1, so the later write
-must land last. A request's jobs end with either a *final* job (all its KV was written) or
+must land last; all of a request's jobs go to its peer's lane, in order. One lane per peer
+keeps a dead or stalled decode instance (a transfer can block for up to the transfer
+engine's timeout) from holding up the requests of every other decode instance.
+
+A request's jobs end with either a *final* job (all its KV was written) or
 a *release* job (it was aborted: nothing of it is in flight any more), after which its
 local pages may be reused and the broker is told.
 
@@ -15,6 +19,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +30,7 @@ from dsmesh.transfer import KVTransport, RemotePool, TransferError
 from engine.kv_cache import MLAKVPool
 
 log = logging.getLogger(__name__)
+_DEAD_CAP = 100_000
 
 
 @dataclass(frozen=True)
@@ -82,33 +88,66 @@ class TransferQueue:
         self.transport = transport
         self.pool = pool
         self.callbacks = callbacks
-        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._dead: set[str] = set()  # aborted or failed: skip their remaining chunk jobs
+        # aborted or failed: skip their jobs, also one the engine thread queues after the
+        # release (a race the lock cannot close); oldest entries are forgotten past the cap
+        self._dead: OrderedDict[str, None] = OrderedDict()
         self._bytes: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._main, name="kv-transfer", daemon=True)
+        self._lanes: dict[str, tuple[queue.SimpleQueue[Job | None], threading.Thread]] = {}
+        self._lane_of: dict[str, str] = {}  # request id -> its peer's lane
+        self._stopped = False
         self.total_bytes = 0
         self.metrics = None  # dsmesh.service_metrics.InstanceMetrics, when served
 
     def start(self) -> None:
-        self._thread.start()
+        """Lanes start on demand, one per decode peer."""
 
     def stop(self) -> None:
-        self._jobs.put(None)
-        self._thread.join(5)
+        with self._lock:
+            self._stopped = True
+            lanes = list(self._lanes.values())
+        for jobs, _ in lanes:
+            jobs.put(None)
+        for _, thread in lanes:
+            thread.join(5)
+
+    def _lane(self, key: str) -> queue.SimpleQueue[Job | None]:
+        with self._lock:
+            lane = self._lanes.get(key)
+            if lane is None:
+                jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+                thread = threading.Thread(
+                    target=self._main, args=(jobs,), name=f"kv-transfer-{key}", daemon=True
+                )
+                lane = self._lanes[key] = (jobs, thread)
+                thread.start()
+            return lane[0]
 
     def put(self, job: Job) -> None:
-        self._jobs.put(job)
+        rid = job.request_id
+        with self._lock:
+            if isinstance(job, ChunkJob):
+                key = self._lane_of.setdefault(rid, job.remote.session)
+            else:  # the request's last job: after its chunks, on the same lane
+                key = self._lane_of.pop(rid, "")
+        self._lane(key).put(job)
+
+    def begin(self, request_id: str) -> None:
+        """A new request with this id starts (ids may be reused once their handoff ended)."""
+        with self._lock:
+            self._dead.pop(request_id, None)
 
     def abort(self, request_id: str, trace_context: Context | None = None) -> None:
         """Drop the request's queued writes; a release job follows the one in flight."""
         with self._lock:
-            self._dead.add(request_id)
-        self._jobs.put(ReleaseJob(request_id, trace_context))
+            self._dead[request_id] = None
+            while len(self._dead) > _DEAD_CAP:
+                self._dead.popitem(last=False)
+        self.put(ReleaseJob(request_id, trace_context))
 
-    def _main(self) -> None:
+    def _main(self, jobs: queue.SimpleQueue[Job | None]) -> None:
         while True:
-            job = self._jobs.get()
+            job = jobs.get()
             if job is None:
                 return
             with telemetry.attached(job.trace_context):
@@ -120,15 +159,16 @@ class TransferQueue:
             dead = rid in self._dead
         if isinstance(job, ReleaseJob):
             with self._lock:
-                self._dead.discard(rid)
-            self._bytes.pop(rid, None)
+                self._bytes.pop(rid, None)
             self.callbacks.on_release(rid)
         elif dead:
             return
         elif isinstance(job, ChunkJob):
             self._write(job)
         else:
-            self.callbacks.on_final(rid, job.first_token, self._bytes.pop(rid, 0))
+            with self._lock:
+                nbytes = self._bytes.pop(rid, 0)
+            self.callbacks.on_final(rid, job.first_token, nbytes)
 
     def _write(self, job: ChunkJob) -> None:
         rid = job.request_id
@@ -138,7 +178,7 @@ class TransferQueue:
         except (TransferError, ValueError) as exc:
             self._trace_write(job, start_ns, 0, error=str(exc))
             with self._lock:
-                self._dead.add(rid)
+                self._dead[rid] = None
             log.warning("KV transfer for %s failed: %s", rid, exc)
             self.callbacks.on_error(rid, f"KV transfer failed: {exc}")
             return
@@ -146,9 +186,10 @@ class TransferQueue:
         if self.metrics is not None:
             self.metrics.transfer_bytes.inc(n)
             self.metrics.transfer_seconds.observe((time.time_ns() - start_ns) / 1e9)
-        self.total_bytes += n
-        self._bytes[rid] = self._bytes.get(rid, 0) + n
-        self.callbacks.on_chunk(rid, job.tokens_done, self._bytes[rid])
+        with self._lock:
+            self.total_bytes += n
+            self._bytes[rid] = sent = self._bytes.get(rid, 0) + n
+        self.callbacks.on_chunk(rid, job.tokens_done, sent)
 
     def _trace_write(
         self, job: ChunkJob, start_ns: int, nbytes: int, error: str | None = None
