@@ -9,6 +9,8 @@ import torch
 
 from engine.sampling_params import SamplingParams
 
+GREEDY_BELOW = 1e-5
+
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
     """A generator on ``device`` seeded with ``seed``, or None (use the default RNG) if unseeded.
@@ -64,8 +66,9 @@ class Sampler:
             )
         device = logits.device
         token_ids = torch.empty(batch, dtype=torch.int64, device=device)
-        greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0]
-        sampled_rows = [i for i, p in enumerate(params) if p.temperature != 0]
+        # Temperatures below GREEDY_BELOW would divide float32 logits by ~0: greedy, as vLLM.
+        greedy_rows = [i for i, p in enumerate(params) if p.temperature < GREEDY_BELOW]
+        sampled_rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
         if greedy_rows:
             rows = torch.tensor(greedy_rows, dtype=torch.int64, device=device)
             token_ids[rows] = logits[rows].argmax(dim=-1)
@@ -115,6 +118,8 @@ def _sample(
     # Rounding can put the target at or past the total mass; fall back to the last kept token.
     ids = torch.arange(vocab, device=device)
     last_kept = torch.where(probs > 0, ids, -1).amax(dim=-1)
+    # No positive probability at all (a NaN row): fall back to the argmax, never to -1.
+    last_kept = torch.where(last_kept < 0, logits.argmax(dim=-1), last_kept)
     return torch.minimum(token_ids, last_kept)
 
 
@@ -142,6 +147,7 @@ def _top_k_top_p_mask(
         sorted_probs = torch.softmax(sorted_logits.masked_fill(~sorted_keep, -math.inf), dim=-1)
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         sorted_keep = sorted_keep & (mass_before < top_p.unsqueeze(1))
+        sorted_keep[:, 0] = True  # the most likely token survives any top_p, however small
     return torch.zeros_like(sorted_keep).scatter(1, sorted_ids, sorted_keep)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+INT32_MAX = 2**31 - 1  # the wire format's int32 fields
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -34,11 +36,15 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not (0.0 <= self.min_p < 1.0):
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 1 <= self.max_new_tokens <= INT32_MAX:
+            raise ValueError(f"max_new_tokens must be in [1, 2**31 - 1], got {self.max_new_tokens}")
+        if self.top_k > INT32_MAX:
+            raise ValueError(f"top_k must be at most 2**31 - 1, got {self.top_k}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
+        if any(not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            raise ValueError(
+                f"stop_token_ids must be in [0, 2**31 - 1], got {list(self.stop_token_ids)}"
+            )
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")

@@ -171,7 +171,13 @@ class GenerationCore:
                 async for delta in self._stream(inp, prefill, decode, start, state, ctx):
                     yield delta
             except GatewayError as exc:
+                if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    state["outcome"] = "rejected"  # a full prefill or decode refused it
                 span.set_status(trace.StatusCode.ERROR, exc.message)
+                raise
+            except (asyncio.CancelledError, GeneratorExit):
+                if state["outcome"] == "error":
+                    state["outcome"] = "cancelled"  # the client went away
                 raise
             finally:
                 span.set_attribute("dsmesh.outcome", state["outcome"])

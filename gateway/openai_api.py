@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
+from dsmesh.convert import MAX_STOP_STRINGS
 from dsmesh.telemetry import context_from_headers
 from engine.sampling_params import SamplingParams
 from gateway.core import GatewayError, GenerationCore
@@ -81,15 +82,33 @@ def _get(body: dict[str, Any], name: str, types: tuple[type, ...], default: Any)
     return value
 
 
+def _utf8(param: str, text: str) -> str:
+    """JSON may carry unpaired UTF-16 surrogates, which no tokenizer or proto can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _bad(param, "is not valid Unicode (unpaired surrogate)") from exc
+    return text
+
+
 def _stop_list(body: dict[str, Any]) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
         return ()
     if isinstance(stop, str):
-        return (stop,)
+        stop = [stop]
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return tuple(stop)
+        if len(stop) > MAX_STOP_STRINGS:
+            raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        return tuple(_utf8("stop", s) for s in stop)
     raise _bad("stop", "must be a string or a list of strings")
+
+
+def _number(body: dict[str, Any], name: str, default: float) -> float:
+    try:
+        return float(_get(body, name, (int, float), default))
+    except OverflowError as exc:
+        raise _bad(name, "is out of range") from exc
 
 
 def sampling_from_openai(
@@ -116,10 +135,10 @@ def sampling_from_openai(
         raise _bad(max_tokens_key, "must be an integer")
     seed = _get(body, "seed", (int,), None)
     params = SamplingParams(
-        temperature=float(_get(body, "temperature", (int, float), 1.0)),
-        top_p=float(_get(body, "top_p", (int, float), 1.0)),
+        temperature=_number(body, "temperature", 1.0),
+        top_p=_number(body, "top_p", 1.0),
         top_k=_get(body, "top_k", (int,), 0),
-        min_p=float(_get(body, "min_p", (int, float), 0.0)),
+        min_p=_number(body, "min_p", 0.0),
         max_new_tokens=max_tokens,
         seed=seed,
         stop=_stop_list(body),
@@ -189,7 +208,8 @@ class OpenAIRoutes:
             return _from_gateway(exc).response()
         cid = f"cmpl-{uuid.uuid4().hex}"
         stream = bool(body.get("stream"))
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        options = body.get("stream_options")
+        include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
 
         def chunk(text: str, finish: str | None) -> dict[str, Any]:
             return {
@@ -232,7 +252,8 @@ class OpenAIRoutes:
             return _from_gateway(exc, prompt_param="messages").response()
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = bool(body.get("stream"))
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        options = body.get("stream_options")
+        include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
         first = [True]
 
         def chunk(text: str, finish: str | None) -> dict[str, Any]:
@@ -328,7 +349,7 @@ def _prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
     if isinstance(prompt, str):
         if not prompt:
             raise _bad("prompt", "must not be empty")
-        return prompt, None
+        return _utf8("prompt", prompt), None
     if (
         isinstance(prompt, list)
         and prompt
@@ -363,5 +384,7 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
             content = "".join(texts)
         if content is not None and not isinstance(content, str):
             raise _bad(f"messages[{i}].content", "must be a string or a list of text parts")
+        if content:
+            _utf8(f"messages[{i}].content", content)
         out.append({"role": m["role"], "content": content or ""})
     return out

@@ -71,7 +71,7 @@ async def read_json(request: web.Request) -> Any:
         raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"body: {exc.text}") from exc
     try:
         return json.loads(raw or b"{}")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise GatewayError(
             grpc.StatusCode.INVALID_ARGUMENT, f"body: malformed JSON: {exc}"
         ) from exc

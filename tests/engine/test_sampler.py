@@ -183,3 +183,16 @@ def test_make_generator_without_seed_is_none() -> None:
 def test_mismatched_lengths_raise() -> None:
     with pytest.raises(ValueError, match="len\\(params\\)=1"):
         Sampler()(torch.randn(2, 10), [SamplingParams()], [None, None])
+
+
+def test_tiny_temperature_and_top_p_never_give_an_invalid_token() -> None:
+    """Values float32 flushes to 0 (found by fuzzing): greedy, or the top token, never -1."""
+    logits = torch.tensor([[0.1, 2.0, 0.3, -1.0]])
+    sampler = Sampler()
+    for params in (
+        SamplingParams(temperature=1e-30),
+        SamplingParams(temperature=1.0, top_p=5e-324, seed=1),
+        SamplingParams(temperature=1e-6, top_k=2, seed=2),
+    ):
+        token = sampler(logits, [params], [make_generator(params.seed, "cpu")])
+        assert token.tolist() == [1], params
