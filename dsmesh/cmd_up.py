@@ -105,11 +105,51 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help=f"SIGTERM to SIGKILL delay when stopping a service (default {d.stop_timeout_s:g})",
     )
+    g = p.add_argument_group(
+        "bounds and limits (forwarded to the services that own them; default: theirs)"
+    )
+    for flag, _, kind, text in ROLE_FLAGS:
+        g.add_argument(flag, type=kind, default=None, help=text)
     add_security_args(p, api_keys=True)
     add_engine_args(p)
     # None = not given: the service's own default applies.
     p.set_defaults(prefix_cache=None, **dict.fromkeys(FORWARDED_ENGINE_FLAGS))
     p.set_defaults(func=run)
+
+
+# flag, services it goes to, type, help
+ROLE_FLAGS: tuple[tuple[str, tuple[str, ...], type, str], ...] = (
+    (
+        "--handoff-timeout",
+        ("decode", "gateway"),
+        float,
+        "seconds a request may wait for its prompt's KV (decode, gateway)",
+    ),
+    (
+        "--liveness-grace",
+        ("broker",),
+        float,
+        "seconds before kv_broker declares a silent instance gone",
+    ),
+    (
+        "--release-quarantine",
+        ("decode",),
+        float,
+        "longest wait for prefill to release a failed handoff's pages (decode)",
+    ),
+    ("--max-inflight", ("gateway",), int, "requests in flight at the gateway at most (429 past)"),
+    ("--max-queued-tokens", ("prefill",), int, "prompt tokens queued per prefill at most"),
+)
+
+
+def role_flags(args: argparse.Namespace, role: str) -> tuple[str, ...]:
+    """The bounds given to ``up`` that belong to ``role``'s command line."""
+    out: list[str] = []
+    for flag, roles, _, _ in ROLE_FLAGS:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None and role in roles:
+            out += [flag, str(value)]
+    return tuple(out)
 
 
 def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
@@ -140,6 +180,10 @@ def run(args: argparse.Namespace) -> int:
         num_prefill=args.prefill,
         num_decode=args.decode,
         engine_args=engine_flags(args),
+        broker_args=role_flags(args, "broker"),
+        prefill_args=role_flags(args, "prefill"),
+        decode_args=role_flags(args, "decode"),
+        gateway_args=role_flags(args, "gateway"),
         gateway=args.gateway,
         log_dir=args.log_dir,
         start_timeout_s=args.start_timeout,

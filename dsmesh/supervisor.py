@@ -97,6 +97,11 @@ class MeshConfig:
     num_prefill: int = 1
     num_decode: int = 1
     engine_args: tuple[str, ...] = ()  # dsmesh flags forwarded to every prefill and decode
+    # role-specific flags (reliability bounds, admission limits), forwarded as given
+    broker_args: tuple[str, ...] = ()
+    prefill_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
     gateway: bool = True
     log_dir: Path | None = None  # None = a fresh folder under the cache folder
     start_timeout_s: float = 180.0  # per service: ready line, then healthy
@@ -142,6 +147,7 @@ def security_flags(config: MeshConfig) -> tuple[str, ...]:
 
 def broker_stage(config: MeshConfig, broker_address: str) -> list[ServiceSpec]:
     args = ("kv-broker", "--host", LOOPBACK, "--port", "0", *security_flags(config))
+    args += config.broker_args
     return [ServiceSpec("kv-broker", args, pinned_port_flag="--port")]
 
 
@@ -157,7 +163,8 @@ def instance_stage(config: MeshConfig, broker_address: str) -> list[ServiceSpec]
             args = (role, "--broker", broker_address, "--host", LOOPBACK, "--port", "0")
             args += security_flags(config)
             model = ("--model", config.model) if config.model else ()
-            specs.append(ServiceSpec(f"{role}-{index}", (*args, *model, *config.engine_args)))
+            own = config.prefill_args if role == "prefill" else config.decode_args
+            specs.append(ServiceSpec(f"{role}-{index}", (*args, *model, *config.engine_args, *own)))
     return specs
 
 
@@ -176,6 +183,7 @@ def gateway_stage(config: MeshConfig, broker_address: str) -> list[ServiceSpec]:
         str(config.http_port),
         *(("--model", config.model) if config.model else ()),
         *security_flags(config),
+        *config.gateway_args,
     )
     health = f"http://{_probe_host(config.host)}:{config.http_port}/health"
     return [ServiceSpec("gateway", args, pinned_port_flag="--grpc-port", health_url=health)]
