@@ -89,14 +89,7 @@ class ForwardBatch:
             extend_lens.append(n)
             prefix_lens.append(c.prefix_len)
         last_rows = torch.tensor(extend_lens).cumsum(0) - 1
-        decode_ids = [i for i, n in enumerate(extend_lens) if n == 1]
-        decode_slots = None
-        if decode_ids:
-            width = max(kv_slots[i].numel() for i in decode_ids)
-            decode_slots = torch.full((len(decode_ids), width), -1, dtype=torch.int64)
-            for row, i in enumerate(decode_ids):
-                decode_slots[row, : kv_slots[i].numel()] = kv_slots[i].cpu()
-            decode_slots = decode_slots.to(device)
+        decode_ids, decode_slots = _decode_rows(extend_lens, kv_slots, device)
         return cls(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
             positions=torch.cat(positions).to(device),
@@ -127,15 +120,7 @@ class ForwardBatch:
         start = sum(self.extend_lens[:lo])
         end = start + sum(self.extend_lens[lo:hi])
         extend = self.extend_lens[lo:hi]
-        decode_ids = [i for i, n in enumerate(extend) if n == 1]
-        decode_slots = None
-        if decode_ids:
-            kv = self.kv_slots[lo:hi]
-            width = max(kv[i].numel() for i in decode_ids)
-            decode_slots = torch.full((len(decode_ids), width), -1, dtype=torch.int64)
-            for row, i in enumerate(decode_ids):
-                decode_slots[row, : kv[i].numel()] = kv[i].cpu()
-            decode_slots = decode_slots.to(device)
+        decode_ids, decode_slots = _decode_rows(extend, self.kv_slots[lo:hi], device)
         return ForwardBatch(
             input_ids=self.input_ids[start:end],
             positions=self.positions[start:end],
@@ -147,3 +132,17 @@ class ForwardBatch:
             decode_ids=decode_ids,
             decode_slots=decode_slots,
         )
+
+
+def _decode_rows(
+    extend_lens: list[int], kv_slots: list[torch.Tensor], device: torch.device | str
+) -> tuple[list[int], torch.Tensor | None]:
+    """Single-token requests and their context slots, padded with -1 to one width."""
+    decode_ids = [i for i, n in enumerate(extend_lens) if n == 1]
+    if not decode_ids:
+        return decode_ids, None
+    width = max(kv_slots[i].numel() for i in decode_ids)
+    slots = torch.full((len(decode_ids), width), -1, dtype=torch.int64)
+    for row, i in enumerate(decode_ids):
+        slots[row, : kv_slots[i].numel()] = kv_slots[i].cpu()
+    return decode_ids, slots.to(device)
