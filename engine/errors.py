@@ -9,3 +9,23 @@ class InvalidRequestError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+def check_prompt(
+    ids: list[int], vocab_size: int, max_context: int, field: str = "input_ids"
+) -> None:
+    """The prompt checks every entry point shares: not empty, ids in the vocabulary, room
+    left in the context to generate. Raises InvalidRequestError naming ``field``."""
+    if not ids:
+        raise InvalidRequestError(field, "the prompt is empty")
+    for i, tok in enumerate(ids):
+        if not 0 <= tok < vocab_size:
+            raise InvalidRequestError(
+                field, f"token {i} is {tok}, outside the vocabulary [0, {vocab_size})"
+            )
+    if len(ids) >= max_context:
+        raise InvalidRequestError(
+            field,
+            f"prompt has {len(ids)} tokens; the model's context is {max_context}, "
+            "which leaves no room to generate",
+        )

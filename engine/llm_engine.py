@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelConfig
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, check_prompt
 from engine.forward_batch import ForwardBatch, SequenceChunk
 from engine.kv_cache import MLAKVPool, pages_for
 from engine.loader import load_model
@@ -152,20 +152,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         ids = [int(t) for t in prompt_ids]
-        if not ids:
-            raise InvalidRequestError("input_ids", "the prompt is empty")
-        vocab = self.model_config.vocab_size
-        for i, tok in enumerate(ids):
-            if not 0 <= tok < vocab:
-                raise InvalidRequestError(
-                    "input_ids", f"token {i} is {tok}, outside the vocabulary [0, {vocab})"
-                )
-        if len(ids) >= self.max_context:
-            raise InvalidRequestError(
-                "input_ids",
-                f"prompt has {len(ids)} tokens; the model's context is {self.max_context}, "
-                "which leaves no room to generate",
-            )
+        check_prompt(ids, self.model_config.vocab_size, self.max_context)
         try:
             params.validate()
         except ValueError as exc:

@@ -23,6 +23,7 @@ from dsmesh.convert import sampling_to_proto
 from dsmesh.pd_client import PDError, generate_pd
 from dsmesh.v1 import generation_pb2
 from engine.config import ModelConfig
+from engine.errors import InvalidRequestError, check_prompt
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from gateway.metrics import GatewayMetrics
@@ -111,13 +112,12 @@ class GenerationCore:
             field = "text"
         else:
             raise invalid("input_ids", "the prompt is empty: give text or input_ids")
-        vocab = self.model_config.vocab_size
-        for i, tok in enumerate(ids):
-            if not 0 <= tok < vocab:
-                raise invalid(field, f"token {i} is {tok}, outside the vocabulary [0, {vocab})")
-        context = self.model_config.max_position_embeddings
-        if len(ids) >= context:
-            raise invalid(field, f"prompt has {len(ids)} tokens; the model's context is {context}")
+        try:
+            check_prompt(
+                ids, self.model_config.vocab_size, self.model_config.max_position_embeddings, field
+            )
+        except InvalidRequestError as exc:
+            raise invalid(exc.field, str(exc).split(": ", 1)[1]) from exc
         try:
             params.validate()
         except ValueError as exc:

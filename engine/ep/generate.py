@@ -68,7 +68,7 @@ def generate_ep(
 def _check_inputs(config: EngineConfig, ep: EPConfig, prompts: Sequence[Sequence[int]]) -> None:
     """Refuse bad input here, with the offline engine's errors, before any rank starts."""
     from engine.config import load_config
-    from engine.errors import InvalidRequestError
+    from engine.errors import check_prompt
     from engine.llm_engine import resolve_model_dir
 
     cfg = load_config(resolve_model_dir(config.model))
@@ -78,16 +78,4 @@ def _check_inputs(config: EngineConfig, ep: EPConfig, prompts: Sequence[Sequence
         len(cfg.moe_layer_ids), cfg.moe.n_routed_experts, ep.ep_size, ep.num_redundant_experts
     )
     for ids in prompts:
-        if not ids:
-            raise InvalidRequestError("input_ids", "the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                "input_ids", f"token {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})"
-            )
-        if len(ids) >= cfg.max_position_embeddings:
-            raise InvalidRequestError(
-                "input_ids",
-                f"prompt has {len(ids)} tokens; the model's context is "
-                f"{cfg.max_position_embeddings}",
-            )
+        check_prompt(list(ids), cfg.vocab_size, cfg.max_position_embeddings)
