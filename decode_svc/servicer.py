@@ -13,6 +13,7 @@ import grpc
 from opentelemetry.trace import Status, StatusCode
 
 from dsmesh import telemetry
+from dsmesh.background import BackgroundTasks
 from dsmesh.broker_link import BrokerLink
 from dsmesh.convert import require_request_id, sampling_from_proto
 from dsmesh.engine_worker import EngineWorker
@@ -58,7 +59,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.active: set[str] = set()
         self.waiting_handoffs = 0
         self.metrics = None  # dsmesh.service_metrics.InstanceMetrics, when served
-        self._background: set[asyncio.Task[None]] = set()
+        self._background = BackgroundTasks()
 
     # ---- Decode ---------------------------------------------------------------------------
 
@@ -314,13 +315,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await self.worker.call(lambda e: e.abort(rid))
 
     def _spawn(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._background.spawn(coro)
 
     async def drain(self) -> None:
-        while self._background:
-            await asyncio.gather(*list(self._background), return_exceptions=True)
+        await self._background.drain()
 
     # ---- Abort / GetLoad ------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ import grpc
 from opentelemetry.context import Context
 
 from dsmesh import telemetry
+from dsmesh.background import BackgroundTasks
 from dsmesh.broker_link import BrokerLink
 from dsmesh.convert import require_request_id, sampling_from_proto
 from dsmesh.engine_worker import EngineWorker
@@ -103,7 +104,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.metrics = None  # dsmesh.service_metrics.InstanceMetrics, when served
         self.loop: asyncio.AbstractEventLoop | None = None
         self.transfers = transfers
-        self._background: set[asyncio.Task[None]] = set()
+        self._background = BackgroundTasks()
         self._steps = _StepClock(worker)
         broker.on_lost.append(self.on_broker_lost)
 
@@ -423,13 +424,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             return None
 
     def _spawn(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._background.spawn(coro)
 
     async def drain(self) -> None:
-        while self._background:
-            await asyncio.gather(*list(self._background), return_exceptions=True)
+        await self._background.drain()
 
     # ---- Abort / GetLoad ------------------------------------------------------------------
 
