@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x64smesh/v1/eplb.proto\x12\tdsmesh.v1\"\x8e\x01\n\x10\x45xpertLoadReport\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x16\n\x0enum_moe_layers\x18\x02 \x01(\x05\x12\x1c\n\x14num_physical_experts\x18\x03 \x01(\x05\x12\x19\n\x11tokens_per_expert\x18\x04 \x03(\x03\x12\x14\n\x0cwindow_steps\x18\x05 \x01(\x03\"\x0b\n\tReportAck\"\xbd\x01\n\tPlacement\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x16\n\x0enum_moe_layers\x18\x03 \x01(\x05\x12\x1c\n\x14num_physical_experts\x18\x04 \x01(\x05\x12\x1b\n\x13physical_to_logical\x18\x05 \x03(\x05\x12\x1b\n\x13\x62\x61lancedness_before\x18\x06 \x01(\x01\x12\x1a\n\x12\x62\x61lancedness_after\x18\x07 \x01(\x01\"C\n\x15WatchPlacementRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x15\n\rknown_version\x18\x02 \x01(\x03\"6\n\x10RebalanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\"=\n\x11RebalanceResponse\x12(\n\nplacements\x18\x01 \x03(\x0b\x32\x14.dsmesh.v1.Placement2\xdd\x01\n\x04\x45PLB\x12\x41\n\nReportLoad\x12\x1b.dsmesh.v1.ExpertLoadReport\x1a\x14.dsmesh.v1.ReportAck(\x01\x12J\n\x0eWatchPlacement\x12 .dsmesh.v1.WatchPlacementRequest\x1a\x14.dsmesh.v1.Placement0\x01\x12\x46\n\tRebalance\x12\x1b.dsmesh.v1.RebalanceRequest\x1a\x1c.dsmesh.v1.RebalanceResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x64smesh/v1/eplb.proto\x12\tdsmesh.v1\"\xb4\x02\n\x10\x45xpertLoadReport\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x16\n\x0enum_moe_layers\x18\x02 \x01(\x05\x12\x1c\n\x14num_physical_experts\x18\x03 \x01(\x05\x12\x19\n\x11tokens_per_expert\x18\x04 \x03(\x03\x12\x14\n\x0cwindow_steps\x18\x05 \x01(\x03\x12\x1b\n\x13num_logical_experts\x18\x06 \x01(\x05\x12\x0f\n\x07\x65p_size\x18\x07 \x01(\x05\x12\x11\n\tnum_nodes\x18\x08 \x01(\x05\x12\x12\n\nnum_groups\x18\t \x01(\x05\x12\x1b\n\x13physical_to_logical\x18\n \x03(\x05\x12\x17\n\x0f\x61pplied_version\x18\x0b \x01(\x03\x12\x19\n\x11last_swap_seconds\x18\x0c \x01(\x01\"\x0b\n\tReportAck\"\xbd\x01\n\tPlacement\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x16\n\x0enum_moe_layers\x18\x03 \x01(\x05\x12\x1c\n\x14num_physical_experts\x18\x04 \x01(\x05\x12\x1b\n\x13physical_to_logical\x18\x05 \x03(\x05\x12\x1b\n\x13\x62\x61lancedness_before\x18\x06 \x01(\x01\x12\x1a\n\x12\x62\x61lancedness_after\x18\x07 \x01(\x01\"C\n\x15WatchPlacementRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x15\n\rknown_version\x18\x02 \x01(\x03\"G\n\x10RebalanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\x12\x0f\n\x07\x64ry_run\x18\x03 \x01(\x08\"d\n\x11RebalanceResponse\x12(\n\nplacements\x18\x01 \x03(\x0b\x32\x14.dsmesh.v1.Placement\x12%\n\x07skipped\x18\x02 \x03(\x0b\x32\x14.dsmesh.v1.Placement\"%\n\x0eGetLoadRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\xc9\x02\n\x0cInstanceLoad\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x16\n\x0enum_moe_layers\x18\x02 \x01(\x05\x12\x1b\n\x13num_logical_experts\x18\x03 \x01(\x05\x12\x1c\n\x14num_physical_experts\x18\x04 \x01(\x05\x12\x0f\n\x07\x65p_size\x18\x05 \x01(\x05\x12\x11\n\tnum_nodes\x18\x06 \x01(\x05\x12\x12\n\nnum_groups\x18\x07 \x01(\x05\x12\x14\n\x0cwindow_steps\x18\x08 \x01(\x03\x12!\n\x19tokens_per_logical_expert\x18\t \x03(\x03\x12\x19\n\x11tokens_per_expert\x18\n \x03(\x03\x12\x1b\n\x13physical_to_logical\x18\x0b \x03(\x05\x12\x0f\n\x07version\x18\x0c \x01(\x03\x12\x17\n\x0f\x61pplied_version\x18\r \x01(\x03\"=\n\x0fGetLoadResponse\x12*\n\tinstances\x18\x01 \x03(\x0b\x32\x17.dsmesh.v1.InstanceLoad2\x9f\x02\n\x04\x45PLB\x12\x41\n\nReportLoad\x12\x1b.dsmesh.v1.ExpertLoadReport\x1a\x14.dsmesh.v1.ReportAck(\x01\x12J\n\x0eWatchPlacement\x12 .dsmesh.v1.WatchPlacementRequest\x1a\x14.dsmesh.v1.Placement0\x01\x12\x46\n\tRebalance\x12\x1b.dsmesh.v1.RebalanceRequest\x1a\x1c.dsmesh.v1.RebalanceResponse\x12@\n\x07GetLoad\x12\x19.dsmesh.v1.GetLoadRequest\x1a\x1a.dsmesh.v1.GetLoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,17 +32,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dsmesh.v1.eplb_pb2', _globa
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_EXPERTLOADREPORT']._serialized_start=36
-  _globals['_EXPERTLOADREPORT']._serialized_end=178
-  _globals['_REPORTACK']._serialized_start=180
-  _globals['_REPORTACK']._serialized_end=191
-  _globals['_PLACEMENT']._serialized_start=194
-  _globals['_PLACEMENT']._serialized_end=383
-  _globals['_WATCHPLACEMENTREQUEST']._serialized_start=385
-  _globals['_WATCHPLACEMENTREQUEST']._serialized_end=452
-  _globals['_REBALANCEREQUEST']._serialized_start=454
-  _globals['_REBALANCEREQUEST']._serialized_end=508
-  _globals['_REBALANCERESPONSE']._serialized_start=510
-  _globals['_REBALANCERESPONSE']._serialized_end=571
-  _globals['_EPLB']._serialized_start=574
-  _globals['_EPLB']._serialized_end=795
+  _globals['_EXPERTLOADREPORT']._serialized_end=344
+  _globals['_REPORTACK']._serialized_start=346
+  _globals['_REPORTACK']._serialized_end=357
+  _globals['_PLACEMENT']._serialized_start=360
+  _globals['_PLACEMENT']._serialized_end=549
+  _globals['_WATCHPLACEMENTREQUEST']._serialized_start=551
+  _globals['_WATCHPLACEMENTREQUEST']._serialized_end=618
+  _globals['_REBALANCEREQUEST']._serialized_start=620
+  _globals['_REBALANCEREQUEST']._serialized_end=691
+  _globals['_REBALANCERESPONSE']._serialized_start=693
+  _globals['_REBALANCERESPONSE']._serialized_end=793
+  _globals['_GETLOADREQUEST']._serialized_start=795
+  _globals['_GETLOADREQUEST']._serialized_end=832
+  _globals['_INSTANCELOAD']._serialized_start=835
+  _globals['_INSTANCELOAD']._serialized_end=1164
+  _globals['_GETLOADRESPONSE']._serialized_start=1166
+  _globals['_GETLOADRESPONSE']._serialized_end=1227
+  _globals['_EPLB']._serialized_start=1230
+  _globals['_EPLB']._serialized_end=1517
 # @@protoc_insertion_point(module_scope)

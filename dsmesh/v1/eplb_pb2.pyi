@@ -7,18 +7,32 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ExpertLoadReport(_message.Message):
-    __slots__ = ("instance_id", "num_moe_layers", "num_physical_experts", "tokens_per_expert", "window_steps")
+    __slots__ = ("instance_id", "num_moe_layers", "num_physical_experts", "tokens_per_expert", "window_steps", "num_logical_experts", "ep_size", "num_nodes", "num_groups", "physical_to_logical", "applied_version", "last_swap_seconds")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_MOE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_PHYSICAL_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_EXPERT_FIELD_NUMBER: _ClassVar[int]
     WINDOW_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOGICAL_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    EP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_NODES_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    PHYSICAL_TO_LOGICAL_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_SWAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     num_moe_layers: int
     num_physical_experts: int
     tokens_per_expert: _containers.RepeatedScalarFieldContainer[int]
     window_steps: int
-    def __init__(self, instance_id: _Optional[str] = ..., num_moe_layers: _Optional[int] = ..., num_physical_experts: _Optional[int] = ..., tokens_per_expert: _Optional[_Iterable[int]] = ..., window_steps: _Optional[int] = ...) -> None: ...
+    num_logical_experts: int
+    ep_size: int
+    num_nodes: int
+    num_groups: int
+    physical_to_logical: _containers.RepeatedScalarFieldContainer[int]
+    applied_version: int
+    last_swap_seconds: float
+    def __init__(self, instance_id: _Optional[str] = ..., num_moe_layers: _Optional[int] = ..., num_physical_experts: _Optional[int] = ..., tokens_per_expert: _Optional[_Iterable[int]] = ..., window_steps: _Optional[int] = ..., num_logical_experts: _Optional[int] = ..., ep_size: _Optional[int] = ..., num_nodes: _Optional[int] = ..., num_groups: _Optional[int] = ..., physical_to_logical: _Optional[_Iterable[int]] = ..., applied_version: _Optional[int] = ..., last_swap_seconds: _Optional[float] = ...) -> None: ...
 
 class ReportAck(_message.Message):
     __slots__ = ()
@@ -51,15 +65,61 @@ class WatchPlacementRequest(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., known_version: _Optional[int] = ...) -> None: ...
 
 class RebalanceRequest(_message.Message):
-    __slots__ = ("instance_id", "force")
+    __slots__ = ("instance_id", "force", "dry_run")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     FORCE_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     force: bool
-    def __init__(self, instance_id: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+    dry_run: bool
+    def __init__(self, instance_id: _Optional[str] = ..., force: _Optional[bool] = ..., dry_run: _Optional[bool] = ...) -> None: ...
 
 class RebalanceResponse(_message.Message):
-    __slots__ = ("placements",)
+    __slots__ = ("placements", "skipped")
     PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
     placements: _containers.RepeatedCompositeFieldContainer[Placement]
-    def __init__(self, placements: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ...) -> None: ...
+    skipped: _containers.RepeatedCompositeFieldContainer[Placement]
+    def __init__(self, placements: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ...) -> None: ...
+
+class GetLoadRequest(_message.Message):
+    __slots__ = ("instance_id",)
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    def __init__(self, instance_id: _Optional[str] = ...) -> None: ...
+
+class InstanceLoad(_message.Message):
+    __slots__ = ("instance_id", "num_moe_layers", "num_logical_experts", "num_physical_experts", "ep_size", "num_nodes", "num_groups", "window_steps", "tokens_per_logical_expert", "tokens_per_expert", "physical_to_logical", "version", "applied_version")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_MOE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOGICAL_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PHYSICAL_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    EP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_NODES_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_LOGICAL_EXPERT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_EXPERT_FIELD_NUMBER: _ClassVar[int]
+    PHYSICAL_TO_LOGICAL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    num_moe_layers: int
+    num_logical_experts: int
+    num_physical_experts: int
+    ep_size: int
+    num_nodes: int
+    num_groups: int
+    window_steps: int
+    tokens_per_logical_expert: _containers.RepeatedScalarFieldContainer[int]
+    tokens_per_expert: _containers.RepeatedScalarFieldContainer[int]
+    physical_to_logical: _containers.RepeatedScalarFieldContainer[int]
+    version: int
+    applied_version: int
+    def __init__(self, instance_id: _Optional[str] = ..., num_moe_layers: _Optional[int] = ..., num_logical_experts: _Optional[int] = ..., num_physical_experts: _Optional[int] = ..., ep_size: _Optional[int] = ..., num_nodes: _Optional[int] = ..., num_groups: _Optional[int] = ..., window_steps: _Optional[int] = ..., tokens_per_logical_expert: _Optional[_Iterable[int]] = ..., tokens_per_expert: _Optional[_Iterable[int]] = ..., physical_to_logical: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ..., applied_version: _Optional[int] = ...) -> None: ...
+
+class GetLoadResponse(_message.Message):
+    __slots__ = ("instances",)
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    instances: _containers.RepeatedCompositeFieldContainer[InstanceLoad]
+    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceLoad, _Mapping]]] = ...) -> None: ...

@@ -49,6 +49,11 @@ class EPLBStub:
                 request_serializer=dsmesh_dot_v1_dot_eplb__pb2.RebalanceRequest.SerializeToString,
                 response_deserializer=dsmesh_dot_v1_dot_eplb__pb2.RebalanceResponse.FromString,
                 _registered_method=True)
+        self.GetLoad = channel.unary_unary(
+                '/dsmesh.v1.EPLB/GetLoad',
+                request_serializer=dsmesh_dot_v1_dot_eplb__pb2.GetLoadRequest.SerializeToString,
+                response_deserializer=dsmesh_dot_v1_dot_eplb__pb2.GetLoadResponse.FromString,
+                _registered_method=True)
 
 
 class EPLBServicer:
@@ -72,6 +77,12 @@ class EPLBServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLoad(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EPLBServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +100,11 @@ def add_EPLBServicer_to_server(servicer, server):
                     servicer.Rebalance,
                     request_deserializer=dsmesh_dot_v1_dot_eplb__pb2.RebalanceRequest.FromString,
                     response_serializer=dsmesh_dot_v1_dot_eplb__pb2.RebalanceResponse.SerializeToString,
+            ),
+            'GetLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoad,
+                    request_deserializer=dsmesh_dot_v1_dot_eplb__pb2.GetLoadRequest.FromString,
+                    response_serializer=dsmesh_dot_v1_dot_eplb__pb2.GetLoadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +188,33 @@ class EPLB:
             '/dsmesh.v1.EPLB/Rebalance',
             dsmesh_dot_v1_dot_eplb__pb2.RebalanceRequest.SerializeToString,
             dsmesh_dot_v1_dot_eplb__pb2.RebalanceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsmesh.v1.EPLB/GetLoad',
+            dsmesh_dot_v1_dot_eplb__pb2.GetLoadRequest.SerializeToString,
+            dsmesh_dot_v1_dot_eplb__pb2.GetLoadResponse.FromString,
             options,
             channel_credentials,
             insecure,
