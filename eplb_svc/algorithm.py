@@ -100,7 +100,7 @@ def rebalance_hierarchical(
     sits on GPU ``p // (P // num_gpus)``, GPUs ``[k * G/nodes, (k+1) * G/nodes)`` on node k.
     """
     num_layers, num_logical = weight.shape
-    _check_shape(num_logical, num_physical, num_groups, num_nodes, num_gpus)
+    check_shape(num_logical, num_physical, num_groups, num_nodes, num_gpus)
     group_size = num_logical // num_groups
     groups_per_node = num_groups // num_nodes
     logical_per_node = num_logical // num_nodes
@@ -165,7 +165,7 @@ def rebalance_experts(
     return phy2log, log2phy.view(num_layers, num_logical, max_replicas), logcnt
 
 
-def _check_shape(
+def check_shape(
     num_logical: int, num_physical: int, num_groups: int, num_nodes: int, num_gpus: int
 ) -> None:
     def need(ok: bool, message: str) -> None:

@@ -1,0 +1,133 @@
+"""What an EP instance runs to take part in EPLB: :class:`EPLBLink`.
+
+It streams the instance's load to eplb_svc every ``report_interval_s`` (``sample()`` returns
+the load since its previous call, or None to skip) and watches the instance's placements,
+calling ``on_placement(version, physical_to_logical [L, P] int64)`` for each new version.
+Both loops reconnect on their own after errors (eplb restarts, network), so a missing or
+restarting eplb never fails the instance; placements keep their versions across reconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+
+import grpc
+import torch
+
+from dsmesh.grpc_server import channel as make_channel
+from dsmesh.v1 import eplb_pb2 as pb
+from dsmesh.v1 import eplb_pb2_grpc
+from eplb_svc.controller import LoadSample
+from eplb_svc.convert import placement_tensor, report_from_sample
+
+log = logging.getLogger(__name__)
+
+SampleFn = Callable[[], "LoadSample | None | Awaitable[LoadSample | None]"]
+PlacementFn = Callable[[int, torch.Tensor], "None | Awaitable[None]"]
+
+
+async def _maybe_await(value):
+    return await value if inspect.isawaitable(value) else value
+
+
+class EPLBLink:
+    def __init__(
+        self,
+        address: str,
+        instance_id: str,
+        sample: SampleFn,
+        on_placement: PlacementFn,
+        report_interval_s: float = 1.0,
+        retry_s: float = 1.0,
+        known_version: int = 0,
+        channel: grpc.aio.Channel | None = None,
+    ) -> None:
+        if report_interval_s <= 0 or retry_s <= 0:
+            raise ValueError("report_interval_s and retry_s must be positive")
+        self.instance_id = instance_id
+        self.report_interval_s = report_interval_s
+        self.retry_s = retry_s
+        self.known_version = known_version  # latest version handed to on_placement
+        self.reports_sent = 0
+        self._sample = sample
+        self._on_placement = on_placement
+        self._owns_channel = channel is None
+        self._channel = channel if channel is not None else make_channel(address)
+        self._stub = eplb_pb2_grpc.EPLBStub(self._channel)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._wake = asyncio.Event()
+
+    async def start(self) -> EPLBLink:
+        self._tasks = [
+            asyncio.create_task(self._report_loop(), name="eplb-report"),
+            asyncio.create_task(self._watch_loop(), name="eplb-watch"),
+        ]
+        return self
+
+    def report_now(self) -> None:
+        """Send the next report without waiting for the interval (e.g. right after a swap)."""
+        self._wake.set()
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        if self._owns_channel:
+            await self._channel.close()
+
+    async def __aenter__(self) -> EPLBLink:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _report_loop(self) -> None:
+        while True:
+            call = self._stub.ReportLoad()
+            try:
+                while True:
+                    sample = await _maybe_await(self._sample())
+                    if sample is not None:
+                        await call.write(report_from_sample(sample))
+                        self.reports_sent += 1
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), self.report_interval_s)
+                    self._wake.clear()
+            except Exception as exc:  # the stream, or the sample callable: retry either way
+                log.warning("eplb report stream ended: %s; retrying", _details(exc))
+            call.cancel()
+            await asyncio.sleep(self.retry_s)
+
+    async def _watch_loop(self) -> None:
+        while True:
+            call = self._stub.WatchPlacement(
+                pb.WatchPlacementRequest(
+                    instance_id=self.instance_id, known_version=self.known_version
+                )
+            )
+            try:
+                async for placement in call:
+                    if placement.version <= self.known_version:
+                        continue
+                    await _maybe_await(
+                        self._on_placement(placement.version, placement_tensor(placement))
+                    )
+                    self.known_version = placement.version
+                log.info("eplb watch stream ended; reconnecting")
+            except Exception as exc:  # the stream, or the placement callback: retry either way
+                log.warning("eplb watch stream failed: %s; retrying", _details(exc))
+            call.cancel()
+            await asyncio.sleep(self.retry_s)
+
+
+def _details(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return repr(exc)

@@ -1,0 +1,92 @@
+"""Protos <-> the controller's plain values (shared by the servicer and the client)."""
+
+from __future__ import annotations
+
+import torch
+
+from dsmesh.v1 import eplb_pb2 as pb
+from eplb_svc.controller import InstanceShape, InvalidLoad, LoadSample
+
+
+def _matrix(values, rows: int, cols: int, name: str) -> torch.Tensor:
+    if len(values) != rows * cols:
+        raise InvalidLoad(
+            name,
+            f"expected num_moe_layers * num_physical_experts = {rows * cols} values, "
+            f"got {len(values)}",
+        )
+    return torch.tensor(list(values), dtype=torch.int64).view(rows, cols)
+
+
+def _count(value: int) -> int:
+    """proto3 0 means "unset": one node / one group."""
+    return 1 if value == 0 else value
+
+
+def sample_from_report(report: pb.ExpertLoadReport) -> LoadSample:
+    """Validated :class:`LoadSample`; raises :class:`InvalidLoad` naming the bad field."""
+    shape = InstanceShape(
+        num_moe_layers=report.num_moe_layers,
+        num_logical=report.num_logical_experts,
+        num_physical=report.num_physical_experts,
+        ep_size=report.ep_size,
+        num_nodes=_count(report.num_nodes),
+        num_groups=_count(report.num_groups),
+    )
+    if not report.instance_id:
+        raise InvalidLoad("instance_id", "must not be empty")
+    shape.validate()
+    rows, cols = shape.physical_shape
+    sample = LoadSample(
+        instance_id=report.instance_id,
+        shape=shape,
+        physical_counts=_matrix(report.tokens_per_expert, rows, cols, "tokens_per_expert"),
+        num_steps=report.window_steps,
+        physical_to_logical=_matrix(report.physical_to_logical, rows, cols, "physical_to_logical"),
+        applied_version=report.applied_version,
+        last_swap_seconds=report.last_swap_seconds,
+    )
+    sample.validate()
+    return sample
+
+
+def report_from_sample(sample: LoadSample) -> pb.ExpertLoadReport:
+    s = sample.shape
+    return pb.ExpertLoadReport(
+        instance_id=sample.instance_id,
+        num_moe_layers=s.num_moe_layers,
+        num_physical_experts=s.num_physical,
+        tokens_per_expert=sample.physical_counts.reshape(-1).tolist(),
+        window_steps=sample.num_steps,
+        num_logical_experts=s.num_logical,
+        ep_size=s.ep_size,
+        num_nodes=s.num_nodes,
+        num_groups=s.num_groups,
+        physical_to_logical=sample.physical_to_logical.reshape(-1).tolist(),
+        applied_version=sample.applied_version,
+        last_swap_seconds=sample.last_swap_seconds,
+    )
+
+
+def placement_proto(
+    instance_id: str, version: int, p2l: torch.Tensor, before: float, after: float
+) -> pb.Placement:
+    return pb.Placement(
+        instance_id=instance_id,
+        version=version,
+        num_moe_layers=p2l.shape[0],
+        num_physical_experts=p2l.shape[1],
+        physical_to_logical=p2l.reshape(-1).tolist(),
+        balancedness_before=before,
+        balancedness_after=after,
+    )
+
+
+def placement_tensor(placement: pb.Placement) -> torch.Tensor:
+    """[num_moe_layers, num_physical_experts] int64."""
+    return _matrix(
+        placement.physical_to_logical,
+        placement.num_moe_layers,
+        placement.num_physical_experts,
+        "physical_to_logical",
+    )
