@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from decode_svc.servicer import DecodeLimits, DecodeServicer
 from dsmesh.broker_link import BrokerLink
+from dsmesh.ep_group import RankSpec
 from dsmesh.grpc_server import set_channel_defaults, start_server
 from dsmesh.instance import TransferConfig, build_instance, health_follows_broker, new_instance_id
 from dsmesh.kv_layout import layout_of
@@ -37,6 +38,7 @@ class DecodeConfig:
     release_quarantine_s: float = 10.0
     tls: TLSConfig = TLSConfig()  # every gRPC server and channel of the process; off by default
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    ep_rank: RankSpec | None = None  # set on each rank of an expert-parallel group
 
 
 async def serve(
@@ -54,7 +56,7 @@ async def _serve(
     config: DecodeConfig, stop: asyncio.Event, ready: Callable[[str, int], None] | None
 ) -> None:
     set_channel_defaults(config.tls, config.max_message_bytes)  # before the broker channel
-    parts = await build_instance(config.engine, config.transfer)
+    parts = await build_instance(config.engine, config.transfer, config.ep_rank)
     instance_id = config.instance_id or new_instance_id("decode")
     limits = DecodeLimits(
         instance_id,

@@ -59,7 +59,76 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         max_batch_tokens=args.max_batch_tokens,
         attention_mode=args.attention_mode,
         prefix_cache=args.prefix_cache,
+        tbo=getattr(args, "tbo", False),
     )
+
+
+def add_ep_args(p: argparse.ArgumentParser, multi_node: bool = True) -> None:
+    g = p.add_argument_group("expert parallelism (docs/EP.md)")
+    g.add_argument(
+        "--ep-size",
+        type=int,
+        default=1,
+        help="expert-parallel ranks (processes, one per GPU; gloo on CPU, NCCL on GPU); "
+        "requests are spread over the ranks (DP attention)",
+    )
+    g.add_argument(
+        "--num-redundant-experts",
+        type=int,
+        default=0,
+        help="extra physical expert replicas (logical + R must divide by --ep-size)",
+    )
+    g.add_argument(
+        "--tbo",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="two-batch overlap: each forward runs as two micro-batches whose MoE "
+        "dispatch/combine overlaps the other's compute",
+    )
+    if not multi_node:
+        return
+    g.add_argument(
+        "--ep-nnodes",
+        type=int,
+        default=1,
+        help="hosts the group spans; each runs ep-size / ep-nnodes ranks (default 1)",
+    )
+    g.add_argument(
+        "--ep-node-rank", type=int, default=0, help="this host's index in the group (default 0)"
+    )
+    g.add_argument(
+        "--ep-master-addr",
+        default="127.0.0.1",
+        help="address of node 0, where the group's rendezvous listens",
+    )
+    g.add_argument(
+        "--ep-master-port",
+        type=int,
+        default=0,
+        help="rendezvous port on node 0 (0 = any free port; single host only)",
+    )
+    g.add_argument(
+        "--ep-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a collective may wait for a peer before the group is declared broken",
+    )
+
+
+def ep_config_from(args: argparse.Namespace):
+    from engine.ep.runtime import EPConfig
+
+    ep = EPConfig(
+        ep_size=args.ep_size,
+        num_redundant_experts=args.num_redundant_experts,
+        master_addr=getattr(args, "ep_master_addr", "127.0.0.1"),
+        master_port=getattr(args, "ep_master_port", 0),
+        nnodes=getattr(args, "ep_nnodes", 1),
+        node_rank=getattr(args, "ep_node_rank", 0),
+        timeout_s=getattr(args, "ep_timeout", 120.0),
+    )
+    ep.validate()
+    return ep
 
 
 def add_server_args(p: argparse.ArgumentParser, default_port: int = 0) -> None:

@@ -8,7 +8,7 @@ import json
 import sys
 import time
 
-from dsmesh.cli_common import add_engine_args, engine_config_from
+from dsmesh.cli_common import add_engine_args, add_ep_args, engine_config_from, ep_config_from
 
 
 class _OrderedInput(argparse.Action):
@@ -48,25 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
-    p.add_argument(
-        "--ep-size",
-        type=int,
-        default=1,
-        help="expert-parallel ranks (processes; gloo on CPU, NCCL on GPU); prompts are spread "
-        "over the ranks (DP attention)",
-    )
-    p.add_argument(
-        "--tbo",
-        action="store_true",
-        help="two-batch overlap: each forward runs as two micro-batches whose MoE "
-        "dispatch/combine overlaps the other's compute",
-    )
-    p.add_argument(
-        "--num-redundant-experts",
-        type=int,
-        default=0,
-        help="extra physical expert replicas (logical + R must divide by --ep-size)",
-    )
+    add_ep_args(p, multi_node=False)
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -94,14 +76,12 @@ def run(args: argparse.Namespace) -> int:
         tokenizer.encode(value) if kind == "text" else parse_input_ids(value)
         for kind, value in args.inputs
     ]
-    config = dataclasses.replace(engine_config_from(args), model=str(model_dir), tbo=args.tbo)
+    config = dataclasses.replace(engine_config_from(args), model=str(model_dir))
     start = time.perf_counter()
     if args.ep_size > 1 or args.num_redundant_experts:
         from engine.ep.generate import generate_ep
-        from engine.ep.runtime import EPConfig
 
-        ep = EPConfig(ep_size=args.ep_size, num_redundant_experts=args.num_redundant_experts)
-        results = generate_ep(config, ep, prompts, params)
+        results = generate_ep(config, ep_config_from(args), prompts, params)
     else:
         results = LLMEngine(config).generate(prompts, params)
     elapsed = time.perf_counter() - start

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from dsmesh.cli_common import (
     add_engine_args,
+    add_ep_args,
     add_security_args,
     add_server_args,
     add_transfer_args,
     engine_config_from,
+    ep_config_from,
     tls_config_from,
     transfer_config_from,
 )
@@ -37,6 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="prompt tokens admitted and unfinished at most; beyond it RESOURCE_EXHAUSTED",
     )
     add_security_args(p)
+    add_ep_args(p)
     add_engine_args(p, prefix_cache_default=True)
     p.set_defaults(func=run)
 
@@ -62,5 +66,13 @@ def run(args: argparse.Namespace) -> int:
     def ready(instance_id: str, port: int) -> None:
         print(f"prefill {instance_id} listening on {args.host}:{port}", flush=True)
 
+    ep = ep_config_from(args)
+    if ep.ep_size > 1 or ep.num_redundant_experts:
+        from dsmesh.ep_group import RankTarget, run_group
+        from dsmesh.instance import new_instance_id
+
+        base_id = config.instance_id or new_instance_id("prefill")
+        config = dataclasses.replace(config, instance_id=base_id)
+        return run_group(ep, RankTarget(serve, config), ready)
     run_until_signal(lambda stop: serve(config, stop, ready))
     return 0

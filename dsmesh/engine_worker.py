@@ -4,6 +4,12 @@ The engine is not thread-safe and its forward blocks, so one thread owns it: it 
 commands between steps and steps while there is work. Servicers on the event loop submit
 commands with :meth:`EngineWorker.call` and receive per-request step outputs through
 listeners, which run on the engine thread (keep them short: hand off to a queue).
+
+In an expert-parallel group every rank's worker steps in lockstep: each loop the ranks vote
+(``group_vote``, one all-reduce) whether any of them has work, and if so all of them step,
+the idle ones with an empty forward, so the MoE collectives always pair up. A failed step
+there means the group is broken (a peer died, or a collective timed out): ``on_fatal`` is
+called and the worker stops, since no rank can step alone.
 """
 
 from __future__ import annotations
@@ -23,9 +29,19 @@ Listener = Callable[[StepOutput], None]
 
 
 class EngineWorker:
-    def __init__(self, engine: LLMEngine, name: str = "engine") -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        name: str = "engine",
+        group_vote: Callable[[bool], bool] | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+        idle_poll_s: float = 0.005,
+    ) -> None:
         self.engine = engine
         self.name = name
+        self.group_vote = group_vote
+        self.on_fatal = on_fatal
+        self.idle_poll_s = idle_poll_s
         self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Callable]] = (
             queue.SimpleQueue()
         )
@@ -97,6 +113,9 @@ class EngineWorker:
                 resolve(False, exc)
 
     def _main(self) -> None:
+        if self.group_vote is not None:
+            self._main_group()
+            return
         while not self._stop.is_set():
             self._run_commands()
             if not self.engine.has_unfinished():
@@ -109,17 +128,38 @@ class EngineWorker:
                 log.exception("engine step failed; aborting the running batch")
                 self._abort_all("engine error")
                 continue
-            self.num_steps += 1
-            for out in outputs:
-                listener = self._listeners.get(out.request_id)
-                if listener is None:
+            self._deliver(outputs)
+
+    def _main_group(self) -> None:
+        assert self.group_vote is not None
+        try:
+            while not self._stop.is_set():
+                self._run_commands()
+                if not self.group_vote(self.engine.has_unfinished()):
+                    self._wake.wait(self.idle_poll_s)
+                    self._wake.clear()
                     continue
-                if out.finished:
-                    self._listeners.pop(out.request_id, None)
-                try:
-                    listener(out)
-                except Exception:
-                    log.exception("listener for %s failed", out.request_id)
+                self._deliver(self.engine.step(idle_forward=True))
+        except BaseException as exc:  # noqa: BLE001 - the group cannot go on
+            if self._stop.is_set():
+                return  # peers left first while this rank was stopping
+            log.critical("expert-parallel step failed; this rank stops: %s", exc)
+            self._abort_all("engine error")
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        self.num_steps += 1
+        for out in outputs:
+            listener = self._listeners.get(out.request_id)
+            if listener is None:
+                continue
+            if out.finished:
+                self._listeners.pop(out.request_id, None)
+            try:
+                listener(out)
+            except Exception:
+                log.exception("listener for %s failed", out.request_id)
 
     def _abort_all(self, reason: str) -> None:
         for request_id in list(self.engine.requests):

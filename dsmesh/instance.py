@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from dsmesh.broker_link import BrokerLink
 from dsmesh.engine_worker import EngineWorker
+from dsmesh.ep_group import RankSpec
 from dsmesh.grpc_server import RunningServer
 from dsmesh.transfer import KVTransport, RemotePool, make_transport
 from engine.llm_engine import EngineConfig, LLMEngine
@@ -39,9 +40,28 @@ def new_instance_id(role: str) -> str:
     return f"{role}-{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-async def build_instance(engine_config: EngineConfig, transfer: TransferConfig) -> InstanceParts:
-    """Load the model (off the event loop), register its KV pool, start the engine thread."""
-    engine = await asyncio.to_thread(LLMEngine, engine_config)
+async def build_instance(
+    engine_config: EngineConfig, transfer: TransferConfig, ep_rank: RankSpec | None = None
+) -> InstanceParts:
+    """Load the model (off the event loop), register its KV pool, start the engine thread.
+
+    With ``ep_rank`` this process is one rank of an expert-parallel group (its process group
+    already joined): it loads only its experts and steps in lockstep with the other ranks.
+    """
+    if ep_rank is None:
+        engine = await asyncio.to_thread(LLMEngine, engine_config)
+        worker = EngineWorker(engine)
+    else:
+        from dsmesh.ep_group import fatal_exit
+        from engine.ep.runtime import GroupVote, build_ep_engine
+
+        engine = await asyncio.to_thread(build_ep_engine, engine_config, ep_rank.ep, ep_rank.rank)
+        worker = EngineWorker(
+            engine,
+            name=f"engine-ep{ep_rank.rank}",
+            group_vote=GroupVote(engine.device),
+            on_fatal=fatal_exit,
+        )
     transport = make_transport(
         transfer.backend,
         hostname=transfer.hostname,
@@ -49,7 +69,6 @@ async def build_instance(engine_config: EngineConfig, transfer: TransferConfig) 
         device_name=transfer.device_name,
     )
     pool = transport.register_pool(engine.kv_pool)
-    worker = EngineWorker(engine)
     worker.start()
     return InstanceParts(engine, worker, transport, pool)
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dsmesh.broker_link import BrokerLink
+from dsmesh.ep_group import RankSpec
 from dsmesh.grpc_server import set_channel_defaults, start_server
 from dsmesh.instance import TransferConfig, build_instance, health_follows_broker, new_instance_id
 from dsmesh.kv_layout import layout_of
@@ -38,6 +39,7 @@ class PrefillConfig:
     max_queued_tokens: int = 262144
     tls: TLSConfig = TLSConfig()  # every gRPC server and channel of the process; off by default
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    ep_rank: RankSpec | None = None  # set on each rank of an expert-parallel group
 
 
 async def serve(
@@ -55,7 +57,7 @@ async def _serve(
     config: PrefillConfig, stop: asyncio.Event, ready: Callable[[str, int], None] | None
 ) -> None:
     set_channel_defaults(config.tls, config.max_message_bytes)  # before the broker channel
-    parts = await build_instance(config.engine, config.transfer)
+    parts = await build_instance(config.engine, config.transfer, config.ep_rank)
     instance_id = config.instance_id or new_instance_id("prefill")
     instance = kb.Instance(
         instance_id=instance_id, role=kb.ROLE_PREFILL, transfer_session=parts.pool.session

@@ -7,7 +7,14 @@ from collections.abc import Sequence
 
 import torch.multiprocessing as mp
 
-from engine.ep.runtime import EPConfig, build_ep_engine, free_port, init_group, run_lockstep
+from engine.ep.runtime import (
+    EPConfig,
+    build_ep_engine,
+    free_port,
+    init_group,
+    rank_device,
+    run_lockstep,
+)
 from engine.llm_engine import EngineConfig, GenerationResult
 from engine.sampling_params import SamplingParams
 
@@ -22,7 +29,7 @@ def _rank_main(
 ) -> None:
     import torch.distributed as dist
 
-    init_group(ep, rank, config.resolved_device())
+    init_group(ep, rank, rank_device(config, rank))
     try:
         engine = build_ep_engine(config, ep, rank)
         reqs = {}

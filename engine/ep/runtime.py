@@ -8,10 +8,12 @@ collectives always pair up; the group stops when no rank has work.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -33,12 +35,30 @@ class EPConfig:
     backend: str = "auto"  # "auto" = nccl on CUDA, gloo on CPU
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0 = pick a free port (single host)
+    nnodes: int = 1  # hosts the group spans; each runs ep_size // nnodes ranks
+    node_rank: int = 0  # this host's index; ranks node_rank * local_size + 0..local_size-1
+    timeout_s: float = 120.0  # a collective waiting longer than this fails (a peer is gone)
 
     def validate(self) -> None:
         if self.ep_size < 1:
             raise ValueError(f"ep_size must be >= 1, got {self.ep_size}")
         if self.num_redundant_experts < 0:
             raise ValueError("num_redundant_experts must be >= 0")
+        if self.nnodes < 1 or self.ep_size % self.nnodes:
+            raise ValueError(
+                f"ep_nnodes must be >= 1 and divide ep_size {self.ep_size}, got {self.nnodes}"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"ep_node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ValueError("ep_master_port is required when the group spans several nodes")
+
+    @property
+    def local_size(self) -> int:
+        return self.ep_size // self.nnodes
+
+    def global_rank(self, local_rank: int) -> int:
+        return self.node_rank * self.local_size + local_rank
 
 
 def free_port() -> int:
@@ -51,13 +71,26 @@ def init_group(ep: EPConfig, rank: int, device: torch.device) -> None:
     backend = ep.backend
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast
+    for var in ("NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS"):
+        os.environ.setdefault(var, "0" if var.startswith("NCCL") else "1")  # no NVLink multicast
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group(
         backend,
         init_method=f"tcp://{ep.master_addr}:{ep.master_port}",
         rank=rank,
         world_size=ep.ep_size,
+        timeout=timedelta(seconds=ep.timeout_s),
     )
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """The device rank ``rank`` runs on: its own GPU on CUDA, the CPU otherwise."""
+    device = config.resolved_device()
+    if device.type == "cuda":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return device
 
 
 def make_dispatcher(num_local: int) -> MoEDispatcher:
@@ -81,9 +114,7 @@ def build_ep_engine(config: EngineConfig, ep: EPConfig, rank: int) -> LLMEngine:
     placement = round_robin_placement(
         len(cfg.moe_layer_ids), cfg.moe.n_routed_experts, ep.ep_size, ep.num_redundant_experts
     )
-    device = config.resolved_device()
-    if device.type == "cuda":
-        device = torch.device("cuda", rank % torch.cuda.device_count())
+    device = rank_device(config, rank)
     model = load_model(
         model_dir,
         config.resolved_dtype(),
@@ -92,15 +123,26 @@ def build_ep_engine(config: EngineConfig, ep: EPConfig, rank: int) -> LLMEngine:
         dispatcher=make_dispatcher(placement.num_local_physical),
         ep_rank=rank,
     )
+    if device.type == "cuda":
+        config = dataclasses.replace(config, device=str(device))
     return LLMEngine(config, model=model)
+
+
+class GroupVote:
+    """``any_busy(mine)``: whether any rank of the group has work, agreed by all (one small
+    all-reduce; on the engine's device, so it also runs on NCCL)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._flag = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def __call__(self, busy: bool) -> bool:
+        self._flag.fill_(1 if busy else 0)
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
+        return bool(self._flag.item())
 
 
 def run_lockstep(engine: LLMEngine) -> None:
     """Step until no rank of the group has work; idle ranks run empty forwards."""
-    flag = torch.zeros(1, dtype=torch.int64)
-    while True:
-        flag.fill_(1 if engine.has_unfinished() else 0)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if int(flag) == 0:
-            return
+    vote = GroupVote(engine.device)
+    while vote(engine.has_unfinished()):
         engine.step(idle_forward=True)
