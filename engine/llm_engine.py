@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelConfig
+from engine.cuda_graph import CudaGraphRunner, graph_support_problem
 from engine.errors import InvalidRequestError, check_prompt
 from engine.forward_batch import ForwardBatch, SequenceChunk
 from engine.kv_cache import MLAKVPool, pages_for
@@ -23,7 +24,7 @@ from engine.model import DeepseekForCausalLM
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler, advance_generator, make_generator
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,10 @@ class EngineConfig:
     attention_mode: str = "auto"  # "auto" (naive prefill, absorbed decode) | "naive" | "absorbed"
     prefix_cache: bool = False  # share full prompt pages between requests with equal prefixes
     tbo: bool = False  # two-batch overlap: two micro-batches per forward (MoE comm overlap)
+    # Decode-only steps replay CUDA graphs captured per batch bucket (CUDA only; ignored on
+    # CPU, with tbo, with attention_mode "naive" and under expert parallelism).
+    cuda_graphs: bool = True
+    cuda_graph_max_batch: int = 256  # larger decode batches run eagerly
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -59,7 +64,14 @@ class EngineConfig:
     def validate(self) -> None:
         if self.attention_mode not in ATTENTION_MODES:
             raise ValueError(f"attention_mode must be one of {ATTENTION_MODES}")
-        for name in ("page_size", "max_total_tokens", "max_running_requests", "max_batch_tokens"):
+        names = (
+            "page_size",
+            "max_total_tokens",
+            "max_running_requests",
+            "max_batch_tokens",
+            "cuda_graph_max_batch",
+        )
+        for name in names:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -132,6 +144,24 @@ class LLMEngine:
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.graph_runner = self._make_graph_runner()
+
+    def _make_graph_runner(self) -> CudaGraphRunner | None:
+        cfg = self.config
+        if not cfg.cuda_graphs or self.device.type != "cuda" or cfg.tbo:
+            return None
+        if cfg.attention_mode == "naive":
+            return None
+        problem = graph_support_problem(self.model)
+        if problem is not None:
+            log.info("CUDA graphs off: %s", problem)
+            return None
+        return CudaGraphRunner(
+            self.model,
+            self.kv_pool,
+            max_batch=min(cfg.cuda_graph_max_batch, cfg.max_running_requests),
+            max_tokens_per_request=min(self.max_context, self.kv_pool.num_pages * cfg.page_size),
+        )
 
     @property
     def max_context(self) -> int:
@@ -260,15 +290,7 @@ class LLMEngine:
             if idle_forward:
                 self.model(ForwardBatch.empty(self.device), self.kv_pool, tbo=self.config.tbo)
             return []
-        seqs = []
-        for c in chunks:
-            req = c.request
-            assert req.page_table is not None
-            seqs.append(
-                SequenceChunk(req.pending_ids(c.num_tokens), req.num_computed, req.page_table)
-            )
-        batch = ForwardBatch.build(seqs, self.config.page_size, self.device)
-        logits = self.model(batch, self.kv_pool, self.config.attention_mode, tbo=self.config.tbo)
+        logits = self._forward(chunks)
 
         due_rows: list[int] = []
         due: list[Request] = []
@@ -304,6 +326,31 @@ class LLMEngine:
                     )
                 )
         return outputs
+
+    def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Logits [len(chunks), vocab] of each chunk's last token; a step where every chunk
+        is one token replays a CUDA graph when the engine has a graph runner."""
+        runner = self.graph_runner
+        if (
+            runner is not None
+            and runner.can_run(len(chunks))
+            and all(c.num_tokens == 1 for c in chunks)
+        ):
+            reqs = [c.request for c in chunks]
+            return runner.run(
+                [r.pending_ids(1)[0] for r in reqs],
+                [r.num_computed for r in reqs],
+                [r.pages for r in reqs],
+            )
+        seqs = []
+        for c in chunks:
+            req = c.request
+            assert req.page_table is not None
+            seqs.append(
+                SequenceChunk(req.pending_ids(c.num_tokens), req.num_computed, req.page_table)
+            )
+        batch = ForwardBatch.build(seqs, self.config.page_size, self.device)
+        return self.model(batch, self.kv_pool, self.config.attention_mode, tbo=self.config.tbo)
 
     def _stop_reason(self, req: Request, tok: int) -> str | None:
         p = req.params

@@ -1,0 +1,390 @@
+"""Decode steps as CUDA graphs: one captured graph per (batch bucket, page bucket).
+
+A decode step (every request feeds exactly one token) has the same work for every step of
+the same batch size, so it can be captured once and replayed, which removes the launch gaps
+of a few thousand small kernels per step. Capture needs static shapes and no host syncs,
+which the eager path (:class:`engine.forward_batch.ForwardBatch`, per-request Python loops,
+``bincount``, host-side expert maps) does not give. This module therefore holds a second,
+static decode forward over fixed buffers:
+
+- ``meta`` [4, max_batch] int64 on the device: token ids, positions, KV slots of the new
+  tokens, and sequence lengths (including the new token);
+- one page table per page bucket, [max_batch, pages] int32 (``pages`` a power of two, capped
+  at the most pages one request can hold);
+- attention through :func:`kernels.mla_decode.mla_decode` when importable (and the dtype is
+  not float32), else :func:`mla_decode_reference`, a masked gather over the bucket's fixed
+  width;
+- MoE with the router and experts of the model's own modules, but a static permutation
+  (``argsort`` plus ``scatter_add_`` counts, device-side expert map) and, where
+  ``torch._grouped_mm`` would fall back to host-side offsets (anything but bfloat16 on
+  Hopper), a dense loop over experts with zero weights for unrouted pairs.
+
+A batch of ``n`` requests runs in the smallest bucket ``b >= n``; the ``b - n`` padding rows
+repeat row 0 exactly (same token, position, slot and pages), so they write the same KV
+values to the same slot as row 0 and change nothing. Graphs are captured lazily, the first
+time a bucket is needed, with that step's real inputs already in the buffers (the warm-up
+run then writes exactly the KV the replay writes again). Without CUDA, or with
+``use_graphs=False``, the same static forward runs eagerly, which is how CPU tests check it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from engine.kv_cache import MLAKVPool, pages_for
+from engine.mla import MLAttention
+from engine.model import DeepseekForCausalLM
+from engine.moe import DeepseekMoE
+from engine.moe_dispatch import LocalDispatcher
+from engine.routing import select_experts
+
+log = logging.getLogger(__name__)
+
+DecodeAttention = Callable[..., torch.Tensor]
+
+# Rows of the ``meta`` buffer.
+_IDS, _POS, _SLOT, _LEN = range(4)
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Powers of two below ``max_batch``, then ``max_batch`` itself: 1, 2, 4, ..., max_batch."""
+    if max_batch <= 0:
+        raise ValueError(f"max_batch must be > 0, got {max_batch}")
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    out.append(max_batch)
+    return out
+
+
+def bucket_for(n: int, buckets: Sequence[int]) -> int:
+    """Smallest bucket >= n; ValueError when n exceeds the largest."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def page_bucket(num_pages: int, max_pages: int) -> int:
+    """Next power of two >= ``num_pages``, capped at ``max_pages``."""
+    if num_pages > max_pages:
+        raise ValueError(f"{num_pages} pages exceed the most a request can hold ({max_pages})")
+    p = 1
+    while p < num_pages:
+        p *= 2
+    return min(p, max_pages)
+
+
+def mla_decode_reference(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Absorbed MLA decode attention with static shapes (graph-capturable plain torch).
+
+    q_latent [B, H, C], q_pe [B, H, R], kv [num_pages, page_size, C + R],
+    page_table [B, P] int32, seq_lens [B] int32 -> [B, H, C]: for each row, softmax over
+    its first ``seq_lens`` cached tokens of ``(q_latent . latent + q_pe . k_pe) * scale``,
+    times the latents. Gathers all ``P * page_size`` slots and masks the tail, so the cost
+    follows the page bucket, not the real length. Same contract as the Triton kernel.
+    """
+    b, p = page_table.shape
+    page_size = kv.shape[1]
+    c = q_latent.shape[-1]
+    width = p * page_size
+    pos = torch.arange(width, device=kv.device)
+    slots = page_table.to(torch.int64)[:, pos // page_size] * page_size + pos % page_size
+    ctx = kv.reshape(-1, kv.shape[-1]).index_select(0, slots.reshape(-1)).view(b, width, -1)
+    latent, k_pe = ctx.to(q_latent.dtype).split([c, ctx.shape[-1] - c], dim=-1)
+    scores = torch.einsum("bhc,bsc->bhs", q_latent, latent)
+    scores = (scores + torch.einsum("bhr,bsr->bhs", q_pe, k_pe)) * scale
+    masked = pos[None, :] >= seq_lens.to(torch.int64)[:, None]
+    scores = scores.masked_fill(masked[:, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(q_latent.dtype)
+    result = torch.einsum("bhs,bsc->bhc", probs, latent)
+    if out is not None:
+        out.copy_(result)
+        return out
+    return result
+
+
+def load_decode_kernel() -> DecodeAttention | None:
+    """The Triton MLA decode kernel, or None when it (or Triton) is not importable."""
+    try:
+        from kernels.mla_decode import mla_decode
+    except Exception as exc:  # ImportError, or Triton failing to initialise
+        log.info("MLA decode kernel unavailable (%s); CUDA graphs use the torch reference", exc)
+        return None
+    return mla_decode
+
+
+def graph_support_problem(model: DeepseekForCausalLM) -> str | None:
+    """Why the static decode path cannot run this model, or None when it can."""
+    if model.expert_location.ep_size != 1:
+        return "expert parallelism (collectives per step)"
+    for moe in model.moe_layers():
+        if not isinstance(moe.dispatcher, LocalDispatcher):
+            return f"dispatcher {type(moe.dispatcher).__name__}"
+    return None
+
+
+class CudaGraphRunner:
+    """Static decode forward over fixed buffers, replayed as CUDA graphs per bucket.
+
+    ``run`` takes one step's rows (token id, position, the request's pages) and returns
+    float32 logits [n, vocab]; the tensor is a view of graph memory, valid until the next
+    ``run``. ``attention`` is "auto" (kernel when importable and dtype is not float32),
+    "kernel" or "torch".
+    """
+
+    def __init__(
+        self,
+        model: DeepseekForCausalLM,
+        kv_pool: MLAKVPool,
+        max_batch: int,
+        max_tokens_per_request: int,
+        use_graphs: bool = True,
+        attention: str = "auto",
+    ) -> None:
+        problem = graph_support_problem(model)
+        if problem is not None:
+            raise ValueError(f"the static decode path does not support {problem}")
+        self.model = model
+        self.kv_pool = kv_pool
+        self.device = kv_pool.buffer.device
+        self.dtype = next(model.parameters()).dtype
+        self.buckets = batch_buckets(max_batch)
+        self.max_batch = max_batch
+        self.page_size = kv_pool.page_size
+        self.max_pages = min(pages_for(max_tokens_per_request, self.page_size), kv_pool.num_pages)
+        self.use_graphs = use_graphs and self.device.type == "cuda"
+        self.decode_attention = self._choose_attention(attention)
+        self.grouped_experts = self._grouped_experts_capturable()
+        self.meta = torch.zeros(4, max_batch, dtype=torch.int64, device=self.device)
+        self.tables: dict[int, torch.Tensor] = {}
+        self.expert_maps = self._expert_maps()
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.num_replays = 0
+        self.num_eager = 0
+
+    # ---- set-up -----------------------------------------------------------------------------
+
+    def _choose_attention(self, attention: str) -> DecodeAttention:
+        if attention not in ("auto", "kernel", "torch"):
+            raise ValueError(f"attention must be auto, kernel or torch, got {attention!r}")
+        kernel = None
+        if attention in ("auto", "kernel") and self.device.type == "cuda":
+            kernel = load_decode_kernel()
+        if attention == "kernel" and kernel is None:
+            raise ValueError("attention='kernel' but kernels.mla_decode is not importable on CUDA")
+        if attention == "auto" and self.dtype == torch.float32:
+            kernel = None  # float32 is the reference precision: keep exact torch arithmetic
+        self.attention_backend = "kernel" if kernel is not None else "torch"
+        return kernel if kernel is not None else mla_decode_reference
+
+    def _grouped_experts_capturable(self) -> bool:
+        """torch._grouped_mm keeps its group offsets on the device only on its fast path
+        (bfloat16 on sm90+); elsewhere it copies them to the host, which breaks capture."""
+        if self.device.type != "cuda" or self.dtype != torch.bfloat16:
+            return False
+        return torch.cuda.get_device_capability(self.device) >= (9, 0)
+
+    def _expert_maps(self) -> list[torch.Tensor]:
+        """Per MoE layer, logical -> physical expert id on the device (one replica each)."""
+        loc = self.model.expert_location
+        if loc.num_physical == 0:
+            return []
+        if loc.logical_to_physical.shape[2] != 1:
+            raise ValueError("the static decode path needs one replica per expert")
+        return [
+            loc.logical_to_physical[i, :, 0].to(self.device)
+            for i in range(loc.logical_to_physical.shape[0])
+        ]
+
+    def _table(self, pages: int) -> torch.Tensor:
+        if pages not in self.tables:
+            self.tables[pages] = torch.zeros(
+                self.max_batch, pages, dtype=torch.int32, device=self.device
+            )
+        return self.tables[pages]
+
+    # ---- stepping ---------------------------------------------------------------------------
+
+    def can_run(self, num_rows: int) -> bool:
+        return 0 < num_rows <= self.max_batch
+
+    def run(
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        pages: Sequence[Sequence[int]],
+    ) -> torch.Tensor:
+        """One decode step: row i feeds ``token_ids[i]`` at ``positions[i]`` of a request
+        whose KV lives in ``pages[i]`` (in token order). Returns logits [n, vocab] float32."""
+        n = len(token_ids)
+        if not (n == len(positions) == len(pages)) or not self.can_run(n):
+            raise ValueError(f"bad decode step: {n} rows (max {self.max_batch})")
+        b = bucket_for(n, self.buckets)
+        need = max(pages_for(pos + 1, self.page_size) for pos in positions)
+        p = page_bucket(need, self.max_pages)
+        self._load_inputs(b, p, token_ids, positions, pages)
+        if not self.use_graphs:
+            self.num_eager += 1
+            with torch.inference_mode():
+                return self.forward_static(b, p)[:n]
+        key = (b, p)
+        if key not in self.graphs:
+            self._capture(key)
+        graph, logits = self.graphs[key]
+        graph.replay()
+        self.num_replays += 1
+        return logits[:n]
+
+    def _load_inputs(
+        self,
+        b: int,
+        p: int,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        pages: Sequence[Sequence[int]],
+    ) -> None:
+        n = len(token_ids)
+        ps = self.page_size
+        table = torch.zeros(b, p, dtype=torch.int32)
+        slots = []
+        for i, (pos, req_pages) in enumerate(zip(positions, pages, strict=True)):
+            if pages_for(pos + 1, ps) > len(req_pages):
+                raise ValueError(f"row {i}: {len(req_pages)} pages cannot hold position {pos}")
+            used = list(req_pages[:p])
+            table[i, : len(used)] = torch.tensor(used, dtype=torch.int32)
+            slots.append(req_pages[pos // ps] * ps + pos % ps)
+        pad = b - n
+        ids = list(token_ids) + [token_ids[0]] * pad
+        pos_ = list(positions) + [positions[0]] * pad
+        slots += [slots[0]] * pad
+        table[n:] = table[0]
+        lens = [q + 1 for q in pos_]
+        meta = torch.tensor([ids, pos_, slots, lens], dtype=torch.int64)
+        self.meta[:, :b].copy_(meta)
+        self._table(p)[:b].copy_(table)
+
+    def _capture(self, key: tuple[int, int]) -> None:
+        b, p = key
+        with torch.inference_mode():
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):  # JIT compiles, cuBLAS handles, cached probes
+                    self.forward_static(b, p)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self.forward_static(b, p)
+        self.graphs[key] = (graph, logits)
+        log.info("captured decode graph batch=%d pages=%d", b, p)
+
+    # ---- the static forward ------------------------------------------------------------------
+
+    def forward_static(self, b: int, p: int) -> torch.Tensor:
+        """The decode forward over the first ``b`` rows of the buffers -> logits [b, vocab]."""
+        m = self.model.model
+        meta = self.meta[:, :b]
+        slots = meta[_SLOT]
+        seq_lens = meta[_LEN].to(torch.int32)
+        table = self._table(p)[:b]
+        x = m.embed_tokens(meta[_IDS])
+        cos, sin = m.rotary.cos_sin(meta[_POS], x.dtype)
+        for layer in m.layers:
+            h = layer.input_layernorm(x)
+            x = x + self._attention(layer.self_attn, h, cos, sin, slots, table, seq_lens)
+            h = layer.post_attention_layernorm(x)
+            mlp = layer.mlp
+            x = x + (self._moe(mlp, h) if isinstance(mlp, DeepseekMoE) else mlp(h))
+        return self.model.lm_head(m.norm(x)).to(torch.float32)
+
+    def _attention(
+        self,
+        attn: MLAttention,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        table: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """MLAttention.forward for single-token rows, weight-absorbed, static shapes."""
+        t = x.shape[0]
+        if attn.q_lora_rank is None:
+            q = attn.q_proj(x)
+        else:
+            q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+        q = q.view(t, attn.num_heads, attn.nope_dim + attn.rope_dim)
+        q_nope, q_pe = q.split([attn.nope_dim, attn.rope_dim], dim=-1)
+        q_pe = attn.rotary(q_pe, cos, sin).contiguous()
+        latent, k_pe = attn.kv_a_proj_with_mqa(x).split([attn.kv_lora_rank, attn.rope_dim], -1)
+        latent = attn.kv_a_layernorm(latent)
+        k_pe = attn.rotary(k_pe, cos, sin)
+        self.kv_pool.write(attn.layer_idx, slots, torch.cat([latent, k_pe], dim=-1))
+        w_uk, w_uv = attn.absorbed_weights()
+        q_latent = torch.einsum("bhd,hdc->bhc", q_nope, w_uk).contiguous()
+        kv = self.kv_pool.buffer[attn.layer_idx]
+        out_latent = self.decode_attention(q_latent, q_pe, kv, table, seq_lens, attn.scale)
+        out = torch.einsum("bhc,hvc->bhv", out_latent.to(x.dtype), w_uv)
+        return attn.o_proj(out.reshape(t, attn.num_heads * attn.v_dim))
+
+    def _moe(self, moe: DeepseekMoE, x: torch.Tensor) -> torch.Tensor:
+        """DeepseekMoE.forward on one rank without host syncs."""
+        weights, logical = select_experts(
+            moe.gate(x), moe.moe_cfg, moe.gate.e_score_correction_bias
+        )
+        physical = self.expert_maps[moe.moe_layer_idx][logical]
+        if self.grouped_experts:
+            routed = self._routed_grouped(moe, x, weights, physical)
+        else:
+            routed = self._routed_dense(moe, x, weights, physical)
+        if moe.shared_experts is None:
+            return routed
+        return routed + moe.shared_experts(x)
+
+    @staticmethod
+    def _routed_grouped(
+        moe: DeepseekMoE, x: torch.Tensor, weights: torch.Tensor, physical: torch.Tensor
+    ) -> torch.Tensor:
+        """Sort (token, expert) pairs by expert, grouped GEMM, weighted scatter-add back."""
+        top_k = physical.shape[1]
+        flat = physical.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(moe.experts.num_local, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        token = order // top_k
+        expert_out = moe.experts(x.index_select(0, token), counts)
+        w = weights.reshape(-1).index_select(0, order)[:, None].to(expert_out.dtype)
+        out = torch.zeros(x.shape[0], expert_out.shape[1], dtype=x.dtype, device=x.device)
+        return out.index_add_(0, token, expert_out * w)
+
+    @staticmethod
+    def _routed_dense(
+        moe: DeepseekMoE, x: torch.Tensor, weights: torch.Tensor, physical: torch.Tensor
+    ) -> torch.Tensor:
+        """Every expert on every row, weighted by its routing weight (0 where not routed).
+        Costs E/k times the routed FLOPs: the fallback for dtypes without a capturable
+        grouped GEMM (float32 tests, older GPUs)."""
+        experts = moe.experts
+        dense = torch.zeros(x.shape[0], experts.num_local, dtype=weights.dtype, device=x.device)
+        dense.scatter_add_(1, physical, weights)
+        dense = dense.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in range(experts.num_local):
+            gate, up = F.linear(x, experts.w13[e]).chunk(2, dim=-1)
+            out += F.linear(F.silu(gate) * up, experts.w2[e]) * dense[:, e : e + 1]
+        return out
