@@ -57,7 +57,7 @@ def check(target: str, timeout_s: float, tls: TLSConfig) -> str | None:
     return check_grpc(target, timeout_s, tls)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m dsmesh.healthcheck",
         description="Exit 0 when every target is healthy: gRPC health SERVING (HOST:PORT) "
@@ -65,7 +65,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("targets", nargs="+", metavar="TARGET", help="HOST:PORT or URL")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds per target (default 3)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         tls = TLSConfig.from_env_and_args()
     except (ValueError, FileNotFoundError) as exc:
