@@ -21,7 +21,23 @@ from engine.config import MoEConfig
 def select_experts(
     router_logits: torch.Tensor, moe: MoEConfig, correction_bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] float32 -> (weights [T, k] float32, logical expert ids [T, k] int64)."""
+    """router_logits [T, E] float32 -> (weights [T, k] float32, logical expert ids [T, k] int64).
+
+    On CUDA (with Triton) one fused kernel (kernels.routing) does it; elsewhere the reference.
+    """
+    from kernels._triton import use_triton
+
+    if use_triton(router_logits):
+        from kernels.routing import fused_select_experts
+
+        return fused_select_experts(router_logits, moe, correction_bias)
+    return select_experts_reference(router_logits, moe, correction_bias)
+
+
+def select_experts_reference(
+    router_logits: torch.Tensor, moe: MoEConfig, correction_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch; the fused kernel must give the same ids and weights."""
     if moe.topk_method == "noaux_tc":
         return _noaux_tc(router_logits, moe, correction_bias)
     scores = router_logits.softmax(dim=-1, dtype=torch.float32)
