@@ -21,13 +21,42 @@ import torch
 from dsmesh.grpc_server import channel as make_channel
 from dsmesh.v1 import eplb_pb2 as pb
 from dsmesh.v1 import eplb_pb2_grpc
-from eplb_svc.controller import LoadSample
+from eplb_svc.controller import InstanceShape, LoadSample
 from eplb_svc.convert import placement_tensor, report_from_sample
 
 log = logging.getLogger(__name__)
 
 SampleFn = Callable[[], "LoadSample | None | Awaitable[LoadSample | None]"]
 PlacementFn = Callable[[int, torch.Tensor], "None | Awaitable[None]"]
+
+
+def make_sample(
+    instance_id: str,
+    physical_counts: torch.Tensor,
+    num_steps: int,
+    physical_to_logical: torch.Tensor,
+    num_logical: int,
+    ep_size: int,
+    applied_version: int = 0,
+    last_swap_seconds: float = 0.0,
+    num_nodes: int = 1,
+    num_groups: int = 1,
+) -> LoadSample:
+    """A :class:`LoadSample` from what an instance has: the counts of
+    ``ExpertLoadRecorder.take()`` summed over its ranks ([L, P] int64), the running
+    ``ExpertLocation.physical_to_logical`` [L, P] and the Rebalancer's version and swap time.
+    ``num_groups``: the model's ``n_group`` for the hierarchical policy (1: global)."""
+    layers, physical = physical_to_logical.shape
+    shape = InstanceShape(layers, num_logical, physical, ep_size, num_nodes, num_groups)
+    return LoadSample(
+        instance_id,
+        shape,
+        physical_counts.to(torch.int64).cpu(),
+        num_steps,
+        physical_to_logical.to(torch.int64).cpu(),
+        applied_version,
+        last_swap_seconds,
+    )
 
 
 async def _maybe_await(value):

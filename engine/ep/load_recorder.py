@@ -19,6 +19,8 @@ class ExpertLoadRecorder:
         self._current = torch.zeros(num_moe_layers, num_physical, dtype=torch.int64)
         self._window: deque[torch.Tensor] = deque()
         self._total = torch.zeros_like(self._current)
+        self._untaken = torch.zeros_like(self._current)  # closed steps since the last take()
+        self._untaken_steps = 0
 
     def record(self, moe_layer: int, physical_ids: torch.Tensor) -> None:
         """physical_ids [T, k]: the physical experts this rank's tokens were sent to."""
@@ -29,6 +31,8 @@ class ExpertLoadRecorder:
         """Close the step: its counts enter the window, the oldest step leaves it."""
         self._window.append(self._current)
         self._total += self._current
+        self._untaken += self._current
+        self._untaken_steps += 1
         self._current = torch.zeros_like(self._total)
         if len(self._window) > self.window_steps:
             self._total -= self._window.popleft()
@@ -36,6 +40,14 @@ class ExpertLoadRecorder:
     def window(self) -> torch.Tensor:
         """[num_moe_layers, num_physical] int64 tokens over the window's steps."""
         return self._total.clone()
+
+    def take(self) -> tuple[torch.Tensor, int]:
+        """([num_moe_layers, num_physical] int64 tokens, steps) closed since the previous
+        take: what an instance streams to eplb_svc. Independent of the window."""
+        out, steps = self._untaken, self._untaken_steps
+        self._untaken = torch.zeros_like(self._total)
+        self._untaken_steps = 0
+        return out, steps
 
     @property
     def num_steps(self) -> int:
