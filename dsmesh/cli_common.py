@@ -85,6 +85,13 @@ def add_ep_args(p: argparse.ArgumentParser, multi_node: bool = True) -> None:
         help="two-batch overlap: each forward runs as two micro-batches whose MoE "
         "dispatch/combine overlaps the other's compute",
     )
+    g.add_argument(
+        "--moe-dispatch",
+        default="auto",
+        choices=("auto", "all-to-all", "deepep"),
+        help="token dispatch between ranks: auto = DeepEP when deep_ep imports on Hopper GPUs "
+        "with NCCL (normal mode on prefill, low-latency on decode), else torch all-to-all",
+    )
     if not multi_node:
         return
     g.add_argument(
@@ -115,10 +122,12 @@ def add_ep_args(p: argparse.ArgumentParser, multi_node: bool = True) -> None:
     )
 
 
-def ep_config_from(args: argparse.Namespace):
+def ep_config_from(args: argparse.Namespace, deepep_mode: str = "normal"):
     from engine.ep.runtime import EPConfig
 
     ep = EPConfig(
+        dispatch=args.moe_dispatch,
+        deepep_mode=deepep_mode,
         ep_size=args.ep_size,
         num_redundant_experts=args.num_redundant_experts,
         master_addr=getattr(args, "ep_master_addr", "127.0.0.1"),

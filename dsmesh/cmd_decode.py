@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     def ready(instance_id: str, port: int) -> None:
         print(f"decode {instance_id} listening on {args.host}:{port}", flush=True)
 
-    ep = ep_config_from(args)
+    ep = ep_config_from(args, deepep_mode="low_latency")  # decode steps are small
     if ep.ep_size > 1 or ep.num_redundant_experts:
         from dsmesh.ep_group import RankTarget, run_group
         from dsmesh.instance import new_instance_id

@@ -10,6 +10,7 @@ import torch.multiprocessing as mp
 from engine.ep.runtime import (
     EPConfig,
     build_ep_engine,
+    check_dispatch,
     free_port,
     init_group,
     rank_device,
@@ -53,6 +54,7 @@ def generate_ep(
 ) -> list[GenerationResult]:
     """Spread the prompts over the ranks (DP attention), run the group, gather in order."""
     ep.validate()
+    check_dispatch(ep)
     _check_inputs(config, ep, prompts)
     if ep.master_port == 0:
         ep = dataclasses.replace(ep, master_port=free_port())

@@ -20,12 +20,14 @@ import torch.distributed as dist
 
 from engine.config import load_config
 from engine.ep.all_to_all import AllToAllDispatcher
+from engine.ep.deepep import DEEPEP_MODES, deepep_available
 from engine.ep.placement import round_robin_placement
 from engine.llm_engine import EngineConfig, LLMEngine, resolve_model_dir
 from engine.loader import load_model
 from engine.moe_dispatch import MoEDispatcher
 
 log = logging.getLogger(__name__)
+DISPATCH_BACKENDS = ("auto", "all-to-all", "deepep")
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,8 @@ class EPConfig:
     nnodes: int = 1  # hosts the group spans; each runs ep_size // nnodes ranks
     node_rank: int = 0  # this host's index; ranks node_rank * local_size + 0..local_size-1
     timeout_s: float = 120.0  # a collective waiting longer than this fails (a peer is gone)
+    dispatch: str = "auto"  # "auto" (DeepEP when usable) | "all-to-all" | "deepep"
+    deepep_mode: str = "normal"  # "normal" (prefill, offline) | "low_latency" (decode)
 
     def validate(self) -> None:
         if self.ep_size < 1:
@@ -50,6 +54,10 @@ class EPConfig:
             )
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"ep_node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.dispatch not in DISPATCH_BACKENDS:
+            raise ValueError(f"moe_dispatch must be one of {DISPATCH_BACKENDS}")
+        if self.deepep_mode not in DEEPEP_MODES:
+            raise ValueError(f"deepep_mode must be one of {DEEPEP_MODES}")
         if self.nnodes > 1 and self.master_port == 0:
             raise ValueError("ep_master_port is required when the group spans several nodes")
 
@@ -93,17 +101,41 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
     return device
 
 
-def make_dispatcher(num_local: int) -> MoEDispatcher:
-    """DeepEP when it imports (GPU), otherwise torch.distributed all-to-all; logged once."""
+def check_dispatch(ep: EPConfig) -> None:
+    """Refuse a forced DeepEP early (before any rank starts) when it cannot even import."""
+    if ep.dispatch != "deepep":
+        return
     try:
         import deep_ep  # noqa: F401
-    except ImportError:
+    except ImportError as exc:
+        raise ValueError("moe_dispatch deepep: deep_ep is not installed") from exc
+
+
+def make_dispatcher(
+    ep: EPConfig,
+    num_local: int,
+    num_physical: int,
+    hidden_size: int,
+    device: torch.device,
+    max_tokens_per_rank: int,
+) -> MoEDispatcher:
+    """DeepEP when asked or ("auto") usable, else torch.distributed all-to-all; logged."""
+    if ep.dispatch != "all-to-all":
+        usable, why = deepep_available(device)
+        if usable:
+            from engine.ep.deepep import DeepEPLowLatencyDispatcher, DeepEPNormalDispatcher
+
+            log.info("MoE dispatch: DeepEP, %s mode", ep.deepep_mode)
+            if ep.deepep_mode == "low_latency":
+                return DeepEPLowLatencyDispatcher(
+                    num_local, num_physical, hidden_size, max_tokens_per_rank
+                )
+            return DeepEPNormalDispatcher(num_local, num_physical, hidden_size)
+        if ep.dispatch == "deepep":
+            raise ValueError(f"--moe-dispatch deepep: {why}")
+        log.info("MoE dispatch: torch.distributed all-to-all (DeepEP: %s)", why)
+    else:
         log.info("MoE dispatch: torch.distributed all-to-all")
-        return AllToAllDispatcher(num_local)
-    log.info(
-        "MoE dispatch: deep_ep is installed, but its backend is not wired yet; "
-        "using torch.distributed all-to-all"
-    )
     return AllToAllDispatcher(num_local)
 
 
@@ -120,7 +152,14 @@ def build_ep_engine(config: EngineConfig, ep: EPConfig, rank: int) -> LLMEngine:
         config.resolved_dtype(),
         device,
         expert_location=placement,
-        dispatcher=make_dispatcher(placement.num_local_physical),
+        dispatcher=make_dispatcher(
+            ep,
+            placement.num_local_physical,
+            placement.num_physical,
+            cfg.hidden_size,
+            device,
+            config.max_running_requests,
+        ),
         ep_rank=rank,
     )
     if device.type == "cuda":

@@ -112,3 +112,25 @@ def test_ep2_logits_equal_single_rank(model_dir: Path, split, redundant: int) ->
         assert rows == sum(len(_prompts()[i]) for i in split[rank])
         assert err <= 1e-5 * scale, (rank, err, scale)
         assert local == expected_local
+
+
+def test_dispatch_backend_choice_is_explicit() -> None:
+    """Forced DeepEP without deep_ep is refused up front; "auto" falls back to all-to-all
+    (on CPU, whatever is installed) and says why."""
+    from engine.ep.deepep import deepep_available
+    from engine.ep.runtime import EPConfig, check_dispatch
+
+    check_dispatch(EPConfig(ep_size=2, dispatch="auto"))  # never refuses
+    usable, why = deepep_available(torch.device("cpu"))
+    assert not usable and why
+    try:
+        import deep_ep  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="deep_ep is not installed"):
+            check_dispatch(EPConfig(ep_size=2, dispatch="deepep"))
+    with pytest.raises(ValueError, match="moe_dispatch"):
+        EPConfig(ep_size=2, dispatch="nccl").validate()
+    with pytest.raises(ValueError, match="ep_nnodes"):
+        EPConfig(ep_size=4, nnodes=3).validate()
+    with pytest.raises(ValueError, match="ep_master_port"):
+        EPConfig(ep_size=4, nnodes=2).validate()
