@@ -253,23 +253,58 @@ def build_dsmesh(
     return model
 
 
+def expert_bytes(experts: torch.nn.Module) -> float:
+    """Bytes of one rank's routed experts as the forward reads them (FP8 + scales when an
+    FP8 form is attached, else the dense stacks)."""
+    fp8 = getattr(experts, "fp8", None)
+    if fp8 is not None:
+        tensors = [fp8.w13, fp8.w13_scale, fp8.w2, fp8.w2_scale]
+    else:
+        tensors = [experts.w13, experts.w2]
+    return float(sum(t.numel() * t.element_size() for t in tensors))
+
+
 def weight_bytes_touched(model: DeepseekForCausalLM, batch: int) -> dict[str, float]:
     """Bytes of weights one decode step reads: every non-routed weight (embedding: only the
     batch's rows), and per MoE layer the routed experts expected to receive a token under
     uniform routing, E * (1 - (1 - k/E)^batch)."""
-    moe = model.config.moe
+    k = model.config.moe.num_experts_per_tok
     routed = other = 0.0
+    for moe in model.moe_layers():
+        e = moe.experts.num_local
+        routed += expert_bytes(moe.experts) / e * e * (1 - (1 - k / e) ** batch)
     for name, p in model.named_parameters():
         size = p.numel() * p.element_size()
         if ".experts.w13" in name or ".experts.w2" in name:
-            e = p.shape[0]
-            touched = e * (1 - (1 - moe.num_experts_per_tok / e) ** batch)
-            routed += size / e * touched
-        elif name.endswith("embed_tokens.weight"):
+            continue
+        if name.endswith("embed_tokens.weight"):
             other += size / p.shape[0] * min(batch, p.shape[0])
         else:
             other += size
     return {"routed_experts": routed, "other": other}
+
+
+def use_fp8_experts(model: DeepseekForCausalLM) -> bool:
+    """Quantise every layer's routed experts to block-scaled FP8 (128x128, as DeepSeek-V3
+    ships them) and drop the dense copies, when the engine has an FP8 expert path."""
+    try:
+        from kernels.moe_gemm import Fp8ExpertWeights
+    except ImportError:
+        return False
+    layers = model.moe_layers()
+    if not layers or not hasattr(layers[0].experts, "fp8"):
+        return False
+    for moe in layers:
+        ex = moe.experts
+        ex.fp8 = Fp8ExpertWeights.from_dense(ex.w13.data, ex.w2.data)
+        if not ex.fp8.usable:
+            ex.fp8 = None
+            return False
+        ex.w13 = torch.nn.Parameter(ex.w13.data.new_empty(ex.w13.shape[0], 0, 0))
+        ex.w2 = torch.nn.Parameter(ex.w2.data.new_empty(ex.w2.shape[0], 0, 0))
+        if ex.w13.is_cuda:
+            torch.cuda.empty_cache()
+    return True
 
 
 def prefill_flops(cfg: ModelConfig, prompt_len: int, num_prompts: int) -> float:
@@ -460,10 +495,9 @@ def run_v2(args, device, ceilings, results) -> None:
 
 
 def run_v3(args, device, ceilings, results) -> None:
-    fp8 = False  # no FP8 expert path in the engine's model classes yet: bf16, said in JSON
     layers = args.v3_layers
-    raw = v3_layers_config(layers, args.tiny, fp8)
-    model = build_dsmesh(raw, device, args.dtype)
+    model = build_dsmesh(v3_layers_config(layers, args.tiny), device, args.dtype)
+    fp8 = device.type == "cuda" and use_fp8_experts(model)
     cfg = model.config
     b = args.v3_batch
     engine = make_engine(model, device, b, args)
@@ -481,7 +515,7 @@ def run_v3(args, device, ceilings, results) -> None:
     results["v3_layers"] = {
         "shape": "DeepSeek-V3 layers (all MoE), vocab 4096",
         "num_layers": layers,
-        "weights": "fp8" if fp8 else "bf16 (no FP8 expert path in the engine yet)",
+        "weights": ("routed experts fp8 (128x128 blocks), the rest bf16" if fp8 else "all bf16"),
         "prefill": {
             "prompt_len": args.prompt_len,
             "prompts_per_forward": args.prefill_prompts,
@@ -681,7 +715,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--v3-layers", type=int, default=2)
+    ap.add_argument("--v3-layers", type=int, default=4)
     ap.add_argument("--v3-batch", type=int, default=256)
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]

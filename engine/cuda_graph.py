@@ -176,6 +176,7 @@ class CudaGraphRunner:
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.num_replays = 0
         self.num_eager = 0
+        self.keys_used: set[tuple[int, int]] = set()  # (batch bucket, page bucket) run so far
 
     # ---- set-up -----------------------------------------------------------------------------
 
@@ -238,6 +239,7 @@ class CudaGraphRunner:
         need = max(pages_for(pos + 1, self.page_size) for pos in positions)
         p = page_bucket(need, self.max_pages)
         self._load_inputs(b, p, token_ids, positions, pages)
+        self.keys_used.add((b, p))
         if not self.use_graphs:
             self.num_eager += 1
             with torch.inference_mode():

@@ -62,7 +62,7 @@ def test_tiny_run_writes_every_field(tmp_path) -> None:
     argv = ["--tiny", "--device", "cpu", "--out", str(out), "--batches", "1,3"]
     argv += ["--hf-batches", "3", "--context", "24", "--prompt-len", "16"]
     argv += ["--prefill-prompts", "2", "--steps", "2", "--repeats", "1", "--page-size", "8"]
-    argv += ["--v3-batch", "2"]
+    argv += ["--v3-batch", "2", "--v3-layers", "2"]
     gpu.main(argv)
     res = json.loads(out.read_text())
     assert "errors" not in res

@@ -205,6 +205,9 @@ def test_engine_static_decode_matches_eager_and_transformers_on_cpu(
     )
     static = _scenario(engine, vocab)
     assert engine.graph_runner.num_eager > 10
+    # Decode steps of 1..7 rows: padded buckets (3 -> 4, 5..7 -> 8) and two page buckets.
+    assert {b for b, _ in engine.graph_runner.keys_used} >= {2, 4, 8}
+    assert len({p for _, p in engine.graph_runner.keys_used}) >= 2
     assert static == eager
     assert [len(static[i]) for i in range(len(LENGTHS))] == MAX_NEW
     _assert_matches_transformers(ckpt, static)
@@ -225,8 +228,8 @@ def test_cuda_graphs_greedy_equals_eager_and_transformers(request, ckpt_name: st
     assert runner is not None and runner.use_graphs
     graphs = _scenario(engine, vocab)
     assert runner.num_replays > 10
-    # Batches of 1..7 decoding rows: padded buckets (e.g. 3 -> 4, 5..7 -> 8) were captured.
-    assert {b for b, _ in runner.graphs} >= {4, 8}
+    assert set(runner.graphs) == runner.keys_used
+    assert {b for b, _ in runner.graphs} >= {2, 4, 8}
     assert graphs == eager
     _assert_matches_transformers(ckpt, graphs)
 
