@@ -34,6 +34,9 @@ class ForwardBatch:
     decode_ids: indices (into the request list) of single-token requests.
     decode_slots: [len(decode_ids), max_context] int64 context slots of those requests,
         padded with -1; lets decode attention run as one batched op.
+    decode_page_table: [len(decode_ids), max_pages] int32 pages of those requests (padded
+        with page 0) and decode_seq_lens [len(decode_ids)] int32 their context lengths: the
+        paged form the decode kernel (kernels.mla_decode) reads.
     """
 
     input_ids: torch.Tensor
@@ -45,6 +48,8 @@ class ForwardBatch:
     last_rows: torch.Tensor
     decode_ids: list[int]
     decode_slots: torch.Tensor | None
+    decode_page_table: torch.Tensor | None = None
+    decode_seq_lens: torch.Tensor | None = None
 
     @property
     def num_requests(self) -> int:
@@ -90,6 +95,7 @@ class ForwardBatch:
             prefix_lens.append(c.prefix_len)
         last_rows = torch.tensor(extend_lens).cumsum(0) - 1
         decode_ids, decode_slots = _decode_rows(extend_lens, kv_slots, device)
+        decode_pages, decode_lens = _decode_pages(chunks, decode_ids, page_size, device)
         return cls(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
             positions=torch.cat(positions).to(device),
@@ -100,6 +106,8 @@ class ForwardBatch:
             last_rows=last_rows.to(device),
             decode_ids=decode_ids,
             decode_slots=decode_slots,
+            decode_page_table=decode_pages,
+            decode_seq_lens=decode_lens,
         )
 
     def split(self) -> tuple[ForwardBatch, ForwardBatch]:
@@ -121,6 +129,12 @@ class ForwardBatch:
         end = start + sum(self.extend_lens[lo:hi])
         extend = self.extend_lens[lo:hi]
         decode_ids, decode_slots = _decode_rows(extend, self.kv_slots[lo:hi], device)
+        pages = lens = None
+        if decode_ids and self.decode_page_table is not None and self.decode_seq_lens is not None:
+            keep = [r for r, i in enumerate(self.decode_ids) if lo <= i < hi]
+            index = torch.tensor(keep, device=device)
+            pages = self.decode_page_table.index_select(0, index)
+            lens = self.decode_seq_lens.index_select(0, index)
         return ForwardBatch(
             input_ids=self.input_ids[start:end],
             positions=self.positions[start:end],
@@ -131,7 +145,25 @@ class ForwardBatch:
             last_rows=(torch.tensor(extend).cumsum(0) - 1).to(device),
             decode_ids=decode_ids,
             decode_slots=decode_slots,
+            decode_page_table=pages,
+            decode_seq_lens=lens,
         )
+
+
+def _decode_pages(
+    chunks: list[SequenceChunk], decode_ids: list[int], page_size: int, device: torch.device | str
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Page tables [len(decode_ids), max_pages] int32 (padded with page 0, which the kernel
+    never reads past a row's length) and context lengths [len(decode_ids)] int32."""
+    if not decode_ids:
+        return None, None
+    lens = [chunks[i].prefix_len + 1 for i in decode_ids]
+    width = max(-(-n // page_size) for n in lens)
+    table = torch.zeros((len(decode_ids), width), dtype=torch.int32)
+    for row, (i, n) in enumerate(zip(decode_ids, lens, strict=True)):
+        used = -(-n // page_size)
+        table[row, :used] = chunks[i].page_table[:used].cpu()
+    return table.to(device), torch.tensor(lens, dtype=torch.int32).to(device)
 
 
 def _decode_rows(

@@ -51,6 +51,10 @@ def load_model(
     cfg = load_config(checkpoint_dir)
     model = build_model(cfg, dtype, device, expert_location, dispatcher, ep_rank)
     load_weights(model, checkpoint_dir, keep_fp8=keep_fp8)
+    if keep_fp8 and torch.device(device).type == "cuda":
+        from kernels.moe_gemm import attach_fp8_experts  # FP8 grouped GEMM for the experts
+
+        attach_fp8_experts(model)
     return model
 
 

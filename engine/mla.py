@@ -20,6 +20,7 @@ from engine.forward_batch import ForwardBatch
 from engine.kv_cache import MLAKVPool
 from engine.norm import RMSNorm
 from engine.rope import RotaryEmbedding
+from kernels._triton import use_triton
 
 ATTENTION_MODES = ("auto", "naive", "absorbed")
 
@@ -87,6 +88,9 @@ class MLAttention(nn.Module):
         if batched_decode:
             rows = batch.last_rows[batch.decode_ids]
             out[rows] = self._decode_absorbed(q_nope[rows], q_pe[rows], kv_pool, batch)
+        if use_triton(x) and mode != "absorbed":  # one Triton launch for every prefill
+            self._prefill_fused(q_nope, q_pe, kv_pool, batch, out, skip_decode=batched_decode)
+            return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
         start = 0
         for i, n in enumerate(batch.extend_lens):
             rows = slice(start, start + n)
@@ -106,6 +110,8 @@ class MLAttention(nn.Module):
 
         q_nope [B, H, nope], q_pe [B, H, rope] -> [B, H, v]; padding slots are masked out.
         """
+        if use_triton(q_nope) and batch.decode_page_table is not None:
+            return self._decode_kernel(q_nope, q_pe, kv_pool, batch)
         slots = batch.decode_slots
         assert slots is not None
         b, width = slots.shape
@@ -119,6 +125,74 @@ class MLAttention(nn.Module):
         probs = scores.softmax(dim=-1, dtype=torch.float32).to(q_nope.dtype)
         out_latent = torch.einsum("bhs,bsc->bhc", probs, latent)
         return torch.einsum("bhc,hvc->bhv", out_latent, w_uv)
+
+    def _decode_kernel(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_pool: MLAKVPool, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """:meth:`_decode_absorbed` through the Triton paged decode kernel (CUDA)."""
+        from kernels.mla_decode import mla_decode
+
+        assert batch.decode_page_table is not None and batch.decode_seq_lens is not None
+        w_uk, w_uv = self.absorbed_weights()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, C]
+        out_latent = mla_decode(
+            q_latent.contiguous(),
+            q_pe.contiguous(),
+            kv_pool.buffer[self.layer_idx],
+            batch.decode_page_table,
+            batch.decode_seq_lens,
+            self.scale,
+        )
+        return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def _prefill_fused(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_pool: MLAKVPool,
+        batch: ForwardBatch,
+        out: torch.Tensor,
+        skip_decode: bool,
+    ) -> None:
+        """Naive attention for every request not decoded in the batched path, in one Triton
+        launch over the ragged batch (kernels.mla_prefill); writes their rows of ``out``."""
+        from kernels.mla_prefill import mla_prefill
+
+        chosen, rows, q_lens, k_lens = [], [], [], []
+        start = 0
+        for i, n in enumerate(batch.extend_lens):
+            if not (skip_decode and n == 1):
+                chosen.append(i)
+                rows.append(torch.arange(start, start + n))
+                q_lens.append(n)
+                k_lens.append(batch.prefix_lens[i] + n)
+            start += n
+        if not chosen:
+            return
+        device = q_nope.device
+        every_row = len(chosen) == len(batch.extend_lens)
+        index = None if every_row else torch.cat(rows).to(device)
+        ctx = kv_pool.read(self.layer_idx, torch.cat([batch.kv_slots[i] for i in chosen]))
+        latent, k_pe = ctx.to(q_nope.dtype).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(latent).view(-1, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        cu = torch.tensor([[0, 0], *zip(q_lens, k_lens, strict=True)]).cumsum(0)
+        cu = cu.to(device=device, dtype=torch.int32)
+        res = mla_prefill(
+            q_nope if index is None else q_nope.index_select(0, index),
+            q_pe if index is None else q_pe.index_select(0, index),
+            k_nope,
+            k_pe,
+            v,
+            cu[:, 0].contiguous(),
+            cu[:, 1].contiguous(),
+            self.scale,
+            max(q_lens),
+        )
+        if index is None:
+            out.copy_(res)
+        else:
+            out.index_copy_(0, index, res)
 
     def _causal_mask(self, n: int, prefix: int, device: torch.device) -> torch.Tensor | None:
         """[n, prefix + n] additive mask: new token j sees context positions <= prefix + j."""

@@ -7,8 +7,6 @@ The layer never assumes where experts live. It routes to *logical* experts, asks
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,21 +15,10 @@ from engine.config import ModelConfig
 from engine.expert_location import ExpertLocation
 from engine.moe_dispatch import DispatchOutput, MoEDispatcher, Pending
 from engine.routing import select_experts
+from kernels._triton import use_triton
+from kernels.moe_gemm import Fp8ExpertWeights, expert_ffn, expert_ffn_fp8, grouped_mm_supported
 
-
-@functools.cache
-def grouped_mm_supported(dtype: torch.dtype, device_type: str) -> bool:
-    """Whether ``torch._grouped_mm`` runs for this dtype and device (probed once)."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    try:
-        a = torch.ones(4, 16, dtype=dtype, device=device_type)
-        b = torch.ones(2, 16, 16, dtype=dtype, device=device_type)
-        offs = torch.tensor([1, 4], dtype=torch.int32, device=device_type)
-        out = torch._grouped_mm(a, b, offs=offs)
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
-    return bool(torch.all(out == 16))
+__all__ = ["DeepseekMoE", "DenseMLP", "MoEGate", "RoutedExperts", "grouped_mm_supported"]
 
 
 class DenseMLP(nn.Module):
@@ -78,13 +65,16 @@ class RoutedExperts(nn.Module):
         self.intermediate_size = intermediate_size
         self.w13 = nn.Parameter(torch.zeros(num_local, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.zeros(num_local, hidden_size, intermediate_size))
+        # The checkpoint's FP8 form of the same experts (kernels.moe_gemm.attach_fp8_experts);
+        # on CUDA it replaces the dense weights in forward.
+        self.fp8: Fp8ExpertWeights | None = None
 
     def forward(self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] grouped by local expert; tokens_per_expert [num_local] -> [N, H]."""
+        if self.fp8 is not None and hidden.shape[0] and use_triton(hidden):
+            return expert_ffn_fp8(hidden, tokens_per_expert, self.fp8)
         if hidden.shape[0] and grouped_mm_supported(hidden.dtype, hidden.device.type):
-            offs = tokens_per_expert.cumsum(0).to(torch.int32)
-            gate, up = torch._grouped_mm(hidden, self.w13.transpose(1, 2), offs=offs).chunk(2, -1)
-            return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offs)
+            return expert_ffn(hidden, tokens_per_expert, self.w13, self.w2)
         return self.forward_reference(hidden, tokens_per_expert)
 
     def forward_reference(

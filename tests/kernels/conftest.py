@@ -29,8 +29,8 @@ def _patch_interpreter_index() -> None:
 
 
 if HAS_TRITON and not HAS_CUDA:
-    # Read by triton.jit, which the kernel modules call lazily at their first launch.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    # tests/conftest.py sets TRITON_INTERPRET=1 before anything imports triton.
+    assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py must run first"
     _patch_interpreter_index()
 
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
