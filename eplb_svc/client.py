@@ -5,6 +5,8 @@ the load since its previous call, or None to skip) and watches the instance's pl
 calling ``on_placement(version, physical_to_logical [L, P] int64)`` for each new version.
 Both loops reconnect on their own after errors (eplb restarts, network), so a missing or
 restarting eplb never fails the instance; placements keep their versions across reconnects.
+Calls wait for the channel to be ready rather than fail fast, so while eplb is down nothing
+spins; gRPC's reconnect backoff (1 s growing to 120 s) bounds how soon a restart is seen.
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ class EPLBLink:
 
     async def _report_loop(self) -> None:
         while True:
-            call = self._stub.ReportLoad()
+            call = self._stub.ReportLoad(wait_for_ready=True)
             try:
                 while True:
                     sample = await _maybe_await(self._sample())
@@ -131,7 +133,8 @@ class EPLBLink:
                     self._wake.clear()
             except Exception as exc:  # the stream, or the sample callable: retry either way
                 log.warning("eplb report stream ended: %s; retrying", _details(exc))
-            call.cancel()
+            finally:
+                call.cancel()
             await asyncio.sleep(self.retry_s)
 
     async def _watch_loop(self) -> None:
@@ -139,7 +142,8 @@ class EPLBLink:
             call = self._stub.WatchPlacement(
                 pb.WatchPlacementRequest(
                     instance_id=self.instance_id, known_version=self.known_version
-                )
+                ),
+                wait_for_ready=True,
             )
             try:
                 async for placement in call:
@@ -152,7 +156,8 @@ class EPLBLink:
                 log.info("eplb watch stream ended; reconnecting")
             except Exception as exc:  # the stream, or the placement callback: retry either way
                 log.warning("eplb watch stream failed: %s; retrying", _details(exc))
-            call.cancel()
+            finally:
+                call.cancel()
             await asyncio.sleep(self.retry_s)
 
 

@@ -203,3 +203,38 @@ async def test_watch_streams_end_when_the_service_stops() -> None:
         reader = asyncio.ensure_future(call.read())
     assert await asyncio.wait_for(reader, WAIT_S) is grpc.aio.EOF
     assert await call.code() == grpc.StatusCode.OK
+
+
+async def test_link_survives_an_eplb_restart() -> None:
+    """The instance keeps its version across an eplb restart; the new controller adopts it
+    and continues the numbering."""
+    inst = Instance(seed=4)
+    async with running_eplb() as srv:
+        port = srv.port
+        link = EPLBLink(
+            srv.address, inst.instance_id, inst.sample, inst.on_placement, 0.05, retry_s=0.1
+        )
+        await link.start()
+        await wait_until(lambda: link.reports_sent >= 1)
+        await srv.stub.Rebalance(pb.RebalanceRequest(force=True))
+        version, p2l = await inst.next_placement()
+        inst.apply(version, p2l, 0.01)
+    try:
+        await asyncio.sleep(0.3)  # eplb is gone for a while: the link keeps retrying
+        assert all(not task.done() for task in link._tasks)
+        async with running_eplb(port=port) as srv:
+
+            async def adopted() -> bool:
+                reply = await srv.stub.GetLoad(pb.GetLoadRequest(), wait_for_ready=True)
+                return bool(reply.instances) and reply.instances[0].version == 1
+
+            async def wait_adopted() -> None:
+                while not await adopted():
+                    await asyncio.sleep(0.05)
+
+            await asyncio.wait_for(wait_adopted(), 3 * WAIT_S)  # reconnect backoff
+            reply = await srv.stub.Rebalance(pb.RebalanceRequest(force=True))
+            assert reply.placements[0].version == 2
+            assert (await inst.next_placement())[0] == 2
+    finally:
+        await link.close()
