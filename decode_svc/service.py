@@ -98,4 +98,5 @@ async def _serve(
         await servicer.drain()
         await broker.close()
         parts.worker.stop()
+        await parts.close_eplb()
         parts.transport.close()

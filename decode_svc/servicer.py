@@ -357,6 +357,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             total_pages=total,
             running_requests=running,
             waiting_handoffs=self.waiting_handoffs,
+            page_size=self.worker.engine.config.page_size,
         )
 
 

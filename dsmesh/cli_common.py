@@ -115,6 +115,19 @@ def add_ep_args(p: argparse.ArgumentParser, multi_node: bool = True) -> None:
         help="rendezvous port on node 0 (0 = any free port; single host only)",
     )
     g.add_argument(
+        "--eplb",
+        default="",
+        metavar="HOST:PORT",
+        help="eplb_svc address: stream expert load to it and apply its placements live "
+        "(docs/EPLB.md); needs --ep-size > 1 or redundant experts",
+    )
+    g.add_argument(
+        "--eplb-report-interval",
+        type=float,
+        default=1.0,
+        help="seconds between expert-load reports to eplb_svc (default 1)",
+    )
+    g.add_argument(
         "--ep-timeout",
         type=float,
         default=120.0,

@@ -73,6 +73,14 @@ def run(args: argparse.Namespace) -> int:
 
         base_id = config.instance_id or new_instance_id("decode")
         config = dataclasses.replace(config, instance_id=base_id)
-        return run_group(ep, RankTarget(serve, config), ready)
+        return run_group(
+            ep,
+            RankTarget(serve, config),
+            ready,
+            eplb_address=args.eplb,
+            eplb_report_interval_s=args.eplb_report_interval,
+        )
+    if args.eplb:
+        raise ValueError("--eplb needs an expert-parallel instance: --ep-size > 1")
     run_until_signal(lambda stop: serve(config, stop, ready))
     return 0

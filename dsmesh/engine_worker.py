@@ -19,9 +19,23 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from engine.llm_engine import LLMEngine, StepOutput
+
+if TYPE_CHECKING:
+    from engine.ep.runtime import GroupVote
+
+
+class GroupHook(Protocol):
+    """Work an EP group does between forwards, in lockstep (e.g. :class:`GroupEPLB`)."""
+
+    def vote_flags(self) -> list[int]: ...
+
+    def after_vote(self, flags: list[int]) -> None: ...
+
+    def after_step(self) -> None: ...
+
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -33,14 +47,16 @@ class EngineWorker:
         self,
         engine: LLMEngine,
         name: str = "engine",
-        group_vote: Callable[[bool], bool] | None = None,
+        group_vote: GroupVote | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
+        group_hook: GroupHook | None = None,
         idle_poll_s: float = 0.005,
     ) -> None:
         self.engine = engine
         self.name = name
         self.group_vote = group_vote
         self.on_fatal = on_fatal
+        self.group_hook = group_hook
         self.idle_poll_s = idle_poll_s
         self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Callable]] = (
             queue.SimpleQueue()
@@ -133,13 +149,20 @@ class EngineWorker:
     def _main_group(self) -> None:
         assert self.group_vote is not None
         try:
+            hook = self.group_hook
             while not self._stop.is_set():
                 self._run_commands()
-                if not self.group_vote(self.engine.has_unfinished()):
+                flags = hook.vote_flags() if hook is not None else []
+                busy, flags = self.group_vote.vote(self.engine.has_unfinished(), flags)
+                if hook is not None:
+                    hook.after_vote(flags)  # collective: EPLB placements, load, swaps
+                if not busy:
                     self._wake.wait(self.idle_poll_s)
                     self._wake.clear()
                     continue
                 self._deliver(self.engine.step(idle_forward=True))
+                if hook is not None:
+                    hook.after_step()
         except BaseException as exc:  # noqa: BLE001 - the group cannot go on
             if self._stop.is_set():
                 return  # peers left first while this rank was stopping

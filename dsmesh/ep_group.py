@@ -39,6 +39,9 @@ class RankSpec:
 
     ep: EPConfig
     local_rank: int
+    group_id: str = ""  # the instance id the group shares (EPLB knows the group by it)
+    eplb_address: str = ""  # eplb_svc HOST:PORT; empty = no live rebalancing
+    eplb_report_interval_s: float = 1.0
 
     @property
     def rank(self) -> int:
@@ -101,7 +104,7 @@ def rank_config(config, spec: RankSpec):
         port=rank_port(config.port, spec),
         metrics_port=rank_port(config.metrics_port, spec),
         instance_id=rank_instance_id(config.instance_id, spec),
-        ep_rank=spec,
+        ep_rank=dataclasses.replace(spec, group_id=config.instance_id),
     )
 
 
@@ -131,6 +134,8 @@ def run_group(
     target: RankTarget,
     print_ready: Callable[[str, int], None],
     stop_grace_s: float = 20.0,
+    eplb_address: str = "",
+    eplb_report_interval_s: float = 1.0,
 ) -> int:
     """Start this host's ranks, supervise them until a signal or a rank's death."""
     ep.validate()
@@ -142,7 +147,10 @@ def run_group(
     threads = max(1, cpus // ep.local_size) if on_cpu else 0  # ranks share the cores
     ctx = mp.get_context("spawn")
     ready_queue: mp.Queue = ctx.Queue()
-    specs = [RankSpec(ep, i) for i in range(ep.local_size)]
+    specs = [
+        RankSpec(ep, i, eplb_address=eplb_address, eplb_report_interval_s=eplb_report_interval_s)
+        for i in range(ep.local_size)
+    ]
     procs = [
         ctx.Process(
             target=_rank_main,

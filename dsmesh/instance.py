@@ -33,6 +33,15 @@ class InstanceParts:
     worker: EngineWorker
     transport: KVTransport
     pool: RemotePool
+    eplb_link: object | None = None  # eplb_svc.client.EPLBLink on rank 0 of an EPLB group
+    group_hook: object | None = None  # engine.ep.eplb_hook.GroupEPLB on each rank
+
+    async def close_eplb(self) -> None:
+        """After the worker stopped: end the eplb link and the staging thread."""
+        if self.eplb_link is not None:
+            await self.eplb_link.close()  # type: ignore[attr-defined]
+        if self.group_hook is not None:
+            self.group_hook.close()  # type: ignore[attr-defined]
 
 
 def new_instance_id(role: str) -> str:
@@ -48,6 +57,7 @@ async def build_instance(
     With ``ep_rank`` this process is one rank of an expert-parallel group (its process group
     already joined): it loads only its experts and steps in lockstep with the other ranks.
     """
+    hook = link = None
     if ep_rank is None:
         engine = await asyncio.to_thread(LLMEngine, engine_config)
         worker = EngineWorker(engine)
@@ -56,11 +66,14 @@ async def build_instance(
         from engine.ep.runtime import GroupVote, build_ep_engine
 
         engine = await asyncio.to_thread(build_ep_engine, engine_config, ep_rank.ep, ep_rank.rank)
+        if ep_rank.eplb_address:
+            hook, link = _eplb_parts(engine, engine_config, ep_rank)
         worker = EngineWorker(
             engine,
             name=f"engine-ep{ep_rank.rank}",
-            group_vote=GroupVote(engine.device),
+            group_vote=GroupVote(engine.device, num_flags=2 if hook is not None else 0),
             on_fatal=fatal_exit,
+            group_hook=hook,
         )
     transport = make_transport(
         transfer.backend,
@@ -70,7 +83,55 @@ async def build_instance(
     )
     pool = transport.register_pool(engine.kv_pool)
     worker.start()
-    return InstanceParts(engine, worker, transport, pool)
+    if link is not None:
+        await link.start()
+    return InstanceParts(engine, worker, transport, pool, link, hook)
+
+
+def _eplb_parts(engine: LLMEngine, engine_config: EngineConfig, spec: RankSpec):
+    """Every rank: the lockstep EPLB hook (load recorder, rebalancer). Rank 0 also: the link
+    that streams the group's load to eplb_svc and receives its placements."""
+    from engine.ep.eplb_hook import GroupEPLB
+    from engine.llm_engine import resolve_model_dir
+
+    hook = GroupEPLB(
+        engine.model, resolve_model_dir(engine_config.model), spec.eplb_report_interval_s
+    )
+    if spec.rank != 0:
+        return hook, None
+    from eplb_svc.client import EPLBLink, make_sample
+
+    location = engine.model.expert_location
+    num_groups = engine.model_config.moe.n_group
+    link: EPLBLink | None = None
+
+    def sample():
+        report = hook.pop_report()
+        if report is None:
+            return None
+        if hook.pending_reports() and link is not None:
+            link.report_now()
+        return make_sample(
+            spec.group_id,
+            report.physical_counts,
+            report.num_steps,
+            report.physical_to_logical,
+            location.num_logical,
+            spec.ep.ep_size,
+            report.applied_version,
+            report.last_swap_seconds,
+            num_nodes=spec.ep.nnodes,
+            num_groups=num_groups,
+        )
+
+    link = EPLBLink(
+        spec.eplb_address,
+        spec.group_id,
+        sample=sample,
+        on_placement=hook.offer_placement,
+        report_interval_s=spec.eplb_report_interval_s,
+    )
+    return hook, link
 
 
 async def health_follows_broker(

@@ -195,7 +195,8 @@ class GenerationCore:
         deadline = time.monotonic() + self.limits.route_wait_s
         while True:
             try:
-                return self.registry.pick(len(inp.prompt_ids), 0)
+                total = len(inp.prompt_ids) + inp.params.max_new_tokens
+                return self.registry.pick(len(inp.prompt_ids), 0, total)
             except NoInstanceError as exc:
                 if time.monotonic() > deadline:
                     raise GatewayError(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc

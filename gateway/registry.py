@@ -92,8 +92,12 @@ class InstanceRegistry:
                 free += load.free_pages
         return used, free
 
-    def pick(self, prompt_tokens: int, pages_needed: int) -> tuple[Instance, Instance]:
-        """Choose a (prefill, decode) pair and account for the request until the next poll."""
+    def pick(
+        self, prompt_tokens: int, pages_needed: int, total_tokens: int = 0
+    ) -> tuple[Instance, Instance]:
+        """Choose a (prefill, decode) pair and account for the request until the next poll:
+        the decode's free pages drop by what ``total_tokens`` (prompt + new) will take, so a
+        burst of requests between two polls spreads instead of herding onto one instance."""
         prefills = {i.instance_id: i for i in self.healthy_of(kb.ROLE_PREFILL)}
         decodes = {i.instance_id: i for i in self.healthy_of(kb.ROLE_DECODE)}
         p = choose_prefill([i.load for i in prefills.values() if isinstance(i.load, PrefillLoad)])
@@ -111,7 +115,7 @@ class InstanceRegistry:
         )
         dec.load = replace(
             d,
-            free_pages=max(0, d.free_pages - pages_needed),
+            free_pages=max(0, d.free_pages - max(pages_needed, d.pages_for(total_tokens))),
             running_requests=d.running_requests + 1,
         )
         return pre, dec
@@ -195,6 +199,10 @@ class InstanceRegistry:
             inst.load = PrefillLoad(inst.instance_id, msg.waiting_tokens, msg.running_requests)
         else:
             inst.load = DecodeLoad(
-                inst.instance_id, msg.free_pages, msg.total_pages, msg.running_requests
+                inst.instance_id,
+                msg.free_pages,
+                msg.total_pages,
+                msg.running_requests,
+                msg.page_size,
             )
         inst.healthy = True

@@ -18,6 +18,11 @@ class DecodeLoad:
     free_pages: int
     total_pages: int
     running_requests: int
+    page_size: int = 0  # 0: unknown (an older instance)
+
+    def pages_for(self, tokens: int) -> int:
+        """KV pages a request of ``tokens`` takes here (at least 1 when unknown)."""
+        return -(-tokens // self.page_size) if self.page_size else 1
 
 
 def choose_prefill(loads: list[PrefillLoad]) -> PrefillLoad | None:

@@ -112,5 +112,6 @@ async def _serve(
         await servicer.drain()
         await broker.close()
         parts.worker.stop()
+        await parts.close_eplb()
         transfers.stop()
         parts.transport.close()

@@ -285,7 +285,12 @@ class Rebalancer:
         agreed = ready
         world = dist.get_world_size(self.group) if dist.is_initialized() else 1
         if world > 1:
-            t = torch.tensor([ready, -ready], dtype=torch.int64)
+            on = (
+                self.model.lm_head.weight.device
+                if dist.get_backend(self.group) == "nccl"
+                else "cpu"
+            )
+            t = torch.tensor([ready, -ready], dtype=torch.int64, device=on)
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
             low, high = int(t[0]), -int(t[1])
             agreed = low if low == high else 0

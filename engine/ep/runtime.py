@@ -169,15 +169,20 @@ def build_ep_engine(config: EngineConfig, ep: EPConfig, rank: int) -> LLMEngine:
 
 class GroupVote:
     """``any_busy(mine)``: whether any rank of the group has work, agreed by all (one small
-    all-reduce; on the engine's device, so it also runs on NCCL)."""
+    all-reduce; on the engine's device, so it also runs on NCCL). :meth:`vote` carries extra
+    non-negative numbers along, reduced by MAX (e.g. rank 0 announcing an EPLB placement)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self._flag = torch.zeros(1, dtype=torch.int64, device=device)
+    def __init__(self, device: torch.device, num_flags: int = 0) -> None:
+        self._flags = torch.zeros(1 + num_flags, dtype=torch.int64, device=device)
 
     def __call__(self, busy: bool) -> bool:
-        self._flag.fill_(1 if busy else 0)
-        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
-        return bool(self._flag.item())
+        return self.vote(busy, [0] * (self._flags.numel() - 1))[0]
+
+    def vote(self, busy: bool, flags: list[int]) -> tuple[bool, list[int]]:
+        self._flags.copy_(torch.tensor([int(busy), *flags], dtype=torch.int64))
+        dist.all_reduce(self._flags, op=dist.ReduceOp.MAX)
+        values = self._flags.tolist()
+        return bool(values[0]), values[1:]
 
 
 def run_lockstep(engine: LLMEngine) -> None:

@@ -48,3 +48,9 @@ def test_routing_prefers_idle_prefill_and_roomy_decode() -> None:
     assert choose_decode(decodes).instance_id == "d2"
     assert choose_decode(decodes, pages_needed=95).instance_id == "d2"  # none fits: best effort
     assert choose_prefill([]) is None and choose_decode([]) is None
+
+
+def test_decode_pages_are_accounted_from_the_page_size() -> None:
+    assert DecodeLoad("d", 10, 10, 0, page_size=16).pages_for(33) == 3
+    assert DecodeLoad("d", 10, 10, 0, page_size=1).pages_for(33) == 33
+    assert DecodeLoad("d", 10, 10, 0).pages_for(33) == 1  # unknown page size: at least one
