@@ -130,8 +130,10 @@ class MLAttention(nn.Module):
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_pool: MLAKVPool, batch: ForwardBatch
     ) -> torch.Tensor:
         """:meth:`_decode_absorbed` through the Triton paged decode kernel (CUDA)."""
+        from kernels.backends import choose
         from kernels.mla_decode import mla_decode
 
+        choose("mla_decode")  # logs once which backend runs (Triton until one is wired)
         assert batch.decode_page_table is not None and batch.decode_seq_lens is not None
         w_uk, w_uv = self.absorbed_weights()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, C]
@@ -156,8 +158,10 @@ class MLAttention(nn.Module):
     ) -> None:
         """Naive attention for every request not decoded in the batched path, in one Triton
         launch over the ragged batch (kernels.mla_prefill); writes their rows of ``out``."""
+        from kernels.backends import choose
         from kernels.mla_prefill import mla_prefill
 
+        choose("mla_prefill")  # logs once which backend runs
         chosen, rows, q_lens, k_lens = [], [], [], []
         start = 0
         for i, n in enumerate(batch.extend_lens):

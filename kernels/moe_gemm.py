@@ -314,8 +314,10 @@ def expert_ffn_fp8(
     hidden: torch.Tensor, tokens_per_expert: torch.Tensor, weights: Fp8ExpertWeights
 ) -> torch.Tensor:
     """FP8 SwiGLU experts: quantise, grouped GEMM, fused silu*up + quantise, grouped GEMM."""
+    from kernels.backends import choose
     from kernels.fp8_quant import per_token_group_quant_fp8, silu_mul_quant_fp8
 
+    choose("moe_fp8_gemm")  # logs once which backend runs (Triton until DeepGEMM is wired)
     a, a_scale = per_token_group_quant_fp8(hidden, BLOCK)
     gate_up = fp8_grouped_gemm(
         a, a_scale, weights.w13, weights.w13_scale, tokens_per_expert, hidden.dtype

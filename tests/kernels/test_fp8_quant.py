@@ -74,6 +74,8 @@ def test_reference_roundtrip_error_is_bounded() -> None:
 def test_quant_large_on_gpu() -> None:
     x = _inputs((4096, 7168), torch.bfloat16, "cuda", seed=4)
     q, s = per_token_group_quant_fp8(x)
-    q_ref, s_ref = per_token_group_quant_fp8_ref(x)
-    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
-    assert torch.equal(s, s_ref)
+    # The reference runs on the CPU: torch on CUDA divides by the Python scalar 448 as a
+    # multiplication by its (rounded) reciprocal, which moves some scales by an ulp.
+    q_ref, s_ref = per_token_group_quant_fp8_ref(x.cpu())
+    assert torch.equal(s.cpu(), s_ref)
+    assert_fp8_codes_equal(q, q_ref)

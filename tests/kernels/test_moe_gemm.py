@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from engine.fp8 import quantize_fp8_block, quantize_fp8_per_token_group
+from engine.fp8 import dequantize_fp8_block, quantize_fp8_block, quantize_fp8_per_token_group
 from engine.loader import build_model, init_random
 from engine.tiny_model import tiny_config
 from engine.weights import Fp8Weight
@@ -134,13 +134,16 @@ def test_fp8_expert_ffn_equals_reference_and_tracks_dense(device) -> None:
         gate_up = fp8_grouped_gemm_ref(a, a_s, cpu_fp8.w13, cpu_fp8.w13_scale, tokens, x.dtype)
         h, h_s = silu_mul_quant_fp8(gate_up)
         ref = fp8_grouped_gemm_ref(h, h_s, cpu_fp8.w2, cpu_fp8.w2_scale, tokens, x.dtype)
-    assert rel_err(out, ref) < 1e-3  # silu*up may move a code by one step
+    # GPU: float32 GEMM rounding differs from the CPU's, and re-quantising the SwiGLU output
+    # turns some of those ulps into one-step FP8 code changes (about 1/16 each).
+    assert rel_err(out, ref) < (2e-2 if HAS_CUDA else 1e-3)
     dense = expert_ffn_ref(x.cpu(), tokens.cpu(), w13.cpu(), w2.cpu())
     assert rel_err(out, dense) < (0.06 if HAS_CUDA else 0.15)  # FP8 vs float32 math
 
 
 def tiny_fp8_model():
-    """The tiny V3 with 128-wide hidden and expert sizes, and a fake keep_fp8 record."""
+    """The tiny V3 with 128-wide hidden and expert sizes, and the record load_weights(keep_fp8=
+    True) would leave for an FP8 checkpoint of it."""
     cfg = tiny_config("v3")
     cfg = dataclasses.replace(
         cfg, hidden_size=128, moe=dataclasses.replace(cfg.moe, moe_intermediate_size=128)
@@ -156,6 +159,9 @@ def tiny_fp8_model():
                 ("down_proj", experts.w2[e]),
             ):
                 q, s = quantize_fp8_block(w.detach())
+                # dense weights become the FP8 values, so the two paths differ only in the
+                # activation quantisation
+                w.data.copy_(dequantize_fp8_block(q, s))
                 model.fp8_weights[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"] = (
                     Fp8Weight(q, s, (128, 128))
                 )

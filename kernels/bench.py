@@ -1,0 +1,412 @@
+# ruff: noqa: B023 - every lambda here is timed inside the loop iteration that defines it
+"""Micro-benchmarks of the kernels against their torch references on one CUDA GPU.
+
+    python3 -m kernels.bench [--out results.json] [--quick]
+
+Each row: the kernel's median time (``triton.testing.do_bench``), the torch reference's (or
+the engine's previous torch path), the speed-up, and achieved GB/s or TFLOP/s from the bytes /
+operations the shape needs. Block-size variants are timed too, and the best is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+RESULTS: list[dict] = []
+TUNE = False
+
+
+def bench(fn, warmup: int = 25, rep: int = 100) -> float:
+    """Median milliseconds."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def bench_graph(fn, calls: int = 20) -> float | None:
+    """Median milliseconds per call with ``calls`` calls captured in one CUDA graph: the GPU
+    time without Python launch overhead (what a captured decode step pays)."""
+    try:
+        fn()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        return round(bench(graph.replay) / calls, 4)
+    except Exception as exc:
+        print(f"  graph capture failed: {type(exc).__name__}: {str(exc)[:120]}")
+        return None
+
+
+def record(name: str, shape: str, ms: float, ref_ms: float | None, **extra) -> None:
+    row = {"kernel": name, "shape": shape, "ms": round(ms, 4)}
+    if ref_ms is not None:
+        row["ref_ms"] = round(ref_ms, 4)
+        row["speedup"] = round(ref_ms / ms, 2)
+    row.update(extra)
+    RESULTS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def best_variant(run, variants: list[dict]) -> tuple[float, dict]:
+    best = (math.nan, {})
+    if not variants:
+        return best
+    best = (math.inf, {})
+    for v in variants:
+        try:
+            ms = bench(lambda v=v: run(v), warmup=10, rep=40)
+        except Exception as exc:  # a variant that does not compile (shared memory) is skipped
+            print(f"  variant {v} failed: {type(exc).__name__}: {str(exc)[:120]}")
+            continue
+        print(f"  variant {v}: {ms:.4f} ms")
+        best = min(best, (ms, v), key=lambda x: x[0])
+    return best
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    ms = bench(lambda: y.copy_(x))
+    gbs = 2 * x.numel() * 2 / ms / 1e6
+    record("copy", "2 GiB d2d", ms, None, gbs=round(gbs, 1))
+    return gbs
+
+
+def mla_decode_bench(quick: bool) -> None:
+    from kernels.mla_decode import mla_decode, mla_decode_ref
+
+    c, r = 512, 64
+    cases = [(16, 1), (16, 32), (16, 128), (16, 256), (128, 32), (128, 128)]
+    if quick:
+        cases = [(16, 128), (128, 32)]
+    for h, b in cases:
+        ctx, page = 2000, 16
+        pages_per = math.ceil(ctx / page)
+        kv = torch.randn(b * pages_per + 8, page, c + r, device="cuda", dtype=torch.bfloat16)
+        pt = torch.randperm(b * pages_per, device="cuda").view(b, pages_per).int()
+        lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+        q = torch.randn(b, h, c, device="cuda", dtype=torch.bfloat16)
+        qpe = torch.randn(b, h, r, device="cuda", dtype=torch.bfloat16)
+        args = (q, qpe, kv, pt, lens, 0.1)
+        ms = bench(lambda: mla_decode(*args))
+        ref = bench(lambda: mla_decode_ref(*args)) if b * h <= 4096 else None
+        graph_ms = bench_graph(lambda: mla_decode(*args))
+        ref_graph_ms = bench_graph(lambda: mla_decode_ref(*args)) if ref else None
+        err = (mla_decode(*args).float() - mla_decode_ref(*args).float()).norm() / (
+            mla_decode_ref(*args).float().norm()
+        )
+        variants = [
+            {"block_h": bh, "block_n": bn, "num_warps": w, "num_stages": s}
+            for bh in ((16, 32, 64) if h > 16 else (16,))
+            for bn in (32, 64)
+            for w in (4, 8)
+            for s in (1, 2, 3)
+            if not (bh == 64 and bn == 64)
+        ]
+        if quick or not TUNE or (h, b) not in ((16, 128), (128, 32), (16, 1)):
+            variants = []
+        best_ms, best_cfg = best_variant(lambda v: mla_decode(*args, config=v), variants)
+        kv_bytes = b * ctx * (c + r) * 2
+        record(
+            "mla_decode",
+            f"B={b} H={h} ctx={ctx} page={page} bf16",
+            ms,
+            ref,
+            gbs=round(kv_bytes / ms / 1e6, 1),
+            graph_ms=graph_ms,
+            ref_graph_ms=ref_graph_ms,
+            graph_gbs=round(kv_bytes / graph_ms / 1e6, 1) if graph_ms else None,
+            graph_tflops=round(4 * b * h * ctx * (c + r) / graph_ms / 1e9, 1) if graph_ms else None,
+            best_ms=round(best_ms, 4),
+            best_gbs=round(kv_bytes / best_ms / 1e6, 1),
+            best_config=best_cfg,
+            rel_err=float(err),
+        )
+
+
+def mla_prefill_bench(quick: bool) -> None:
+    from kernels.mla_prefill import mla_prefill, mla_prefill_ref
+
+    d, rr, dv = 128, 64, 128
+    cases = [(16, [2000]), (16, [2000] * 8), (128, [2000]), (16, [500] * 4)]
+    if quick:
+        cases = cases[:2]
+    for h, lens in cases:
+        prefixes = [0] * (len(lens) - 1) + [0] if h != 16 or len(lens) != 4 else [1500] * 4
+        t = sum(lens)
+        s = sum(a + p for a, p in zip(lens, prefixes, strict=True))
+        qn = torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16)
+        qp = torch.randn(t, h, rr, device="cuda", dtype=torch.bfloat16)
+        kn = torch.randn(s, h, d, device="cuda", dtype=torch.bfloat16)
+        kp = torch.randn(s, rr, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(s, h, dv, device="cuda", dtype=torch.bfloat16)
+        cu_q = torch.tensor([0, *lens], device="cuda").cumsum(0).int()
+        cu_k = (
+            torch.tensor([0, *[a + p for a, p in zip(lens, prefixes, strict=True)]], device="cuda")
+            .cumsum(0)
+            .int()
+        )
+        args = (qn, qp, kn, kp, v, cu_q, cu_k, 0.1)
+        ms = bench(lambda: mla_prefill(*args, max(lens)))
+        ref = bench(lambda: mla_prefill_ref(*args), warmup=3, rep=20)
+
+        def sdpa():  # torch's fused attention on the same problem (heads concatenated)
+            outs = []
+            for i, (a, p) in enumerate(zip(lens, prefixes, strict=True)):
+                q0, q1, k0 = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i])
+                q = torch.cat([qn[q0:q1], qp[q0:q1]], -1).transpose(0, 1)[None]
+                kk = torch.cat(
+                    [kn[k0 : k0 + a + p], kp[k0 : k0 + a + p, None].expand(-1, h, -1)], -1
+                )
+                mask = None
+                if p:
+                    qpos = torch.arange(a, device="cuda")[:, None] + p
+                    mask = torch.arange(a + p, device="cuda")[None] <= qpos
+                outs.append(
+                    F.scaled_dot_product_attention(
+                        q,
+                        kk.transpose(0, 1)[None],
+                        v[k0 : k0 + a + p].transpose(0, 1)[None],
+                        attn_mask=mask,
+                        is_causal=not p,
+                        scale=0.1,
+                    )
+                )
+            return outs
+
+        sdpa_ms = bench(sdpa)
+        variants = [
+            {"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st}
+            for bm in (64, 128)
+            for bn in (32, 64)
+            for w in (4, 8)
+            for st in (2, 3)
+        ]
+        if quick or not TUNE or len(lens) > 1:
+            variants = []
+        best_ms, best_cfg = best_variant(
+            lambda cfg: mla_prefill(*args, max(lens), config=cfg), variants
+        )
+        flops = sum(
+            2 * h * a * (p + (a + 1) / 2) * (d + rr + dv)
+            for a, p in zip(lens, prefixes, strict=True)
+        )
+        err = (mla_prefill(*args, max(lens)).float() - mla_prefill_ref(*args).float()).norm()
+        err = err / mla_prefill_ref(*args).float().norm()
+        record(
+            "mla_prefill",
+            f"H={h} q_lens={lens[0]}x{len(lens)} prefix={prefixes[0]} bf16",
+            ms,
+            ref,
+            sdpa_ms=round(sdpa_ms, 4),
+            tflops=round(flops / ms / 1e9, 1),
+            best_ms=round(best_ms, 4),
+            best_tflops=round(flops / best_ms / 1e9, 1),
+            best_config=best_cfg,
+            rel_err=float(err),
+        )
+
+
+def quant_bench() -> None:
+    from kernels.fp8_quant import (
+        per_token_group_quant_fp8,
+        per_token_group_quant_fp8_ref,
+        silu_mul_quant_fp8,
+        silu_mul_quant_fp8_ref,
+    )
+
+    x = torch.randn(8192, 7168, device="cuda", dtype=torch.bfloat16)
+    ms = bench(lambda: per_token_group_quant_fp8(x))
+    ref = bench(lambda: per_token_group_quant_fp8_ref(x))
+    nbytes = x.numel() * 3 + x.numel() // 128 * 4
+    record("fp8_quant", "8192x7168 bf16", ms, ref, gbs=round(nbytes / ms / 1e6, 1))
+    xs = x[:128]
+    record(
+        "fp8_quant",
+        "128x7168 bf16 (graph)",
+        bench_graph(lambda: per_token_group_quant_fp8(xs)),
+        bench_graph(lambda: per_token_group_quant_fp8_ref(xs)),
+    )
+    gu = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    ms = bench(lambda: silu_mul_quant_fp8(gu))
+    ref = bench(lambda: silu_mul_quant_fp8_ref(gu))
+    nbytes = gu.numel() * 2 + gu.numel() // 2
+    record("silu_mul_quant_fp8", "8192x(2x2048) bf16", ms, ref, gbs=round(nbytes / ms / 1e6, 1))
+
+
+def routing_bench() -> None:
+    from kernels.routing import fused_select_experts, select_experts_ref
+    from tests.kernels.test_routing import CONFIGS
+
+    for name in ("v3", "v2_lite_greedy"):
+        cfg = CONFIGS[name]
+        for t in (128, 8192):
+            logits = torch.randn(t, cfg.n_routed_experts, device="cuda")
+            bias = torch.randn(cfg.n_routed_experts, device="cuda") * 0.1
+            bias = bias if cfg.topk_method == "noaux_tc" else None
+            ms = bench(lambda: fused_select_experts(logits, cfg, bias))
+            ref = bench(lambda: select_experts_ref(logits, cfg, bias))
+            record(
+                "routing",
+                f"{name} T={t}",
+                ms,
+                ref,
+                graph_ms=bench_graph(lambda: fused_select_experts(logits, cfg, bias)),
+                ref_graph_ms=bench_graph(lambda: select_experts_ref(logits, cfg, bias)),
+            )
+
+
+def moe_bench(quick: bool) -> None:
+    from kernels.moe_gemm import (
+        Fp8ExpertWeights,
+        expert_ffn,
+        expert_ffn_fp8,
+        expert_ffn_ref,
+        fp8_grouped_gemm,
+        permute_tokens,
+    )
+
+    shapes = [("v3", 256, 7168, 2048, 8), ("v2_lite", 64, 2048, 1408, 6)]
+    for name, e, hdim, inter, k in shapes:
+        w13 = torch.randn(e, 2 * inter, hdim, device="cuda", dtype=torch.bfloat16) * 0.02
+        w2 = torch.randn(e, hdim, inter, device="cuda", dtype=torch.bfloat16) * 0.02
+        fp8 = Fp8ExpertWeights.from_dense(w13, w2) if hdim % 128 == 0 and inter % 128 == 0 else None
+        for t in (128, 4096) if not quick else (4096,):
+            x = torch.randn(t, hdim, device="cuda", dtype=torch.bfloat16)
+            ids = torch.rand(t, e, device="cuda").topk(k, dim=-1).indices
+            rows, counts, _ = permute_tokens(x, ids, e)
+            flops = 2 * rows.shape[0] * 3 * inter * hdim
+            touched = int((counts > 0).sum())
+            wbytes = touched * 3 * inter * hdim
+            ms_bf16 = bench(lambda: expert_ffn(rows, counts, w13, w2))
+            ref = bench(lambda: expert_ffn_ref(rows, counts, w13, w2), warmup=3, rep=20)
+            record(
+                "moe_bf16_grouped_mm",
+                f"{name} T={t} top{k} E={e}",
+                ms_bf16,
+                ref,
+                graph_ms=bench_graph(lambda: expert_ffn(rows, counts, w13, w2), calls=5),
+                tflops=round(flops / ms_bf16 / 1e9, 1),
+                weight_gbs=round(2 * wbytes / ms_bf16 / 1e6, 1),
+            )
+            if fp8 is None:
+                continue
+            ms = bench(lambda: expert_ffn_fp8(rows, counts, fp8))
+            out = expert_ffn_fp8(rows, counts, fp8).float()
+            dense = expert_ffn(rows, counts, w13, w2).float()
+            err = float((out - dense).norm() / dense.norm())
+            from kernels.fp8_quant import per_token_group_quant_fp8
+
+            a, a_s = per_token_group_quant_fp8(rows)
+            variants = [
+                {"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": s}
+                for bm in (16, 64, 128)
+                for bn in (64, 128)
+                for w in (4, 8)
+                for s in (3, 4)
+            ]
+            if t < 1024:
+                variants = [v for v in variants if v["block_m"] <= 64]
+            if quick or not TUNE or name != "v3":
+                variants = []
+            best_ms, best_cfg = best_variant(
+                lambda v: fp8_grouped_gemm(a, a_s, fp8.w13, fp8.w13_scale, counts, config=v),
+                variants,
+            )
+            gemm_ms = bench(lambda: fp8_grouped_gemm(a, a_s, fp8.w13, fp8.w13_scale, counts))
+            record(
+                "moe_fp8_triton",
+                f"{name} T={t} top{k} E={e}",
+                ms,
+                ms_bf16,
+                graph_ms=bench_graph(lambda: expert_ffn_fp8(rows, counts, fp8), calls=5),
+                tflops=round(flops / ms / 1e9, 1),
+                weight_gbs=round(wbytes / ms / 1e6, 1),
+                rel_err_vs_bf16=err,
+                w13_gemm_ms=round(gemm_ms, 4),
+                w13_best_ms=round(best_ms, 4),
+                w13_best_config=best_cfg,
+            )
+        torch.cuda.empty_cache()
+
+
+def scaled_grouped_mm_probe() -> None:
+    """Does torch._scaled_grouped_mm take 1x128 / 128x128 block scales on this GPU?"""
+    e, m, n, k = 4, 256, 256, 512
+    a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(e, n, k, device="cuda").to(torch.float8_e4m3fn).transpose(1, 2)
+    offs = torch.tensor([64, 128, 192, 256], device="cuda", dtype=torch.int32)
+    tries = {
+        "rowwise": (torch.ones(m, device="cuda"), torch.ones(e, n, device="cuda")),
+        "block": (
+            torch.ones(m, k // 128, device="cuda"),
+            torch.ones(e, n // 128, k // 128, device="cuda"),
+        ),
+    }
+    for label, (sa, sb) in tries.items():
+        try:
+            torch._scaled_grouped_mm(a, b, sa, sb, offs=offs, out_dtype=torch.bfloat16)
+            result = "runs"
+        except Exception as exc:
+            result = f"{type(exc).__name__}: {str(exc)[:200]}"
+        RESULTS.append({"kernel": "_scaled_grouped_mm probe", "shape": label, "result": result})
+        print(label, result, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--tune", action="store_true", help="also time block-size variants")
+    args = parser.parse_args()
+    global TUNE
+    TUNE = args.tune
+    torch.manual_seed(0)
+    start = time.time()
+    info = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    print(info)
+    copy_bandwidth()
+    for step in (
+        lambda: mla_decode_bench(args.quick),
+        lambda: mla_prefill_bench(args.quick),
+        quant_bench,
+        routing_bench,
+        lambda: moe_bench(args.quick),
+        scaled_grouped_mm_probe,
+    ):
+        try:
+            step()
+        except Exception as exc:  # keep the other kernels' numbers
+            print(f"bench step failed: {type(exc).__name__}: {exc}", flush=True)
+            RESULTS.append({"error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"info": info, "results": RESULTS}, f, indent=1)
+    print(f"total {time.time() - start:.0f} s")
+    for row in RESULTS:
+        print(
+            f"{row.get('kernel', '-'):22} {row.get('shape', ''):40} {row.get('ms', '')!s:>8} "
+            f"{row.get('ref_ms', '')!s:>9} x{row.get('speedup', '')!s:<6} "
+            f"{row.get('gbs', row.get('tflops', ''))!s:>7} graph {row.get('graph_ms', '')} "
+            f"ref_graph {row.get('ref_graph_ms', '')}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""Optional backends are looked up lazily and fall back to the Triton kernels."""
+
+from __future__ import annotations
+
+import logging
+
+from kernels import backends
+
+
+def test_missing_library_means_triton_and_is_logged_once(caplog, monkeypatch) -> None:
+    backends.choose.cache_clear()
+    monkeypatch.setitem(backends.OPTIONAL, "fake_kernel", "surely_not_an_installed_module_x")
+    with caplog.at_level(logging.INFO, logger="kernels.backends"):
+        assert backends.choose("fake_kernel") == "triton"
+        assert backends.choose("fake_kernel") == "triton"
+    assert len([r for r in caplog.records if "fake_kernel" in r.getMessage()]) == 1
+    assert not backends.available("surely_not_an_installed_module_x")
+
+
+def test_installed_library_without_adapter_still_uses_triton(monkeypatch) -> None:
+    backends.choose.cache_clear()
+    monkeypatch.setitem(backends.OPTIONAL, "fake_kernel2", "json")  # importable
+    assert backends.available("json")
+    assert backends.choose("fake_kernel2") == "triton"
+    backends.choose.cache_clear()
