@@ -443,6 +443,42 @@ def bench_decode(
     return statistics.median(times)
 
 
+def graph_replay_seconds(runner, batch: int, device: torch.device) -> float | None:
+    """Median seconds of replaying the last-used graph of ``batch``'s bucket alone (no
+    scheduling, upload or sampling): the GPU time of a decode step."""
+    if runner is None or not runner.graphs:
+        return None
+    from engine.cuda_graph import bucket_for
+
+    b = bucket_for(batch, runner.buckets)
+    keys = [k for k in runner.graphs if k[0] == b]
+    if not keys:
+        return None
+    graph = runner.graphs[max(keys)][0]
+    return time_it(graph.replay, device, repeats=10, warmup=2)
+
+
+def profile_static_forward(runner, batch: int, device: torch.device, rows: int = 25) -> str:
+    """Kernel table (CUDA time) of one static decode forward at ``batch``, run eagerly on
+    the buffers of the last step of that bucket."""
+    from engine.cuda_graph import bucket_for
+
+    b = bucket_for(batch, runner.buckets)
+    keys = [k for k in runner.keys_used if k[0] == b]
+    if device.type != "cuda" or not keys:
+        return ""
+    from torch.profiler import ProfilerActivity, profile
+
+    _, p = max(keys)
+    with torch.inference_mode():
+        runner.forward_static(b, p)
+        sync(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            runner.forward_static(b, p)
+            sync(device)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+
+
 def run_v2(args, device, ceilings, results) -> None:
     raw = v2_lite_config(args.tiny)
     model = build_dsmesh(raw, device, args.dtype)
@@ -486,6 +522,15 @@ def run_v2(args, device, ceilings, results) -> None:
                 "tokens_per_s": b / step,
                 "roofline_fraction": roofline / step,
             }
+            if graphs:
+                replay = graph_replay_seconds(engine.graph_runner, b, device)
+                if replay is not None:
+                    row["graphs"]["replay_ms"] = replay * 1e3
+                    row["graphs"]["replay_roofline_fraction"] = roofline / replay
+                if args.profile and b in (min(batches), max(batches)):
+                    table = profile_static_forward(engine.graph_runner, b, device)
+                    out.setdefault("profiles", {})[str(b)] = table
+                    print(f"  static decode forward, batch {b}:\n{table}", flush=True)
         rows.append(row)
         print(f"  v2 decode batch {b}: {row}", flush=True)
     out["decode"] = rows
@@ -505,6 +550,7 @@ def run_v3(args, device, ceilings, results) -> None:
     pre_tokens = args.prompt_len * args.prefill_prompts / t_pre
     step = bench_decode(engine, cfg.vocab_size, b, args.context, args.steps, 3, True)
     dec_tokens = b / step
+    replay = graph_replay_seconds(engine.graph_runner, b, device)
     flops = prefill_flops(cfg, args.prompt_len, args.prefill_prompts)
     seed_in = SEED_INPUT_PER_GPU * V3_LAYERS
     seed_out = SEED_OUTPUT_PER_GPU * V3_LAYERS
@@ -534,6 +580,7 @@ def run_v3(args, device, ceilings, results) -> None:
             "token_layers_per_s": dec_tokens * layers,
             "roofline_ms": roofline * 1e3,
             "roofline_fraction": roofline / step,
+            "replay_ms": None if replay is None else replay * 1e3,
             "seed_token_layers_per_s_per_gpu": seed_out,
             "ratio_to_seed": dec_tokens * layers / seed_out,
         },
@@ -668,13 +715,18 @@ def print_table(results: dict[str, Any]) -> None:
             f"V2-Lite prefill: {p['tokens_per_s']:.0f} tok/s, {p['TFLOPs']:.1f} TFLOP/s "
             f"({100 * p['matmul_fraction']:.0f}% of matmul)"
         )
-        print("V2-Lite decode  batch | graphs ms  tok/s  %roof | eager ms  tok/s | roof ms")
+        print(
+            "V2-Lite decode  batch | graphs ms  tok/s  %roof | replay ms %roof "
+            "| eager ms  tok/s | roof ms"
+        )
         for r in v2["decode"]:
             g, e = r["graphs"], r["eager"]
+            replay = g.get("replay_ms", float("nan"))
+            replay_frac = 100 * g.get("replay_roofline_fraction", float("nan"))
             print(
                 f"  {r['batch']:>19} | {g['step_ms']:8.2f} {g['tokens_per_s']:7.0f} "
-                f"{100 * g['roofline_fraction']:5.0f}% | {e['step_ms']:8.2f} "
-                f"{e['tokens_per_s']:6.0f} | {r['roofline_ms']:7.2f}"
+                f"{100 * g['roofline_fraction']:5.0f}% | {replay:9.2f} {replay_frac:4.0f}% "
+                f"| {e['step_ms']:8.2f} {e['tokens_per_s']:6.0f} | {r['roofline_ms']:7.2f}"
             )
     v3 = results.get("v3_layers")
     if v3:
@@ -708,7 +760,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke test")
     ap.add_argument("--batches", default="1,32,128,256")
-    ap.add_argument("--hf-batches", default="1,32")
+    ap.add_argument("--hf-batches", default="1,32,128")
+    ap.add_argument("--profile", action="store_true", help="kernel tables of decode forwards")
     ap.add_argument("--context", type=int, default=2000)
     ap.add_argument("--prompt-len", type=int, default=2000)
     ap.add_argument("--prefill-prompts", type=int, default=8)

@@ -12,8 +12,8 @@ static decode forward over fixed buffers:
 - one page table per page bucket, [max_batch, pages] int32 (``pages`` a power of two, capped
   at the most pages one request can hold);
 - attention through :func:`kernels.mla_decode.mla_decode` when importable (and the dtype is
-  not float32), else :func:`mla_decode_reference`, a masked gather over the bucket's fixed
-  width;
+  not float32), else its torch reference :func:`kernels.mla_decode.mla_decode_ref` (float32
+  scores, a masked gather over the bucket's fixed width), which is static too;
 - MoE with the router and experts of the model's own modules, but a static permutation
   (``argsort`` plus ``scatter_add_`` counts, device-side expert map) and, where
   ``torch._grouped_mm`` would fall back to host-side offsets (anything but bfloat16 on
@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -41,6 +42,7 @@ from engine.model import DeepseekForCausalLM
 from engine.moe import DeepseekMoE
 from engine.moe_dispatch import LocalDispatcher
 from engine.routing import select_experts
+from kernels.mla_decode import mla_decode_ref
 
 log = logging.getLogger(__name__)
 
@@ -78,43 +80,6 @@ def page_bucket(num_pages: int, max_pages: int) -> int:
     while p < num_pages:
         p *= 2
     return min(p, max_pages)
-
-
-def mla_decode_reference(
-    q_latent: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv: torch.Tensor,
-    page_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Absorbed MLA decode attention with static shapes (graph-capturable plain torch).
-
-    q_latent [B, H, C], q_pe [B, H, R], kv [num_pages, page_size, C + R],
-    page_table [B, P] int32, seq_lens [B] int32 -> [B, H, C]: for each row, softmax over
-    its first ``seq_lens`` cached tokens of ``(q_latent . latent + q_pe . k_pe) * scale``,
-    times the latents. Gathers all ``P * page_size`` slots and masks the tail, so the cost
-    follows the page bucket, not the real length. Same contract as the Triton kernel.
-    """
-    b, p = page_table.shape
-    page_size = kv.shape[1]
-    c = q_latent.shape[-1]
-    width = p * page_size
-    pos = torch.arange(width, device=kv.device)
-    slots = page_table.to(torch.int64)[:, pos // page_size] * page_size + pos % page_size
-    ctx = kv.reshape(-1, kv.shape[-1]).index_select(0, slots.reshape(-1)).view(b, width, -1)
-    latent, k_pe = ctx.to(q_latent.dtype).split([c, ctx.shape[-1] - c], dim=-1)
-    scores = torch.einsum("bhc,bsc->bhs", q_latent, latent)
-    scores = (scores + torch.einsum("bhr,bsr->bhs", q_pe, k_pe)) * scale
-    masked = pos[None, :] >= seq_lens.to(torch.int64)[:, None]
-    scores = scores.masked_fill(masked[:, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1, dtype=torch.float32).to(q_latent.dtype)
-    result = torch.einsum("bhs,bsc->bhc", probs, latent)
-    if out is not None:
-        out.copy_(result)
-        return out
-    return result
 
 
 def load_decode_kernel() -> DecodeAttention | None:
@@ -191,7 +156,7 @@ class CudaGraphRunner:
         if attention == "auto" and self.dtype == torch.float32:
             kernel = None  # float32 is the reference precision: keep exact torch arithmetic
         self.attention_backend = "kernel" if kernel is not None else "torch"
-        return kernel if kernel is not None else mla_decode_reference
+        return kernel if kernel is not None else mla_decode_ref
 
     def _grouped_experts_capturable(self) -> bool:
         """torch._grouped_mm keeps its group offsets on the device only on its fast path
@@ -262,14 +227,19 @@ class CudaGraphRunner:
     ) -> None:
         n = len(token_ids)
         ps = self.page_size
-        table = torch.zeros(b, p, dtype=torch.int32)
         slots = []
         for i, (pos, req_pages) in enumerate(zip(positions, pages, strict=True)):
             if pages_for(pos + 1, ps) > len(req_pages):
                 raise ValueError(f"row {i}: {len(req_pages)} pages cannot hold position {pos}")
-            used = list(req_pages[:p])
-            table[i, : len(used)] = torch.tensor(used, dtype=torch.int32)
             slots.append(req_pages[pos // ps] * ps + pos % ps)
+        rows = [list(pg[:p]) for pg in pages]
+        if all(len(r) == p for r in rows):  # one C-level copy in the common case
+            table = np.empty((b, p), dtype=np.int32)
+            table[:n] = rows
+        else:
+            table = np.zeros((b, p), dtype=np.int32)
+            for i, r in enumerate(rows):
+                table[i, : len(r)] = r
         pad = b - n
         ids = list(token_ids) + [token_ids[0]] * pad
         pos_ = list(positions) + [positions[0]] * pad
@@ -278,7 +248,7 @@ class CudaGraphRunner:
         lens = [q + 1 for q in pos_]
         meta = torch.tensor([ids, pos_, slots, lens], dtype=torch.int64)
         self.meta[:, :b].copy_(meta)
-        self._table(p)[:b].copy_(table)
+        self._table(p)[:b].copy_(torch.from_numpy(table))
 
     def _capture(self, key: tuple[int, int]) -> None:
         b, p = key
