@@ -110,6 +110,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     for flag, _, kind, text in ROLE_FLAGS:
         g.add_argument(flag, type=kind, default=None, help=text)
+    g = p.add_argument_group("expert parallelism (docs/EP.md; forwarded to prefill and decode)")
+    g.add_argument("--ep-size", type=int, default=None, help="ranks per instance")
+    g.add_argument("--num-redundant-experts", type=int, default=None, help="extra expert replicas")
+    g.add_argument(
+        "--tbo", action=argparse.BooleanOptionalAction, default=None, help="two-batch overlap"
+    )
+    g.add_argument(
+        "--eplb",
+        action="store_true",
+        help="also run eplb_svc; every EP instance streams its load to it and applies its "
+        "placements live (docs/EPLB.md)",
+    )
+    g.add_argument(
+        "--eplb-interval", type=float, default=None, help="seconds between EPLB decisions"
+    )
+    g.add_argument(
+        "--eplb-threshold", type=float, default=None, help="balancedness gain that applies one"
+    )
     add_security_args(p, api_keys=True)
     add_engine_args(p)
     # None = not given: the service's own default applies.
@@ -161,6 +179,20 @@ def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
             flags += [f"--{dest.replace('_', '-')}", str(value)]
     if args.prefix_cache is not None:
         flags.append("--prefix-cache" if args.prefix_cache else "--no-prefix-cache")
+    for dest in ("ep_size", "num_redundant_experts"):
+        if getattr(args, dest) is not None:
+            flags += [f"--{dest.replace('_', '-')}", str(getattr(args, dest))]
+    if args.tbo is not None:
+        flags.append("--tbo" if args.tbo else "--no-tbo")
+    return tuple(flags)
+
+
+def eplb_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    flags: list[str] = []
+    if args.eplb_interval is not None:
+        flags += ["--interval", str(args.eplb_interval)]
+    if args.eplb_threshold is not None:
+        flags += ["--threshold", str(args.eplb_threshold)]
     return tuple(flags)
 
 
@@ -185,6 +217,8 @@ def run(args: argparse.Namespace) -> int:
         decode_args=role_flags(args, "decode"),
         gateway_args=role_flags(args, "gateway"),
         gateway=args.gateway,
+        eplb=args.eplb,
+        eplb_args=eplb_flags(args),
         log_dir=args.log_dir,
         start_timeout_s=args.start_timeout,
         stop_timeout_s=args.stop_timeout,

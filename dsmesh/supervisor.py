@@ -103,6 +103,8 @@ class MeshConfig:
     decode_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
     gateway: bool = True
+    eplb: bool = False  # run eplb_svc; prefill and decode report to it (needs an EP group)
+    eplb_args: tuple[str, ...] = ()  # flags for ``dsmesh eplb serve``
     log_dir: Path | None = None  # None = a fresh folder under the cache folder
     start_timeout_s: float = 180.0  # per service: ready line, then healthy
     stop_timeout_s: float = 10.0  # SIGTERM -> SIGKILL
@@ -120,6 +122,10 @@ class MeshConfig:
             raise ValueError(f"--grpc-port must be in 0..65535, got {self.grpc_port}")
         if self.max_message_bytes < 1:
             raise ValueError(f"--max-message-bytes must be positive, got {self.max_message_bytes}")
+        if self.eplb and not any(
+            a in ("--ep-size", "--num-redundant-experts") for a in self.engine_args
+        ):
+            raise ValueError("--eplb needs expert-parallel instances: give --ep-size N")
 
 
 @dataclass(frozen=True)
@@ -131,9 +137,10 @@ class ServiceSpec:
 
 
 # ---------------------------------------------------------------------------------------------
-# What runs: one builder per stage, given the config and the broker's address.
+# What runs: one builder per stage, given the config and the addresses of the services
+# started before it, by name ("kv-broker", "eplb").
 
-StageBuilder = Callable[[MeshConfig, str], list[ServiceSpec]]
+StageBuilder = Callable[[MeshConfig, dict[str, str]], list[ServiceSpec]]
 LOOPBACK = "127.0.0.1"
 
 
@@ -145,36 +152,40 @@ def security_flags(config: MeshConfig) -> tuple[str, ...]:
     return (*config.tls.to_args(), *limit)
 
 
-def broker_stage(config: MeshConfig, broker_address: str) -> list[ServiceSpec]:
+def broker_stage(config: MeshConfig, addresses: dict[str, str]) -> list[ServiceSpec]:
     args = ("kv-broker", "--host", LOOPBACK, "--port", "0", *security_flags(config))
     args += config.broker_args
     return [ServiceSpec("kv-broker", args, pinned_port_flag="--port")]
 
 
-def eplb_stage(config: MeshConfig, broker_address: str) -> list[ServiceSpec]:
-    """Hook for eplb_svc (not written yet): return its ``dsmesh eplb ...`` spec here."""
-    return []
+def eplb_stage(config: MeshConfig, addresses: dict[str, str]) -> list[ServiceSpec]:
+    if not config.eplb:
+        return []
+    args = ("eplb", "serve", "--host", LOOPBACK, "--port", "0", *security_flags(config))
+    return [ServiceSpec("eplb", (*args, *config.eplb_args), pinned_port_flag="--port")]
 
 
-def instance_stage(config: MeshConfig, broker_address: str) -> list[ServiceSpec]:
+def instance_stage(config: MeshConfig, addresses: dict[str, str]) -> list[ServiceSpec]:
     specs = []
+    broker_address = addresses["kv-broker"]
+    eplb = ("--eplb", addresses["eplb"]) if "eplb" in addresses else ()
     for role, count in (("prefill", config.num_prefill), ("decode", config.num_decode)):
         for index in range(count):
             args = (role, "--broker", broker_address, "--host", LOOPBACK, "--port", "0")
-            args += security_flags(config)
+            args += (*security_flags(config), *eplb)
             model = ("--model", config.model) if config.model else ()
             own = config.prefill_args if role == "prefill" else config.decode_args
             specs.append(ServiceSpec(f"{role}-{index}", (*args, *model, *config.engine_args, *own)))
     return specs
 
 
-def gateway_stage(config: MeshConfig, broker_address: str) -> list[ServiceSpec]:
+def gateway_stage(config: MeshConfig, addresses: dict[str, str]) -> list[ServiceSpec]:
     if not config.gateway:
         return []
     args = (
         "gateway",
         "--broker",
-        broker_address,
+        addresses["kv-broker"],
         "--host",
         config.host,
         "--grpc-port",
@@ -456,9 +467,9 @@ class Supervisor:
 
     def start(self) -> bool:
         """Start every stage in order; False if one failed or a stop was requested."""
-        broker_address = ""
+        addresses: dict[str, str] = {}
         for build in STAGES:
-            specs = build(self.config, broker_address)
+            specs = build(self.config, addresses)
             if not specs:
                 continue
             stage = [Slot(spec, self.config, self.log_dir, self.console) for spec in specs]
@@ -467,8 +478,8 @@ class Supervisor:
                 slot.start()
             if not self._wait_settled(stage):
                 return False
-            if build is broker_stage:
-                broker_address = stage[0].address
+            for slot in stage:
+                addresses.setdefault(slot.spec.name, slot.address)
         return True
 
     def _wait_settled(self, stage: list[Slot]) -> bool:

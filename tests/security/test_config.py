@@ -109,9 +109,9 @@ def test_up_forwards_tls_to_every_child(pki: Pki) -> None:
     config = MeshConfig(tls=tls, max_message_bytes=1 << 20)
     flags = (*tls.to_args(), "--max-message-bytes", str(1 << 20))
     specs = [
-        *broker_stage(config, ""),
-        *instance_stage(config, "127.0.0.1:1"),
-        *gateway_stage(config, "127.0.0.1:1"),
+        *broker_stage(config, {}),
+        *instance_stage(config, {"kv-broker": "127.0.0.1:1"}),
+        *gateway_stage(config, {"kv-broker": "127.0.0.1:1"}),
     ]
     assert [s.name for s in specs] == ["kv-broker", "prefill-0", "decode-0", "gateway"]
     for spec in specs:

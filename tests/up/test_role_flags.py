@@ -32,9 +32,9 @@ def test_bounds_reach_their_services() -> None:
         decode_args=role_flags(args, "decode"),
         gateway_args=role_flags(args, "gateway"),
     )
-    (broker,) = broker_stage(config, "")
-    prefill, decode = instance_stage(config, "127.0.0.1:1")
-    (gateway,) = gateway_stage(config, "127.0.0.1:1")
+    (broker,) = broker_stage(config, {})
+    prefill, decode = instance_stage(config, {"kv-broker": "127.0.0.1:1"})
+    (gateway,) = gateway_stage(config, {"kv-broker": "127.0.0.1:1"})
     assert broker.args[-2:] == ("--liveness-grace", "3.0")
     assert prefill.args[-2:] == ("--max-queued-tokens", "1000")
     assert decode.args[-4:] == ("--handoff-timeout", "7.0", "--release-quarantine", "4.0")

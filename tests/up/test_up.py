@@ -247,7 +247,7 @@ def test_crash_loop_is_reported_loudly_and_retried(tmp_path: Path) -> None:
     policy = RestartPolicy(backoff_initial_s=0.1, crash_loop_restarts=2, crash_loop_window_s=60)
     config = MeshConfig(start_timeout_s=60, stop_timeout_s=5, restart=policy)
     out, err = io.StringIO(), io.StringIO()
-    slot = Slot(broker_stage(config, "")[0], config, tmp_path, Console(out, err))
+    slot = Slot(broker_stage(config, {})[0], config, tmp_path, Console(out, err))
     slot.start()
     try:
         assert slot.settled.wait(60) and slot.failure is None, err.getvalue()
@@ -268,3 +268,52 @@ def test_crash_loop_is_reported_loudly_and_retried(tmp_path: Path) -> None:
         assert slot.join(20)
     assert slot.process is not None and not slot.process.alive()
     assert "kv-broker    stopped (exit code 0)" in out.getvalue()
+
+
+def test_up_runs_expert_parallel_groups_with_eplb(cache_env: dict[str, str]) -> None:
+    """``up --ep-size 2 --eplb``: eplb_svc starts before the instances, each instance is a
+    group of two ranks registered with the broker, and both groups report load to eplb."""
+    import asyncio
+    import json
+
+    from dsmesh.grpc_server import channel
+    from dsmesh.v1 import eplb_pb2, eplb_pb2_grpc
+
+    http_port, grpc_port = free_port(), free_port()
+    up = UpProcess(
+        [
+            "--http-port",
+            str(http_port),
+            "--grpc-port",
+            str(grpc_port),
+            "--ep-size",
+            "2",
+            "--num-redundant-experts",
+            "2",
+            "--eplb",
+            "--eplb-interval",
+            "1",
+        ],
+        cache_env,
+    )
+    try:
+        up.wait_for(r"^Ctrl-C to stop\.", timeout=120)
+        services = up.ready_services()
+        assert set(services) == {"kv-broker", "eplb", "prefill-0", "decode-0", "gateway"}
+        instances = list_instances(services["kv-broker"][0])
+        ids = sorted(i.instance_id for i in instances)
+        assert len(ids) == 4 and all(re.search(r"-ep[01]$", i) for i in ids), ids
+        body = json.dumps({"input_ids": [5, 6, 7], "sampling": {"max_new_tokens": 4}}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/generate", data=body)
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            assert len(json.loads(resp.read())["token_ids"]) == 4
+
+        async def loads() -> list[str]:
+            async with channel(services["eplb"][0]) as ch:
+                got = await eplb_pb2_grpc.EPLBStub(ch).GetLoad(eplb_pb2.GetLoadRequest())
+            return sorted(i.instance_id for i in got.instances)
+
+        groups = sorted({i.rsplit("-ep", 1)[0] for i in ids})
+        assert wait_until(lambda: asyncio.run(loads()) == groups, 20), asyncio.run(loads())
+    finally:
+        up.close()
