@@ -132,7 +132,15 @@ def live(tmp_path_factory: pytest.TempPathFactory):
         gateway = start_service(
             "gateway",
             dsmesh_command(
-                "gateway", "--broker", broker.address, "--model", model, "--grpc-port", "0"
+                "gateway",
+                "--broker",
+                broker.address,
+                "--model",
+                model,
+                "--grpc-port",
+                "0",
+                "--http-port",
+                "0",
             ),
             env=env,
             log_dir=logs,

@@ -102,7 +102,15 @@ def ep_mesh(tmp_path_factory: pytest.TempPathFactory):
             start_service(
                 "gateway",
                 dsmesh_command(
-                    "gateway", "--broker", broker.address, "--model", model, "--grpc-port", "0"
+                    "gateway",
+                    "--broker",
+                    broker.address,
+                    "--model",
+                    model,
+                    "--grpc-port",
+                    "0",
+                    "--http-port",
+                    "0",
                 ),
                 env=env,
                 log_dir=logs,
