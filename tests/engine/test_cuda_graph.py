@@ -94,7 +94,9 @@ def _static_decode(runner, prompts, pages, fed):
 
 
 def _static_vs_eager(ckpt: HFCheckpoint, device: str, dtype: torch.dtype, **runner_kw):
-    """Five rows (bucket 8: three padding rows), contexts crossing page buckets."""
+    """Five rows (bucket 8: three padding rows), contexts crossing page buckets; with
+    ``compare_uncaptured`` also the same runner settings without graphs."""
+    uncaptured = runner_kw.pop("compare_uncaptured", False)
     page_size, steps = 4, 6
     model = load_model(ckpt.path, dtype, device)
     prompts = random_prompts([1, 3, 6, 13, 30], model.config.vocab_size, seed=5)
@@ -106,6 +108,10 @@ def _static_vs_eager(ckpt: HFCheckpoint, device: str, dtype: torch.dtype, **runn
     static = _static_decode(runner, prompts, pages, fed)
     # Padding rows wrote nothing outside the requests' pages: pages 0-3 belong to others.
     assert not bool(pool.buffer[:, :4].any())
+    if uncaptured:
+        kw = dict(runner_kw, use_graphs=False)
+        plain = CudaGraphRunner(model, pool, max_batch=8, max_tokens_per_request=64, **kw)
+        return runner, eager, static, _static_decode(plain, prompts, pages, fed)
     return runner, eager, static
 
 
@@ -218,15 +224,24 @@ def test_cuda_graphs_greedy_equals_eager_and_transformers(request, ckpt_name: st
 @pytest.mark.gpu
 @pytest.mark.parametrize("attention", ["torch", "kernel"])
 def test_cuda_graphs_bfloat16_logits_close_to_eager(v3_ckpt: HFCheckpoint, attention) -> None:
-    """bfloat16: grouped experts (sm90) and, with attention='kernel', the Triton MLA kernel
-    inside the graph; logits of six decode steps stay close to the eager path's."""
+    """bfloat16: grouped experts (sm90) and the Triton MLA kernel or its torch reference inside
+    the graph. Replays equal the same static forward run without capture; with the kernel
+    (the eager path's own attention on CUDA) they also stay close to the eager logits. The
+    torch reference rounds differently from the kernel, and in bfloat16 that can flip a
+    near-tied expert choice of this tiny random model, so it is held to the eager path only
+    in float32 (test_cuda_graphs_greedy_equals_eager_and_transformers)."""
     if attention == "kernel" and load_decode_kernel() is None:
         pytest.skip("kernels.mla_decode is not importable here")
-    runner, eager, static = _static_vs_eager(v3_ckpt, "cuda", torch.bfloat16, attention=attention)
+    runner, eager, static, plain = _static_vs_eager(
+        v3_ckpt, "cuda", torch.bfloat16, attention=attention, compare_uncaptured=True
+    )
     assert runner.use_graphs and runner.num_replays == len(eager)
     assert runner.attention_backend == attention
-    for step, (e, s) in enumerate(zip(eager, static, strict=True)):
-        assert relative_error(s, e) < 3e-2, step
+    for step, (p, s) in enumerate(zip(plain, static, strict=True)):
+        assert relative_error(s, p) < 1e-2, step
+    if attention == "kernel":
+        for step, (e, s) in enumerate(zip(eager, static, strict=True)):
+            assert relative_error(s, e) < 3e-2, step
 
 
 @needs_cuda
