@@ -94,8 +94,11 @@ def load_decode_kernel() -> DecodeAttention | None:
 
 def graph_support_problem(model: DeepseekForCausalLM) -> str | None:
     """Why the static decode path cannot run this model, or None when it can."""
-    if model.expert_location.ep_size != 1:
+    loc = model.expert_location
+    if loc.ep_size != 1:
         return "expert parallelism (collectives per step)"
+    if loc.num_physical and loc.logical_to_physical.shape[2] != 1:
+        return "redundant experts (replica choice per token)"
     for moe in model.moe_layers():
         if not isinstance(moe.dispatcher, LocalDispatcher):
             return f"dispatcher {type(moe.dispatcher).__name__}"

@@ -17,6 +17,7 @@ from engine.cuda_graph import (
     CudaGraphRunner,
     batch_buckets,
     bucket_for,
+    graph_support_problem,
     load_decode_kernel,
     page_bucket,
 )
@@ -46,6 +47,25 @@ def test_buckets() -> None:
     assert [page_bucket(n, 100) for n in (1, 3, 64, 65, 100)] == [1, 4, 64, 100, 100]
     with pytest.raises(ValueError):
         page_bucket(101, 100)
+
+
+def test_unsupported_models_are_refused_with_a_reason(v3_ckpt: HFCheckpoint) -> None:
+    """Expert parallelism and redundant replicas need per-step collectives or host-side
+    replica choice: the engine then runs decode eagerly instead of failing."""
+    from engine.expert_location import ExpertLocation
+
+    cfg = load_model(v3_ckpt.path).config
+    n_moe, n_exp = len(cfg.moe_layer_ids), cfg.moe.n_routed_experts
+    redundant = torch.cat([torch.arange(n_exp), torch.arange(2)]).repeat(n_moe, 1)
+    model = load_model(
+        v3_ckpt.path,
+        expert_location=ExpertLocation.from_physical_to_logical(redundant, n_exp),
+    )
+    assert graph_support_problem(model) == "redundant experts (replica choice per token)"
+    assert graph_support_problem(load_model(v3_ckpt.path)) is None
+    pool = MLAKVPool(cfg.num_hidden_layers, 8, 4, cfg.mla.kv_cache_dim, torch.float32)
+    with pytest.raises(ValueError, match="redundant experts"):
+        CudaGraphRunner(model, pool, max_batch=2, max_tokens_per_request=32)
 
 
 def _prefilled(model, prompts, page_size, max_new):
