@@ -52,6 +52,11 @@ DecodeAttention = Callable[..., torch.Tensor]
 _IDS, _POS, _SLOT, _LEN = range(4)
 
 
+class GraphCaptureError(RuntimeError):
+    """A decode step could not be captured (an op synchronised with the host, say); the
+    caller may run that step, and later ones, eagerly."""
+
+
 def batch_buckets(max_batch: int) -> list[int]:
     """Powers of two below ``max_batch``, then ``max_batch`` itself: 1, 2, 4, ..., max_batch."""
     if max_batch <= 0:
@@ -254,6 +259,12 @@ class CudaGraphRunner:
         self._table(p)[:b].copy_(torch.from_numpy(table))
 
     def _capture(self, key: tuple[int, int]) -> None:
+        try:
+            self._capture_unchecked(key)
+        except Exception as exc:
+            raise GraphCaptureError(f"capturing decode graph {key} failed: {exc}") from exc
+
+    def _capture_unchecked(self, key: tuple[int, int]) -> None:
         b, p = key
         with torch.inference_mode():
             side = torch.cuda.Stream(self.device)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelConfig
-from engine.cuda_graph import CudaGraphRunner, graph_support_problem
+from engine.cuda_graph import CudaGraphRunner, GraphCaptureError, graph_support_problem
 from engine.errors import InvalidRequestError, check_prompt
 from engine.forward_batch import ForwardBatch, SequenceChunk
 from engine.kv_cache import MLAKVPool, pages_for
@@ -337,11 +337,16 @@ class LLMEngine:
             and all(c.num_tokens == 1 for c in chunks)
         ):
             reqs = [c.request for c in chunks]
-            return runner.run(
-                [r.pending_ids(1)[0] for r in reqs],
-                [r.num_computed for r in reqs],
-                [r.pages for r in reqs],
-            )
+            try:
+                return runner.run(
+                    [r.pending_ids(1)[0] for r in reqs],
+                    [r.num_computed for r in reqs],
+                    [r.pages for r in reqs],
+                )
+            except GraphCaptureError:
+                # The warm-up wrote only this step's own KV; the eager forward rewrites it.
+                log.exception("CUDA graphs off for this engine; decode continues eagerly")
+                self.graph_runner = None
         seqs = []
         for c in chunks:
             req = c.request

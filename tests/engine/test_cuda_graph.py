@@ -15,6 +15,7 @@ import torch
 
 from engine.cuda_graph import (
     CudaGraphRunner,
+    GraphCaptureError,
     batch_buckets,
     bucket_for,
     graph_support_problem,
@@ -217,6 +218,24 @@ def test_engine_static_decode_matches_eager_and_transformers_on_cpu(
     assert static == eager
     assert [len(static[i]) for i in range(len(LENGTHS))] == MAX_NEW
     _assert_matches_transformers(ckpt, static)
+
+
+def test_engine_falls_back_to_eager_when_capture_fails(v2_greedy_ckpt: HFCheckpoint) -> None:
+    """A capture failure (planted: CPU cannot capture) turns graphs off for the engine and the
+    step runs eagerly; no request fails and the tokens are the eager engine's."""
+
+    class FailingCapture(CudaGraphRunner):
+        def run(self, token_ids, positions, pages):
+            raise GraphCaptureError("planted capture failure")
+
+    vocab = v2_greedy_ckpt.hf_model.config.vocab_size
+    engine = _engine(v2_greedy_ckpt, "cpu")
+    engine.graph_runner = FailingCapture(
+        engine.model, engine.kv_pool, max_batch=8, max_tokens_per_request=512, use_graphs=False
+    )
+    out = _scenario(engine, vocab)
+    assert engine.graph_runner is None
+    assert out == _scenario(_engine(v2_greedy_ckpt, "cpu"), vocab)
 
 
 # ---- GPU: real graphs ------------------------------------------------------------------------
