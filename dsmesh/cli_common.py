@@ -46,6 +46,19 @@ def add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool = Fal
         default=prefix_cache_default,
         help="share full prompt pages between requests with a common prefix",
     )
+    g.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=d.cuda_graphs,
+        help="replay decode steps as CUDA graphs, one per batch-size bucket (CUDA only)",
+    )
+    g.add_argument(
+        "--fp8-experts",
+        action=argparse.BooleanOptionalAction,
+        default=d.fp8_experts,
+        help="FP8 checkpoints: keep routed experts in FP8 and use the FP8 grouped GEMM on "
+        "CUDA (default: dequantise to --dtype at load)",
+    )
 
 
 def engine_config_from(args: argparse.Namespace) -> EngineConfig:
@@ -60,6 +73,8 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         attention_mode=args.attention_mode,
         prefix_cache=args.prefix_cache,
         tbo=getattr(args, "tbo", False),
+        cuda_graphs=getattr(args, "cuda_graphs", True),
+        fp8_experts=getattr(args, "fp8_experts", False),
     )
 
 

@@ -21,6 +21,7 @@ FORWARDED_ENGINE_FLAGS = (
     "max_batch_tokens",
     "attention_mode",
 )
+FORWARDED_ENGINE_SWITCHES = ("prefix_cache", "cuda_graphs", "fp8_experts")  # --x / --no-x
 
 
 def _count(text: str) -> int:
@@ -131,7 +132,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_security_args(p, api_keys=True)
     add_engine_args(p)
     # None = not given: the service's own default applies.
-    p.set_defaults(prefix_cache=None, **dict.fromkeys(FORWARDED_ENGINE_FLAGS))
+    p.set_defaults(**dict.fromkeys((*FORWARDED_ENGINE_FLAGS, *FORWARDED_ENGINE_SWITCHES)))
     p.set_defaults(func=run)
 
 
@@ -177,8 +178,11 @@ def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
         value = getattr(args, dest)
         if value is not None:
             flags += [f"--{dest.replace('_', '-')}", str(value)]
-    if args.prefix_cache is not None:
-        flags.append("--prefix-cache" if args.prefix_cache else "--no-prefix-cache")
+    for dest in FORWARDED_ENGINE_SWITCHES:
+        value = getattr(args, dest)
+        if value is not None:
+            name = dest.replace("_", "-")
+            flags.append(f"--{name}" if value else f"--no-{name}")
     for dest in ("ep_size", "num_redundant_experts"):
         if getattr(args, dest) is not None:
             flags += [f"--{dest.replace('_', '-')}", str(getattr(args, dest))]

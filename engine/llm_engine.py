@@ -47,6 +47,9 @@ class EngineConfig:
     # CPU, with tbo, with attention_mode "naive" and under expert parallelism).
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256  # larger decode batches run eagerly
+    # FP8 checkpoints: keep the routed experts in FP8 and run the FP8 grouped GEMM (CUDA);
+    # off = dequantise every weight to ``dtype`` at load
+    fp8_experts: bool = False
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -119,7 +122,9 @@ class LLMEngine:
         self.device = config.resolved_device()
         if model is None:
             model_dir = resolve_model_dir(config.model)
-            model = load_model(model_dir, config.resolved_dtype(), self.device)
+            model = load_model(
+                model_dir, config.resolved_dtype(), self.device, keep_fp8=config.fp8_experts
+            )
         self.model = model
         self.model_config: ModelConfig = model.config
         mc = self.model_config

@@ -164,6 +164,11 @@ def apply_staged(model: DeepseekForCausalLM, staged: StagedPlacement) -> float:
             if slots.numel():
                 moe.experts.w13.index_copy_(0, slots.to(w13.device), w13)
                 moe.experts.w2.index_copy_(0, slots.to(w2.device), w2)
+                if getattr(moe.experts, "fp8", None) is not None:
+                    # the FP8 copy holds the old experts: this layer runs its (now current)
+                    # dense weights from here on; correctness over speed until a re-attach
+                    moe.experts.fp8 = None
+                    log.warning("MoE layer %d: FP8 experts dropped after a swap", moe.moe_layer_idx)
             moe.location = staged.location
     model.expert_location = staged.location
     if model.lm_head.weight.is_cuda:

@@ -151,6 +151,7 @@ def build_ep_engine(config: EngineConfig, ep: EPConfig, rank: int) -> LLMEngine:
         model_dir,
         config.resolved_dtype(),
         device,
+        keep_fp8=config.fp8_experts,
         expert_location=placement,
         dispatcher=make_dispatcher(
             ep,

@@ -363,3 +363,20 @@ def test_fp8_scale_of_wrong_shape_is_named(fp8_ckpt, tmp_path) -> None:
     broken = _rewrite(path, tmp_path / "ckpt", tensors)
     with pytest.raises(WeightError, match=re.escape(name)):
         load_model(broken)
+
+
+def test_engine_fp8_experts_switch_keeps_fp8_data_and_tokens(fp8_ckpt) -> None:
+    """``EngineConfig.fp8_experts`` (``--fp8-experts``) loads with the FP8 data kept; on the
+    CPU the dense path runs, with the same greedy tokens as a plain load."""
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    path, _, _, names = fp8_ckpt
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    kept = LLMEngine(EngineConfig(model=str(path), fp8_experts=True))
+    plain = LLMEngine(EngineConfig(model=str(path)))
+    assert set(kept.model.fp8_weights) == set(names) and plain.model.fp8_weights == {}
+    prompts = [[5, 9, 14, 2], [7] * 11]
+    assert [r.output_ids for r in kept.generate(prompts, params)] == [
+        r.output_ids for r in plain.generate(prompts, params)
+    ]
