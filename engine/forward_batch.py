@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-
-from engine.kv_cache import slots_for
 
 
 @dataclass(frozen=True)
@@ -69,42 +68,52 @@ class ForwardBatch:
     def build(
         cls, chunks: list[SequenceChunk], page_size: int, device: torch.device | str
     ) -> ForwardBatch:
+        """Vectorised on the host (numpy), then one copy per tensor to ``device``: a decode
+        step of hundreds of requests costs about a millisecond of host time, not tens."""
         if not chunks:
             raise ValueError("a forward batch needs at least one request")
-        ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        out_slots: list[torch.Tensor] = []
-        kv_slots: list[torch.Tensor] = []
-        extend_lens: list[int] = []
-        prefix_lens: list[int] = []
-        for c in chunks:
-            n = len(c.token_ids)
-            if n == 0:
-                raise ValueError("every request in a forward batch needs at least one new token")
-            total = c.prefix_len + n
-            if c.page_table.numel() * page_size < total:
-                raise ValueError(
-                    f"page table of {c.page_table.numel()} pages cannot hold {total} tokens"
-                )
-            ids.extend(c.token_ids)
-            positions.append(torch.arange(c.prefix_len, total))
-            slots = slots_for(c.page_table.cpu(), 0, total, page_size)
-            kv_slots.append(slots.to(device))
-            out_slots.append(slots[c.prefix_len :])
-            extend_lens.append(n)
-            prefix_lens.append(c.prefix_len)
-        last_rows = torch.tensor(extend_lens).cumsum(0) - 1
-        decode_ids, decode_slots = _decode_rows(extend_lens, kv_slots, device)
-        decode_pages, decode_lens = _decode_pages(chunks, decode_ids, page_size, device)
+        extend = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
+        if int(extend.min()) == 0:
+            raise ValueError("every request in a forward batch needs at least one new token")
+        prefix = np.array([c.prefix_len for c in chunks], dtype=np.int64)
+        total = prefix + extend
+        num_pages = np.array([c.page_table.numel() for c in chunks], dtype=np.int64)
+        short = np.nonzero(num_pages * page_size < total)[0]
+        if len(short):
+            i = int(short[0])
+            raise ValueError(f"page table of {num_pages[i]} pages cannot hold {total[i]} tokens")
+        all_pages = torch.cat([c.page_table.cpu() for c in chunks]).numpy()  # one conversion
+        page_start = np.concatenate([[0], np.cumsum(num_pages)[:-1]])
+        ctx_start = np.concatenate([[0], np.cumsum(total)[:-1]])
+        # every context token's slot, requests end to end
+        pos = _ranges(total)
+        owner = np.repeat(np.arange(len(chunks)), total)
+        flat = all_pages[page_start[owner] + pos // page_size] * page_size + pos % page_size
+        # the new tokens: positions prefix .. total - 1 of each request
+        new_pos = _ranges(extend) + np.repeat(prefix, extend)
+        new_index = np.repeat(ctx_start, extend) + new_pos
+        ids = [t for c in chunks for t in c.token_ids]
+        flat_dev = _to(flat, device)
+        kv_slots = list(torch.split(flat_dev, total.tolist()))
+        extend_lens, prefix_lens = extend.tolist(), prefix.tolist()
+        decode_ids = np.nonzero(extend == 1)[0]
+        decode_slots = decode_pages = decode_lens = None
+        if len(decode_ids):
+            lens = total[decode_ids]
+            decode_slots = _padded(flat, ctx_start[decode_ids], lens, -1, np.int64)
+            used = -(-lens // page_size)
+            decode_pages = _padded(all_pages, page_start[decode_ids], used, 0, np.int32)
+            decode_slots, decode_pages = _to(decode_slots, device), _to(decode_pages, device)
+            decode_lens = _to(lens.astype(np.int32), device)
         return cls(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-            positions=torch.cat(positions).to(device),
-            out_slots=torch.cat(out_slots).to(device),
+            positions=_to(new_pos, device),
+            out_slots=_to(flat[new_index], device),
             kv_slots=kv_slots,
             extend_lens=extend_lens,
             prefix_lens=prefix_lens,
-            last_rows=last_rows.to(device),
-            decode_ids=decode_ids,
+            last_rows=_to(np.cumsum(extend) - 1, device),
+            decode_ids=decode_ids.tolist(),
             decode_slots=decode_slots,
             decode_page_table=decode_pages,
             decode_seq_lens=decode_lens,
@@ -128,13 +137,17 @@ class ForwardBatch:
         start = sum(self.extend_lens[:lo])
         end = start + sum(self.extend_lens[lo:hi])
         extend = self.extend_lens[lo:hi]
-        decode_ids, decode_slots = _decode_rows(extend, self.kv_slots[lo:hi], device)
-        pages = lens = None
-        if decode_ids and self.decode_page_table is not None and self.decode_seq_lens is not None:
-            keep = [r for r, i in enumerate(self.decode_ids) if lo <= i < hi]
+        keep = [r for r, i in enumerate(self.decode_ids) if lo <= i < hi]
+        decode_ids = [self.decode_ids[r] - lo for r in keep]
+        slots = pages = lens = None
+        if keep:
+            assert self.decode_slots is not None
             index = torch.tensor(keep, device=device)
-            pages = self.decode_page_table.index_select(0, index)
-            lens = self.decode_seq_lens.index_select(0, index)
+            width = max(self.prefix_lens[i] + 1 for i in range(lo, hi) if self.extend_lens[i] == 1)
+            slots = self.decode_slots.index_select(0, index)[:, :width]
+            if self.decode_page_table is not None and self.decode_seq_lens is not None:
+                pages = self.decode_page_table.index_select(0, index)
+                lens = self.decode_seq_lens.index_select(0, index)
         return ForwardBatch(
             input_ids=self.input_ids[start:end],
             positions=self.positions[start:end],
@@ -144,37 +157,26 @@ class ForwardBatch:
             prefix_lens=self.prefix_lens[lo:hi],
             last_rows=(torch.tensor(extend).cumsum(0) - 1).to(device),
             decode_ids=decode_ids,
-            decode_slots=decode_slots,
+            decode_slots=slots,
             decode_page_table=pages,
             decode_seq_lens=lens,
         )
 
 
-def _decode_pages(
-    chunks: list[SequenceChunk], decode_ids: list[int], page_size: int, device: torch.device | str
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Page tables [len(decode_ids), max_pages] int32 (padded with page 0, which the kernel
-    never reads past a row's length) and context lengths [len(decode_ids)] int32."""
-    if not decode_ids:
-        return None, None
-    lens = [chunks[i].prefix_len + 1 for i in decode_ids]
-    width = max(-(-n // page_size) for n in lens)
-    table = torch.zeros((len(decode_ids), width), dtype=torch.int32)
-    for row, (i, n) in enumerate(zip(decode_ids, lens, strict=True)):
-        used = -(-n // page_size)
-        table[row, :used] = chunks[i].page_table[:used].cpu()
-    return table.to(device), torch.tensor(lens, dtype=torch.int32).to(device)
+def _ranges(lengths: np.ndarray) -> np.ndarray:
+    """0..n-1 for each n of ``lengths``, concatenated."""
+    total = int(lengths.sum())
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.arange(total, dtype=np.int64) - starts
 
 
-def _decode_rows(
-    extend_lens: list[int], kv_slots: list[torch.Tensor], device: torch.device | str
-) -> tuple[list[int], torch.Tensor | None]:
-    """Single-token requests and their context slots, padded with -1 to one width."""
-    decode_ids = [i for i, n in enumerate(extend_lens) if n == 1]
-    if not decode_ids:
-        return decode_ids, None
-    width = max(kv_slots[i].numel() for i in decode_ids)
-    slots = torch.full((len(decode_ids), width), -1, dtype=torch.int64)
-    for row, i in enumerate(decode_ids):
-        slots[row, : kv_slots[i].numel()] = kv_slots[i].cpu()
-    return decode_ids, slots.to(device)
+def _padded(flat: np.ndarray, starts: np.ndarray, lens: np.ndarray, fill: int, dtype) -> np.ndarray:
+    """Rows ``flat[starts[r] : starts[r] + lens[r]]``, padded with ``fill`` to one width."""
+    out = np.full((len(lens), int(lens.max())), fill, dtype=dtype)
+    mask = np.arange(out.shape[1])[None, :] < lens[:, None]
+    out[mask] = flat[np.repeat(starts, lens) + _ranges(lens)]
+    return out
+
+
+def _to(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
