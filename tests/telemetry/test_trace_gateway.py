@@ -97,9 +97,9 @@ def test_rest_request_is_one_trace_across_four_services(receiver, tmp_path_facto
         assert trace_id, "no gateway.request span arrived"
         spans = receiver.wait_for(trace_id, complete, timeout=15)
         assert {s.service for s in spans} >= SERVICES
-        assert not orphans(spans), [
-            (o.service, o.name, o.attributes) for o in orphans(spans)
-        ] + [(s.service, s.name) for s in spans if s.service == "gateway"]
+        assert not orphans(spans), [(o.service, o.name, o.attributes) for o in orphans(spans)] + [
+            (s.service, s.name) for s in spans if s.service == "gateway"
+        ]
         assert [(r.service, r.name) for r in roots(spans)] == [("gateway", "gateway.request")]
         tagged = {
             s.trace_id
