@@ -251,3 +251,34 @@ def tls_config_from(args: argparse.Namespace) -> TLSConfig:
 
 def api_keys_from(args: argparse.Namespace) -> tuple[str, ...]:
     return api_keys_from_env_and_args(args.api_key)
+
+
+def run_instance(role: str, serve, config, args: argparse.Namespace, deepep_mode: str) -> int:
+    """Serve a prefill or decode instance until a signal: in this process, or as an
+    expert-parallel group of rank processes (``--ep-size``; docs/EP.md)."""
+    import dataclasses
+
+    from dsmesh.grpc_server import run_until_signal
+
+    def ready(instance_id: str, port: int) -> None:
+        print(f"{role} {instance_id} listening on {args.host}:{port}", flush=True)
+
+    ep = ep_config_from(args, deepep_mode=deepep_mode)
+    if ep.ep_size > 1 or ep.num_redundant_experts:
+        from dsmesh.ep_group import RankTarget, run_group
+        from dsmesh.instance import new_instance_id
+
+        config = dataclasses.replace(
+            config, instance_id=config.instance_id or new_instance_id(role)
+        )
+        return run_group(
+            ep,
+            RankTarget(serve, config),
+            ready,
+            eplb_address=args.eplb,
+            eplb_report_interval_s=args.eplb_report_interval,
+        )
+    if args.eplb:
+        raise ValueError("--eplb needs an expert-parallel instance: --ep-size > 1")
+    run_until_signal(lambda stop: serve(config, stop, ready))
+    return 0

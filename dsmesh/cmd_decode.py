@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from dsmesh.cli_common import (
     add_engine_args,
@@ -12,7 +11,7 @@ from dsmesh.cli_common import (
     add_server_args,
     add_transfer_args,
     engine_config_from,
-    ep_config_from,
+    run_instance,
     tls_config_from,
     transfer_config_from,
 )
@@ -47,7 +46,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from decode_svc.service import DecodeConfig, serve
-    from dsmesh.grpc_server import run_until_signal
 
     config = DecodeConfig(
         broker_address=args.broker,
@@ -62,25 +60,4 @@ def run(args: argparse.Namespace) -> int:
         handoff_timeout_s=args.handoff_timeout,
         release_quarantine_s=args.release_quarantine,
     )
-
-    def ready(instance_id: str, port: int) -> None:
-        print(f"decode {instance_id} listening on {args.host}:{port}", flush=True)
-
-    ep = ep_config_from(args, deepep_mode="low_latency")  # decode steps are small
-    if ep.ep_size > 1 or ep.num_redundant_experts:
-        from dsmesh.ep_group import RankTarget, run_group
-        from dsmesh.instance import new_instance_id
-
-        base_id = config.instance_id or new_instance_id("decode")
-        config = dataclasses.replace(config, instance_id=base_id)
-        return run_group(
-            ep,
-            RankTarget(serve, config),
-            ready,
-            eplb_address=args.eplb,
-            eplb_report_interval_s=args.eplb_report_interval,
-        )
-    if args.eplb:
-        raise ValueError("--eplb needs an expert-parallel instance: --ep-size > 1")
-    run_until_signal(lambda stop: serve(config, stop, ready))
-    return 0
+    return run_instance("decode", serve, config, args, deepep_mode="low_latency")

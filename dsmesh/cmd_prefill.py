@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from dsmesh.cli_common import (
     add_engine_args,
@@ -12,7 +11,7 @@ from dsmesh.cli_common import (
     add_server_args,
     add_transfer_args,
     engine_config_from,
-    ep_config_from,
+    run_instance,
     tls_config_from,
     transfer_config_from,
 )
@@ -46,7 +45,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsmesh.grpc_server import run_until_signal
     from prefill_svc.service import PrefillConfig, serve
 
     config = PrefillConfig(
@@ -62,25 +60,4 @@ def run(args: argparse.Namespace) -> int:
         resolve_wait_s=args.resolve_wait,
         max_queued_tokens=args.max_queued_tokens,
     )
-
-    def ready(instance_id: str, port: int) -> None:
-        print(f"prefill {instance_id} listening on {args.host}:{port}", flush=True)
-
-    ep = ep_config_from(args)
-    if ep.ep_size > 1 or ep.num_redundant_experts:
-        from dsmesh.ep_group import RankTarget, run_group
-        from dsmesh.instance import new_instance_id
-
-        base_id = config.instance_id or new_instance_id("prefill")
-        config = dataclasses.replace(config, instance_id=base_id)
-        return run_group(
-            ep,
-            RankTarget(serve, config),
-            ready,
-            eplb_address=args.eplb,
-            eplb_report_interval_s=args.eplb_report_interval,
-        )
-    if args.eplb:
-        raise ValueError("--eplb needs an expert-parallel instance: --ep-size > 1")
-    run_until_signal(lambda stop: serve(config, stop, ready))
-    return 0
+    return run_instance("prefill", serve, config, args, deepep_mode="normal")
