@@ -26,6 +26,7 @@ from dsmesh.supervisor import (
 )
 from tests.up.harness import (
     UpProcess,
+    child_pids,
     free_port,
     grpc_serving,
     list_instances,
@@ -315,5 +316,27 @@ def test_up_runs_expert_parallel_groups_with_eplb(cache_env: dict[str, str]) -> 
 
         groups = sorted({i.rsplit("-ep", 1)[0] for i in ids})
         assert wait_until(lambda: asyncio.run(loads()) == groups, 20), asyncio.run(loads())
+
+        # one rank of the decode group dies: the group exits, up restarts it whole, and the
+        # new ranks attach in place of the old ones
+        broker = services["kv-broker"][0]
+        old_decode = {i.instance_id for i in instances if i.role == ROLE_DECODE}
+        ranks = [
+            pid
+            for pid in child_pids(services["decode-0"][1])
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGKILL)
+        up.wait_for(r"decode-0 exited with code 1", timeout=30)
+        up.wait_for(r"decode-0 restarted at \S+ \(pid \d+\), healthy", timeout=90)
+
+        def new_decode_ranks() -> set[str]:
+            now = {i.instance_id for i in list_instances(broker) if i.role == ROLE_DECODE}
+            return now if len(now) == 2 and not now & old_decode else set()
+
+        assert wait_until(new_decode_ranks, 30), list_instances(broker)
+        with urllib.request.urlopen(req, timeout=60) as resp:  # the mesh serves again
+            assert len(json.loads(resp.read())["token_ids"]) == 4
     finally:
         up.close()
