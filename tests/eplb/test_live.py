@@ -31,7 +31,10 @@ from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(600)
 MAX_NEW = 6
-HOT = {0: 0.12, 1: 0.12, 2: 0.1, 3: 0.08, 9: 0.06}  # expert -> router correction bias boost
+# expert -> router correction bias boost. Experts 2-5 (two groups of 4) win every token's top 4;
+# the round-robin placement puts all four on rank 0 with no replica elsewhere (replicas go to
+# experts 0 and 1), so one rank does all the routed work until EPLB spreads them.
+HOT = {2: 0.4, 3: 0.4, 4: 0.4, 5: 0.4}
 
 
 def skewed_checkpoint(root: Path) -> Path:
@@ -225,4 +228,4 @@ def test_rebalances_under_load_keep_outputs_and_raise_balancedness(live) -> None
     assert first_measured is not None, "no load was measured before the first swap"
     final = measured()
     print(f"decode balancedness measured {first_measured} -> {final} after {rounds} rounds")
-    assert final is not None and final > first_measured + 0.05, (first_measured, final)
+    assert final is not None and final > first_measured + 0.2, (first_measured, final)
