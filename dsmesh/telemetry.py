@@ -36,12 +36,13 @@ services in one process, as in tests), and the matching last :func:`shutdown_tra
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -108,6 +109,18 @@ def exporter_names(environ: Mapping[str, str]) -> list[str]:
         elif name and name != "none":
             log.warning("OTEL_TRACES_EXPORTER: unsupported exporter %r ignored", name)
     return names
+
+
+@contextlib.asynccontextmanager
+async def tracing(service_name: str) -> AsyncIterator[bool]:
+    """A service's whole life with tracing: :func:`setup_tracing` first (before any server or
+    channel exists), the process's last spans flushed at the end. Yields whether it is on."""
+    traced = setup_tracing(service_name)
+    try:
+        yield traced
+    finally:
+        if traced:
+            await asyncio.to_thread(shutdown_tracing)
 
 
 def setup_tracing(service_name: str) -> bool:

@@ -8,9 +8,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client import start_http_server
-
 from dsmesh.grpc_server import set_channel_defaults, start_server
+from dsmesh.metrics_http import metrics_endpoint
 from dsmesh.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
 from dsmesh.v1 import eplb_pb2, eplb_pb2_grpc
 from eplb_svc.metrics import EPLBMetrics
@@ -75,22 +74,14 @@ async def serve(
         max_message_bytes=config.max_message_bytes,
     )
     servicer.start()
-    http_server = None
     try:
-        if config.metrics_port > 0:
-            http_server, _ = start_http_server(
-                config.metrics_port, addr=config.host, registry=metrics.registry
-            )
-            log.info("eplb metrics on http://%s:%d/metrics", config.host, config.metrics_port)
-        log.info("eplb listening on %s:%d", config.host, running.port)
-        if ready is not None:
-            ready(running.port)
-        await stop.wait()
+        async with metrics_endpoint(metrics.registry, config.metrics_port, config.host, "eplb"):
+            log.info("eplb listening on %s:%d", config.host, running.port)
+            if ready is not None:
+                ready(running.port)
+            await stop.wait()
     finally:
         log.info("eplb stopping")
         await running.set_serving(False, ("", SERVICE_NAME))
         await servicer.close()
         await running.server.stop(config.shutdown_grace_s)
-        if http_server is not None:
-            await asyncio.to_thread(http_server.shutdown)
-            http_server.server_close()

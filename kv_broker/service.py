@@ -7,11 +7,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client import start_http_server
-
 from dsmesh.grpc_server import set_channel_defaults, start_server
+from dsmesh.metrics_http import metrics_endpoint
 from dsmesh.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
-from dsmesh.telemetry import setup_tracing, shutdown_tracing
+from dsmesh.telemetry import tracing
 from dsmesh.v1 import kv_broker_pb2, kv_broker_pb2_grpc
 from kv_broker.metrics import BrokerMetrics
 from kv_broker.servicer import KVBrokerServicer
@@ -64,12 +63,8 @@ async def serve(
     ``config.shutdown_grace_s`` to finish. Traces go wherever the ``OTEL_*`` environment says
     (service name ``kv-broker``); off by default.
     """
-    traced = setup_tracing("kv-broker")  # before the server: it picks its interceptors
-    try:
+    async with tracing("kv-broker"):  # before the server: it picks its interceptors
         await _serve(config, stop, ready)
-    finally:
-        if traced:
-            await asyncio.to_thread(shutdown_tracing)  # flush the last handoff spans
 
 
 async def _serve(
@@ -87,22 +82,16 @@ async def _serve(
         max_message_bytes=config.max_message_bytes,
     )
     servicer.start()
-    http_server = None
     try:
-        if config.metrics_port > 0:
-            http_server, _ = start_http_server(
-                config.metrics_port, addr=config.host, registry=metrics.registry
-            )
-            log.info("kv-broker metrics on http://%s:%d/metrics", config.host, config.metrics_port)
-        log.info("kv-broker listening on %s:%d", config.host, running.port)
-        if ready is not None:
-            ready(running.port)
-        await stop.wait()
+        async with metrics_endpoint(
+            metrics.registry, config.metrics_port, config.host, "kv-broker"
+        ):
+            log.info("kv-broker listening on %s:%d", config.host, running.port)
+            if ready is not None:
+                ready(running.port)
+            await stop.wait()
     finally:
         log.info("kv-broker stopping")
         await running.set_serving(False, ("", SERVICE_NAME))
         await servicer.close()
         await running.server.stop(config.shutdown_grace_s)
-        if http_server is not None:
-            await asyncio.to_thread(http_server.shutdown)  # blocks up to its 0.5 s poll
-            http_server.server_close()

@@ -15,7 +15,7 @@ from dsmesh.instance import TransferConfig, build_instance, health_follows_broke
 from dsmesh.kv_layout import layout_of
 from dsmesh.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
 from dsmesh.service_metrics import InstanceMetrics
-from dsmesh.telemetry import setup_tracing, shutdown_tracing
+from dsmesh.telemetry import tracing
 from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import prefill_pb2_grpc
 from engine.llm_engine import EngineConfig
@@ -45,12 +45,8 @@ class PrefillConfig:
 async def serve(
     config: PrefillConfig, stop: asyncio.Event, ready: Callable[[str, int], None] | None = None
 ) -> None:
-    traced = setup_tracing("prefill")  # before any channel or server: they pick their interceptors
-    try:
+    async with tracing("prefill"):  # before any channel or server: they pick their interceptors
         await _serve(config, stop, ready)
-    finally:
-        if traced:
-            await asyncio.to_thread(shutdown_tracing)  # flush this process's last spans
 
 
 async def _serve(
