@@ -253,6 +253,21 @@ def api_keys_from(args: argparse.Namespace) -> tuple[str, ...]:
     return api_keys_from_env_and_args(args.api_key)
 
 
+def instance_fields_from(args: argparse.Namespace) -> dict:
+    """The fields every prefill and decode config shares, from their common flags."""
+    return {
+        "broker_address": args.broker,
+        "engine": engine_config_from(args),
+        "transfer": transfer_config_from(args),
+        "host": args.host,
+        "port": args.port,
+        "instance_id": args.instance_id,
+        "metrics_port": args.metrics_port,
+        "tls": tls_config_from(args),
+        "max_message_bytes": args.max_message_bytes,
+    }
+
+
 def run_instance(role: str, serve, config, args: argparse.Namespace, deepep_mode: str) -> int:
     """Serve a prefill or decode instance until a signal: in this process, or as an
     expert-parallel group of rank processes (``--ep-size``; docs/EP.md)."""

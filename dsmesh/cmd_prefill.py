@@ -10,10 +10,8 @@ from dsmesh.cli_common import (
     add_security_args,
     add_server_args,
     add_transfer_args,
-    engine_config_from,
+    instance_fields_from,
     run_instance,
-    tls_config_from,
-    transfer_config_from,
 )
 
 
@@ -48,15 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from prefill_svc.service import PrefillConfig, serve
 
     config = PrefillConfig(
-        broker_address=args.broker,
-        engine=engine_config_from(args),
-        transfer=transfer_config_from(args),
-        host=args.host,
-        port=args.port,
-        instance_id=args.instance_id,
-        metrics_port=args.metrics_port,
-        tls=tls_config_from(args),
-        max_message_bytes=args.max_message_bytes,
+        **instance_fields_from(args),
         resolve_wait_s=args.resolve_wait,
         max_queued_tokens=args.max_queued_tokens,
     )
