@@ -71,7 +71,7 @@ async def build_instance(
         worker = EngineWorker(
             engine,
             name=f"engine-ep{ep_rank.rank}",
-            group_vote=GroupVote(engine.device, num_flags=2 if hook is not None else 0),
+            group_vote=GroupVote(engine.device, 0 if hook is None else hook.NUM_FLAGS),
             on_fatal=fatal_exit,
             group_hook=hook,
         )

@@ -1,14 +1,15 @@
 """An EP group's side of EPLB, run by every rank's step loop between forwards.
 
-The ranks already vote once per loop iteration (``GroupVote``); this hook adds two numbers
-to that vote, both set by rank 0, so every rank learns at the same iteration that:
+The ranks already vote once per loop iteration (``GroupVote``); this hook adds four numbers
+to that vote, so it needs no collective of its own on an ordinary iteration. Rank 0 sets two,
+so every rank learns at the same iteration that:
 - a new placement arrived (its version): rank 0 broadcasts it and every rank stages it in the
   background (``Rebalancer.submit``);
 - a load report is due: every rank hands over the load it recorded since the last report,
   summed over the group onto rank 0, which queues it for eplb_svc.
 
-Each iteration also gives the Rebalancer its chance to swap (all ranks at once, when all have
-staged the newest version). Load recorded under the old placement is flushed just before a
+The other two carry the highest and lowest version the ranks have staged: when they agree,
+all ranks swap in that same iteration (``Rebalancer.swap_if_agreed``). Load recorded under the old placement is flushed just before a
 swap, so each report names the placement its tokens were routed under.
 
 Rank 0's gRPC side (``EPLBLink``) talks to this object only through :meth:`offer_placement`
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from engine.ep.load_recorder import ExpertLoadRecorder
-from engine.ep.rebalance import Rebalancer
+from engine.ep.rebalance import Rebalancer, StagedPlacement
 from engine.model import DeepseekForCausalLM
 
 
@@ -42,8 +43,12 @@ class GroupReport:
     last_swap_seconds: float
 
 
+_CEILING = 1 << 62  # MAX over (_CEILING - v) gives the minimum of v
+
+
 class GroupEPLB:
-    NUM_FLAGS = 2  # [new placement version, report due]
+    # [new placement version, report due, highest staged version, _CEILING - lowest staged]
+    NUM_FLAGS = 4
 
     def __init__(
         self,
@@ -69,6 +74,7 @@ class GroupEPLB:
         self._submitted = 0
         self._reports: deque[GroupReport] = deque(maxlen=64)
         self._last_report = time.monotonic()
+        self._staged: StagedPlacement | None = None  # this rank's offer in this iteration's vote
 
     # ---- rank 0, any thread ------------------------------------------------------------------
 
@@ -88,21 +94,25 @@ class GroupEPLB:
     # ---- every rank, the step loop -------------------------------------------------------------
 
     def vote_flags(self) -> list[int]:
+        self._staged = self.rebalancer.offer()  # swapped in below if every rank offers it
+        ready = 0 if self._staged is None else self._staged.version
         if self.rank != 0:
-            return [0, 0]
+            return [0, 0, ready, _CEILING - ready]
         with self._lock:
             offered = self._offered[0] if self._offered is not None else 0
         due = time.monotonic() - self._last_report >= self.report_interval_s
-        return [offered if offered > self._submitted else 0, int(due)]
+        return [offered if offered > self._submitted else 0, int(due), ready, _CEILING - ready]
 
     def after_vote(self, flags: list[int]) -> None:
         """Collective: all ranks call it with the same (group-reduced) flags."""
-        version, due = flags
+        version, due, high, low_complement = flags
         if version > self._submitted:
             self._receive_placement(version)
         if due:
             self._report()
-        if self.rebalancer.step(before_swap=self._report) is not None:
+        staged, self._staged = self._staged, None
+        low = _CEILING - low_complement
+        if self.rebalancer.swap_if_agreed(staged, low, high, before_swap=self._report):
             self.swaps += 1
 
     def after_step(self) -> None:

@@ -284,24 +284,38 @@ class Rebalancer:
     def step(self, before_swap: Callable[[], None] | None = None) -> SwapResult | None:
         """Call on every rank, between forwards. When all ranks have staged the same newest
         version, they all swap to it now (``before_swap()`` runs first on each, e.g. to flush
-        load counted under the old placement)."""
-        staged = self._ready()  # this object is swapped in, even if a newer one lands meanwhile
+        load counted under the old placement). One small all-reduce per call; a loop that
+        already runs a collective each iteration can carry :meth:`offer` in it instead and
+        call :meth:`swap_if_agreed` with the reduced numbers."""
+        staged = self.offer()  # this object is swapped in, even if a newer one lands meanwhile
         ready = 0 if staged is None else staged.version
-        agreed = ready
+        low = high = ready
         world = dist.get_world_size(self.group) if dist.is_initialized() else 1
         if world > 1:
-            on = (
-                self.model.lm_head.weight.device
-                if dist.get_backend(self.group) == "nccl"
-                else "cpu"
-            )
+            nccl = dist.get_backend(self.group) == "nccl"
+            on = self.model.lm_head.weight.device if nccl else "cpu"
             t = torch.tensor([ready, -ready], dtype=torch.int64, device=on)
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
             low, high = int(t[0]), -int(t[1])
-            agreed = low if low == high else 0
-        if agreed == 0:
+        return self.swap_if_agreed(staged, low, high, before_swap)
+
+    def offer(self) -> StagedPlacement | None:
+        """What this rank has staged against the running placement (its version is this
+        rank's vote), or None."""
+        return self._ready()
+
+    def swap_if_agreed(
+        self,
+        staged: StagedPlacement | None,
+        low: int,
+        high: int,
+        before_swap: Callable[[], None] | None = None,
+    ) -> SwapResult | None:
+        """Swap ``staged`` (this rank's :meth:`offer`) in when the group's lowest and highest
+        offered versions (``low``, ``high``) agree on a version > 0; collective-free."""
+        if low != high or low == 0:
             return None
-        assert staged is not None and staged.version == agreed
+        assert staged is not None and staged.version == low
         if before_swap is not None:
             before_swap()
         seconds = apply_staged(self.model, staged)
