@@ -229,3 +229,31 @@ def test_rebalances_under_load_keep_outputs_and_raise_balancedness(live) -> None
     final = measured()
     print(f"decode balancedness measured {first_measured} -> {final} after {rounds} rounds")
     assert final is not None and final > first_measured + 0.2, (first_measured, final)
+    assert asyncio.run(_pages_free(live["procs"][0].address, within=10))  # no leaked page
+
+
+async def _pages_free(broker: str, within: float) -> bool:
+    """Every rank of both groups has all its KV pages back after the swaps."""
+    from dsmesh.v1 import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+    from dsmesh.v1 import kv_broker_pb2 as kb
+    from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
+
+    deadline = time.monotonic() + within
+    while True:
+        async with channel(broker) as ch:
+            listing = await kb_grpc.KVBrokerStub(ch).ListInstances(kb.ListInstancesRequest())
+        free = []
+        for inst in listing.instances:
+            async with channel(inst.grpc_address) as ch:
+                stub = (
+                    prefill_pb2_grpc.PrefillStub(ch)
+                    if inst.role == kb.ROLE_PREFILL
+                    else decode_pb2_grpc.DecodeStub(ch)
+                )
+                load = await stub.GetLoad(prefill_pb2.LoadRequest())
+            free.append(load.free_pages == load.total_pages)
+        if len(free) == 4 and all(free):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.1)

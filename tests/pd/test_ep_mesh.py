@@ -187,6 +187,31 @@ def test_every_rank_pair_matches_the_offline_engine(ep_mesh, offline) -> None:
                 await c.close()
 
     assert asyncio.run(main()) == want
+    assert _wait_pages_free(prefill + decode, within=10)
+
+
+def _wait_pages_free(ranks: list[kb.Instance], within: float) -> bool:
+    """Every rank's KV pages back in its pool (no page leaked by a finished request)."""
+
+    async def all_free() -> bool:
+        for inst in ranks:
+            async with channel(inst.grpc_address) as ch:
+                stub = (
+                    prefill_pb2_grpc.PrefillStub(ch)
+                    if inst.role == kb.ROLE_PREFILL
+                    else decode_pb2_grpc.DecodeStub(ch)
+                )
+                load = await stub.GetLoad(prefill_pb2.LoadRequest())
+            if load.free_pages != load.total_pages:
+                return False
+        return True
+
+    deadline = time.monotonic() + within
+    while not asyncio.run(all_free()):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def test_an_idle_rank_does_not_stall_its_peer(ep_mesh, offline) -> None:
@@ -251,6 +276,7 @@ def test_gateway_spreads_requests_and_matches_offline(ep_mesh, offline) -> None:
     served = [generated_tokens(ep_mesh["metrics"] + r) - before[r] for r in (0, 1)]
     assert sum(served) == len(batch) * MAX_NEW
     assert min(served) > 0, served  # both decode ranks took requests
+    assert _wait_pages_free([*_ranks(ep_mesh)[0], *_ranks(ep_mesh)[1]], within=10)
 
 
 def _children(pid: int) -> list[int]:
