@@ -9,8 +9,9 @@ so every rank learns at the same iteration that:
   summed over the group onto rank 0, which queues it for eplb_svc.
 
 The other two carry the highest and lowest version the ranks have staged: when they agree,
-all ranks swap in that same iteration (``Rebalancer.swap_if_agreed``). Load recorded under the old placement is flushed just before a
-swap, so each report names the placement its tokens were routed under.
+all ranks swap in that same iteration (``Rebalancer.swap_if_agreed``). Load recorded under
+the old placement is flushed just before a swap, so each report names the placement its
+tokens were routed under.
 
 Rank 0's gRPC side (``EPLBLink``) talks to this object only through :meth:`offer_placement`
 and :meth:`pop_report`, both thread-safe.
