@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.ep.runtime import EPConfig, check_dispatch, free_port
+from engine.ep.runtime import EPConfig, check_dispatch, check_placement, free_port
 
 log = logging.getLogger(__name__)
 Ready = Callable[[str, int], None]
@@ -140,6 +140,7 @@ def run_group(
     """Start this host's ranks, supervise them until a signal or a rank's death."""
     ep.validate()
     check_dispatch(ep)
+    check_placement(target.engine_config, ep)
     if ep.master_port == 0:
         ep = dataclasses.replace(ep, master_port=free_port())
     cpus = os.cpu_count() or 1

@@ -11,6 +11,7 @@ from engine.ep.runtime import (
     EPConfig,
     build_ep_engine,
     check_dispatch,
+    check_placement,
     free_port,
     init_group,
     rank_device,
@@ -80,11 +81,7 @@ def _check_inputs(config: EngineConfig, ep: EPConfig, prompts: Sequence[Sequence
     from engine.errors import check_prompt
     from engine.llm_engine import resolve_model_dir
 
+    check_placement(config, ep)
     cfg = load_config(resolve_model_dir(config.model))
-    from engine.ep.placement import round_robin_placement
-
-    round_robin_placement(  # raises a clear error for an impossible placement
-        len(cfg.moe_layer_ids), cfg.moe.n_routed_experts, ep.ep_size, ep.num_redundant_experts
-    )
     for ids in prompts:
         check_prompt(list(ids), cfg.vocab_size, cfg.max_position_embeddings)

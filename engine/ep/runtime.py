@@ -111,6 +111,15 @@ def check_dispatch(ep: EPConfig) -> None:
         raise ValueError("moe_dispatch deepep: deep_ep is not installed") from exc
 
 
+def check_placement(config: EngineConfig, ep: EPConfig) -> None:
+    """Refuse, before any rank starts, a group whose experts cannot be placed (a clear
+    ValueError instead of every rank failing at load)."""
+    cfg = load_config(resolve_model_dir(config.model))
+    round_robin_placement(
+        len(cfg.moe_layer_ids), cfg.moe.n_routed_experts, ep.ep_size, ep.num_redundant_experts
+    )
+
+
 def make_dispatcher(
     ep: EPConfig,
     num_local: int,

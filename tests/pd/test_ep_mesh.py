@@ -326,3 +326,17 @@ def test_a_dead_rank_takes_its_group_down(ep_mesh) -> None:
     while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(pid) for pid in ranks)
+
+
+def test_an_impossible_placement_is_refused_before_any_rank_starts() -> None:
+    import subprocess
+
+    out = subprocess.run(
+        dsmesh_command("decode", "--broker", "127.0.0.1:1", "--ep-size", "3"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode != 0
+    assert "cannot be split evenly over 3 ranks" in out.stderr
+    assert "Traceback" not in out.stderr
