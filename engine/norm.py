@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels._triton import use_triton
+from kernels.norm import SUPPORTED_DTYPES, rms_norm, rms_norm_ref
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
@@ -13,8 +16,24 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., dim] -> same shape and dtype."""
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        """x [..., dim] -> same shape, dtype promote(x, weight) (the model dtype).
+
+        On CUDA with Triton, one fused launch (:func:`kernels.norm.rms_norm`) when ``x`` views
+        as [T, dim] (strided rows included) and autograd is not involved; torch otherwise."""
+        x2d = self._as_rows(x) if use_triton(x) else None
+        if x2d is not None:
+            return rms_norm(x2d, self.weight, self.eps).view(x.shape)
+        return rms_norm_ref(x, self.weight, self.eps)
+
+    def _as_rows(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``x`` as [T, dim] without a copy, or None when the kernel should not run."""
+        if x.dtype not in SUPPORTED_DTYPES or self.weight.dtype not in SUPPORTED_DTYPES:
+            return None
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return None  # the kernel has no backward
+        if x.dim() == 0 or x.shape[-1] != self.weight.shape[0] or x.stride(-1) != 1:
+            return None
+        try:
+            return x.view(-1, x.shape[-1])
+        except RuntimeError:  # rows that are not one stride apart
+            return None
