@@ -413,14 +413,24 @@ def bench_prefill(engine, vocab: int, prompt_len: int, num_prompts: int, repeats
 
 
 def bench_decode(
-    engine, vocab: int, batch: int, context: int, steps: int, warmup: int, graphs: bool
+    engine,
+    vocab: int,
+    batch: int,
+    context: int,
+    steps: int,
+    warmup: int,
+    graphs: bool,
+    host_profile: dict[str, str] | None = None,
 ) -> float:
-    """Median seconds of one decode step of ``batch`` requests at ``context`` tokens."""
+    """Median seconds of one decode step of ``batch`` requests at ``context`` tokens. With
+    ``host_profile``, two more steps run under cProfile and its table (host functions by
+    own time; the GPU wait shows as the call that synchronises) lands in ``host_profile``."""
     from engine.sampling_params import SamplingParams
 
     runner = engine.graph_runner
     engine.graph_runner = runner if graphs else None
-    params = SamplingParams(max_new_tokens=steps + warmup + 1, ignore_eos=True)
+    extra = 3 if host_profile is not None else 0  # the profiled steps
+    params = SamplingParams(max_new_tokens=steps + warmup + extra + 1, ignore_eos=True)
     ids = []
     for i in range(batch):
         req = engine.reserve(random_prompt(vocab, context, i), params, f"d{batch}-{graphs}-{i}")
@@ -436,11 +446,75 @@ def bench_decode(
             if s >= warmup:
                 times.append(time.perf_counter() - t)
             assert len(out) == batch, f"decode step served {len(out)} of {batch}"
+        if host_profile is not None:
+            host_profile["table"] = host_profile_steps(engine, 2)
+            host_profile["trace"] = trace_step(engine)
     finally:
         for rid in ids:
             engine.abort(rid)
         engine.graph_runner = runner
     return statistics.median(times)
+
+
+def host_profile_steps(engine, steps: int, rows: int = 22) -> str:
+    """cProfile of ``steps`` engine steps, by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    sync(engine.device)
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(rows)
+    return buf.getvalue()
+
+
+def trace_step(engine, rows: int = 30) -> str:
+    """torch.profiler table (host and device) of one engine step, by host time; the chrome
+    trace goes to $DSMESH_TRACE_DIR when set."""
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU]
+    if engine.device.type == "cuda":
+        acts.append(ProfilerActivity.CUDA)
+    with profile(activities=acts) as prof:
+        engine.step()
+        sync(engine.device)
+    out_dir = os.environ.get("DSMESH_TRACE_DIR")
+    if out_dir:
+        prof.export_chrome_trace(str(Path(out_dir) / "decode_step_trace.json"))
+    return prof.key_averages().table(sort_by="cpu_time_total", row_limit=rows)
+
+
+def profile_prefill(engine, vocab: int, prompt_len: int, num_prompts: int, rows: int = 30):
+    """Kernel table (CUDA time) of one prefill step of ``num_prompts`` prompts."""
+    if engine.device.type != "cuda":
+        return ""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.sampling_params import SamplingParams
+
+    ids = [
+        engine.add_request(
+            random_prompt(vocab, prompt_len, 900 + i),
+            SamplingParams(max_new_tokens=1),
+            prefill_only=True,
+        )
+        for i in range(num_prompts)
+    ]
+    sync(engine.device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        sync(engine.device)
+    for rid in ids:
+        engine.release(rid)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
 
 
 def graph_replay_seconds(runner, batch: int, device: torch.device) -> float | None:
@@ -491,6 +565,7 @@ def run_v2(args, device, ceilings, results) -> None:
         "dtype": str(args.dtype).removeprefix("torch."),
         "params": sum(p.numel() for p in model.parameters()),
         "attention_backend": getattr(engine.graph_runner, "attention_backend", None),
+        "moe_backend": getattr(engine.graph_runner, "moe_backend", None),
     }
     t = bench_prefill(engine, cfg.vocab_size, prompt_len, args.prefill_prompts, args.repeats)
     flops = prefill_flops(cfg, prompt_len, args.prefill_prompts)
@@ -502,6 +577,10 @@ def run_v2(args, device, ceilings, results) -> None:
         "TFLOPs": flops / t / 1e12,
         "matmul_fraction": flops / t / 1e12 / ceilings["matmul_TFLOPs"],
     }
+    if args.profile:
+        table = profile_prefill(engine, cfg.vocab_size, prompt_len, args.prefill_prompts)
+        out["prefill"]["profile"] = table
+        print(f"  prefill forward:\n{table}", flush=True)
     elem = next(model.parameters()).element_size()
     rows = []
     for b in batches:
@@ -515,8 +594,10 @@ def run_v2(args, device, ceilings, results) -> None:
             "kv_bytes": kv,
             "roofline_ms": roofline * 1e3,
         }
-        for graphs in (True, False):
-            step = bench_decode(engine, cfg.vocab_size, b, context, args.steps, 3, graphs)
+        for graphs in (True, False) if args.eager else (True,):
+            profiled = args.profile and graphs and b == max(batches)
+            host: dict[str, str] | None = {} if profiled else None
+            step = bench_decode(engine, cfg.vocab_size, b, context, args.steps, 3, graphs, host)
             row["graphs" if graphs else "eager"] = {
                 "step_ms": step * 1e3,
                 "tokens_per_s": b / step,
@@ -527,6 +608,22 @@ def run_v2(args, device, ceilings, results) -> None:
                 if replay is not None:
                     row["graphs"]["replay_ms"] = replay * 1e3
                     row["graphs"]["replay_roofline_fraction"] = roofline / replay
+                runner = engine.graph_runner
+                if b == max(batches) and getattr(runner, "moe_backend", "") == "fused":
+                    # Baseline in the same run: the grouped-GEMM MoE path it replaced.
+                    runner.set_moe_backend("grouped")
+                    base = bench_decode(engine, cfg.vocab_size, b, context, args.steps, 3, True)
+                    replay = graph_replay_seconds(runner, b, device)
+                    row["graphs_grouped_moe"] = {
+                        "step_ms": base * 1e3,
+                        "replay_ms": replay * 1e3 if replay else None,
+                    }
+                    runner.set_moe_backend("auto")
+                if host:
+                    row["graphs"]["host_profile"] = host["table"]
+                    row["graphs"]["step_trace"] = host["trace"]
+                    print(f"  host profile, batch {b}:\n{host['table']}", flush=True)
+                    print(f"  step trace, batch {b}:\n{host['trace']}", flush=True)
                 if args.profile and b in (min(batches), max(batches)):
                     table = profile_static_forward(engine.graph_runner, b, device)
                     out.setdefault("profiles", {})[str(b)] = table
@@ -720,7 +817,7 @@ def print_table(results: dict[str, Any]) -> None:
             "| eager ms  tok/s | roof ms"
         )
         for r in v2["decode"]:
-            g, e = r["graphs"], r["eager"]
+            g, e = r["graphs"], r.get("eager", {"step_ms": float("nan"), "tokens_per_s": 0.0})
             replay = g.get("replay_ms", float("nan"))
             replay_frac = 100 * g.get("replay_roofline_fraction", float("nan"))
             print(
@@ -762,6 +859,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batches", default="1,32,128,256")
     ap.add_argument("--hf-batches", default="1,32,128")
     ap.add_argument("--profile", action="store_true", help="kernel tables of decode forwards")
+    ap.add_argument(
+        "--eager",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time decode without CUDA graphs (the graph speed-up)",
+    )
     ap.add_argument("--context", type=int, default=2000)
     ap.add_argument("--prompt-len", type=int, default=2000)
     ap.add_argument("--prefill-prompts", type=int, default=8)

@@ -42,6 +42,7 @@ from engine.model import DeepseekForCausalLM
 from engine.moe import DeepseekMoE
 from engine.moe_dispatch import LocalDispatcher
 from engine.routing import select_experts
+from kernels._triton import use_triton
 from kernels.mla_decode import mla_decode_ref
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,7 @@ class CudaGraphRunner:
         max_tokens_per_request: int,
         use_graphs: bool = True,
         attention: str = "auto",
+        moe_backend: str = "auto",
     ) -> None:
         problem = graph_support_problem(model)
         if problem is not None:
@@ -143,6 +145,10 @@ class CudaGraphRunner:
         self.decode_attention = self._choose_attention(attention)
         self.grouped_experts = self._grouped_experts_capturable()
         self.meta = torch.zeros(4, max_batch, dtype=torch.int64, device=self.device)
+        self.fused_moe = self._choose_moe(moe_backend)
+        # Fused norm / rope / cache-write kernels (kernels.norm, kernels.mla_rope) replace
+        # ~40 small launches per layer; off in float32, the exact-reference precision.
+        self.fused_glue = self.attention_backend == "kernel" and use_triton(self.meta)
         self.tables: dict[int, torch.Tensor] = {}
         self.expert_maps = self._expert_maps()
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -165,6 +171,32 @@ class CudaGraphRunner:
             kernel = None  # float32 is the reference precision: keep exact torch arithmetic
         self.attention_backend = "kernel" if kernel is not None else "torch"
         return kernel if kernel is not None else mla_decode_ref
+
+    def _choose_moe(self, moe_backend: str) -> Callable[..., torch.Tensor] | None:
+        """The fused decode MoE kernel (kernels.moe_fused) for bf16/fp16 on CUDA when
+        ``moe_backend`` is "auto" or "fused"; None keeps the grouped-GEMM path ("grouped")."""
+        if moe_backend not in ("auto", "fused", "grouped"):
+            raise ValueError(f"moe_backend must be auto, fused or grouped, got {moe_backend!r}")
+        usable = (
+            self.device.type == "cuda"
+            and self.dtype in (torch.bfloat16, torch.float16)
+            and use_triton(self.meta)
+        )
+        if moe_backend == "fused" and not usable:
+            raise ValueError("moe_backend='fused' needs bf16 or fp16 weights on CUDA")
+        if moe_backend == "grouped" or not usable:
+            self.moe_backend = "grouped" if self.grouped_experts else "dense"
+            return None
+        try:
+            from kernels.moe_fused import fused_moe
+        except Exception as exc:  # Triton missing or failing to initialise
+            if moe_backend == "fused":
+                raise
+            log.info("fused MoE kernel unavailable (%s); CUDA graphs use grouped GEMMs", exc)
+            self.moe_backend = "grouped" if self.grouped_experts else "dense"
+            return None
+        self.moe_backend = "fused"
+        return fused_moe
 
     def _grouped_experts_capturable(self) -> bool:
         """torch._grouped_mm keeps its group offsets on the device only on its fast path
@@ -192,6 +224,13 @@ class CudaGraphRunner:
             )
         return self.tables[pages]
 
+    def set_moe_backend(self, moe_backend: str) -> None:
+        """Switch the MoE path ("auto", "fused", "grouped") and drop captured graphs (A/B)."""
+        self.fused_moe = self._choose_moe(moe_backend)
+        self.graphs.clear()
+        if self.use_graphs:  # a fresh pool: capturing into one whose graphs died can fail
+            self.pool = torch.cuda.graph_pool_handle()
+
     # ---- stepping ---------------------------------------------------------------------------
 
     def can_run(self, num_rows: int) -> bool:
@@ -209,7 +248,7 @@ class CudaGraphRunner:
         if not (n == len(positions) == len(pages)) or not self.can_run(n):
             raise ValueError(f"bad decode step: {n} rows (max {self.max_batch})")
         b = bucket_for(n, self.buckets)
-        need = max(pages_for(pos + 1, self.page_size) for pos in positions)
+        need = pages_for(max(positions) + 1, self.page_size)
         p = page_bucket(need, self.max_pages)
         self._load_inputs(b, p, token_ids, positions, pages)
         self.keys_used.add((b, p))
@@ -231,31 +270,30 @@ class CudaGraphRunner:
         p: int,
         token_ids: Sequence[int],
         positions: Sequence[int],
-        pages: Sequence[Sequence[int]],
+        pages: Sequence[Sequence[int] | np.ndarray],
     ) -> None:
+        """Fill the buffers of bucket (b, p): vectorised, one host->device copy per buffer."""
         n = len(token_ids)
         ps = self.page_size
-        slots = []
-        for i, (pos, req_pages) in enumerate(zip(positions, pages, strict=True)):
-            if pages_for(pos + 1, ps) > len(req_pages):
-                raise ValueError(f"row {i}: {len(req_pages)} pages cannot hold position {pos}")
-            slots.append(req_pages[pos // ps] * ps + pos % ps)
-        rows = [list(pg[:p]) for pg in pages]
-        if all(len(r) == p for r in rows):  # one C-level copy in the common case
-            table = np.empty((b, p), dtype=np.int32)
-            table[:n] = rows
-        else:
-            table = np.zeros((b, p), dtype=np.int32)
-            for i, r in enumerate(rows):
-                table[i, : len(r)] = r
-        pad = b - n
-        ids = list(token_ids) + [token_ids[0]] * pad
-        pos_ = list(positions) + [positions[0]] * pad
-        slots += [slots[0]] * pad
-        table[n:] = table[0]
-        lens = [q + 1 for q in pos_]
-        meta = torch.tensor([ids, pos_, slots, lens], dtype=torch.int64)
-        self.meta[:, :b].copy_(meta)
+        table = np.zeros((b, p), dtype=np.int32)
+        held = np.empty(n, dtype=np.int64)
+        for i, req_pages in enumerate(pages):
+            k = min(len(req_pages), p)
+            table[i, :k] = req_pages[:k]
+            held[i] = len(req_pages)
+        pos = np.asarray(positions, dtype=np.int64)
+        short = np.nonzero((pos // ps + 1) > held)[0]
+        if short.size:
+            i = int(short[0])
+            raise ValueError(f"row {i}: {held[i]} pages cannot hold position {pos[i]}")
+        table[n:] = table[0]  # padding rows repeat row 0 exactly
+        meta = np.empty((4, b), dtype=np.int64)
+        meta[_IDS, :n] = token_ids
+        meta[_POS, :n] = pos
+        meta[_SLOT, :n] = table[np.arange(n), pos // ps].astype(np.int64) * ps + pos % ps
+        meta[:, n:] = meta[:, :1]
+        meta[_LEN] = meta[_POS] + 1
+        self.meta[:, :b].copy_(torch.from_numpy(meta))
         self._table(p)[:b].copy_(torch.from_numpy(table))
 
     def _capture(self, key: tuple[int, int]) -> None:
@@ -290,6 +328,8 @@ class CudaGraphRunner:
         table = self._table(p)[:b]
         x = m.embed_tokens(meta[_IDS])
         cos, sin = m.rotary.cos_sin(meta[_POS], x.dtype)
+        if self.fused_glue:
+            return self._forward_fused(x, cos, sin, slots, table, seq_lens)
         for layer in m.layers:
             h = layer.input_layernorm(x)
             x = x + self._attention(layer.self_attn, h, cos, sin, slots, table, seq_lens)
@@ -297,6 +337,33 @@ class CudaGraphRunner:
             mlp = layer.mlp
             x = x + (self._moe(mlp, h) if isinstance(mlp, DeepseekMoE) else mlp(h))
         return self.model.lm_head(m.norm(x)).to(torch.float32)
+
+    def _forward_fused(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        table: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """The same layers with each residual add fused into the next RMSNorm
+        (kernels.norm.fused_add_rms_norm; the residual stream ``x`` is updated in place)."""
+        from kernels.norm import fused_add_rms_norm
+
+        m = self.model.model
+        layers = list(m.layers)
+        first = layers[0].input_layernorm
+        h = first(x)
+        for i, layer in enumerate(layers):
+            out = self._attention(layer.self_attn, h, cos, sin, slots, table, seq_lens)
+            post = layer.post_attention_layernorm
+            h = fused_add_rms_norm(out, x, post.weight, post.eps)
+            mlp = layer.mlp
+            out = self._moe(mlp, h) if isinstance(mlp, DeepseekMoE) else mlp(h)
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else m.norm
+            h = fused_add_rms_norm(out, x, norm.weight, norm.eps)
+        return self.model.lm_head(h).to(torch.float32)
 
     def _attention(
         self,
@@ -315,12 +382,24 @@ class CudaGraphRunner:
         else:
             q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
         q = q.view(t, attn.num_heads, attn.nope_dim + attn.rope_dim)
-        q_nope, q_pe = q.split([attn.nope_dim, attn.rope_dim], dim=-1)
-        q_pe = attn.rotary(q_pe, cos, sin).contiguous()
-        latent, k_pe = attn.kv_a_proj_with_mqa(x).split([attn.kv_lora_rank, attn.rope_dim], -1)
-        latent = attn.kv_a_layernorm(latent)
-        k_pe = attn.rotary(k_pe, cos, sin)
-        self.kv_pool.write(attn.layer_idx, slots, torch.cat([latent, k_pe], dim=-1))
+        if self.fused_glue:
+            # One launch: rope on q_pe in place; norm + rope of the new latent, into the cache.
+            from kernels.mla_rope import mla_decode_prep
+
+            norm = attn.kv_a_layernorm
+            mla_decode_prep(
+                q, attn.kv_a_proj_with_mqa(x), norm.weight, norm.eps, cos, sin,
+                self.kv_pool.layer_slots(attn.layer_idx), slots, attn.rotary.interleave,
+                attn.nope_dim, attn.rope_dim, attn.kv_lora_rank,
+            )  # fmt: skip
+            q_nope, q_pe = q.split([attn.nope_dim, attn.rope_dim], dim=-1)
+        else:
+            q_nope, q_pe = q.split([attn.nope_dim, attn.rope_dim], dim=-1)
+            q_pe = attn.rotary(q_pe, cos, sin).contiguous()
+            latent, k_pe = attn.kv_a_proj_with_mqa(x).split([attn.kv_lora_rank, attn.rope_dim], -1)
+            latent = attn.kv_a_layernorm(latent)
+            k_pe = attn.rotary(k_pe, cos, sin)
+            self.kv_pool.write(attn.layer_idx, slots, torch.cat([latent, k_pe], dim=-1))
         w_uk, w_uv = attn.absorbed_weights()
         q_latent = torch.einsum("bhd,hdc->bhc", q_nope, w_uk).contiguous()
         kv = self.kv_pool.buffer[attn.layer_idx]
@@ -334,6 +413,14 @@ class CudaGraphRunner:
             moe.gate(x), moe.moe_cfg, moe.gate.e_score_correction_bias
         )
         physical = self.expert_maps[moe.moe_layer_idx][logical]
+        if self.fused_moe is not None and moe.experts.fp8 is None:
+            ex, mlp = moe.experts, moe.shared_experts
+            if mlp is not None and mlp.gate_proj.weight.shape[0] % ex.intermediate_size == 0:
+                # The shared MLP rides along as extra experts of the same width (in place).
+                shared = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+                return self.fused_moe(x, ex.w13, ex.w2, physical, weights, shared=shared)
+            add = mlp(x) if mlp is not None else None
+            return self.fused_moe(x, ex.w13, ex.w2, physical, weights, add=add)
         if self.grouped_experts:
             routed = self._routed_grouped(moe, x, weights, physical)
         else:

@@ -101,6 +101,10 @@ class MLAKVPool:
         """Bytes of one page of one layer (the unit a KV transfer moves)."""
         return self.page_size * self.kv_dim * self.buffer.element_size()
 
+    def layer_slots(self, layer: int) -> torch.Tensor:
+        """The ``layer``'s cache as [num_pages * page_size, kv_dim] (a view, writable)."""
+        return self._flat[layer]
+
     def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """Store ``kv`` [T, kv_dim] at flat ``slots`` [T] of ``layer``."""
         self._flat[layer].index_copy_(0, slots, kv.to(self.buffer.dtype))

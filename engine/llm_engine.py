@@ -314,9 +314,12 @@ class LLMEngine:
                     StepOutput(req.request_id, [], False, None, computed[req.request_id])
                 )
         if due:
-            rows = torch.tensor(due_rows, device=logits.device)
+            if len(due_rows) == logits.shape[0]:  # every row (decode): no gather
+                due_logits = logits
+            else:
+                due_logits = logits.index_select(0, torch.tensor(due_rows, device=logits.device))
             tokens = self.sampler(
-                logits.index_select(0, rows), [r.params for r in due], [r.generator for r in due]
+                due_logits, [r.params for r in due], [r.generator for r in due]
             ).tolist()
             for req, tok in zip(due, tokens, strict=True):
                 req.output_ids.append(tok)
@@ -346,7 +349,7 @@ class LLMEngine:
                 return runner.run(
                     [r.pending_ids(1)[0] for r in reqs],
                     [r.num_computed for r in reqs],
-                    [r.pages for r in reqs],
+                    [r.pages_array() for r in reqs],
                 )
             except GraphCaptureError:
                 # The warm-up wrote only this step's own KV; the eager forward rewrites it.

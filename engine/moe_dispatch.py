@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels._triton import use_triton
+
 
 @dataclass
 class DispatchOutput:
@@ -72,7 +74,7 @@ class MoEDispatcher(ABC):
 @dataclass
 class _LocalHandle:
     order: torch.Tensor  # [T*k] flat (token, slot) index of each dispatched row
-    weights: torch.Tensor  # [T*k] float32, in dispatched order
+    weights: torch.Tensor  # [T, k] float32, as routed
     num_tokens: int
     top_k: int
 
@@ -91,15 +93,21 @@ class LocalDispatcher(MoEDispatcher):
         order = torch.argsort(flat_ids, stable=True)
         counts = torch.bincount(flat_ids, minlength=self.num_local_experts)
         rows = hidden.index_select(0, order // top_k)
-        handle = _LocalHandle(order, weights.reshape(-1)[order], hidden.shape[0], top_k)
+        handle = _LocalHandle(order, weights, hidden.shape[0], top_k)
         return DispatchOutput(rows, counts, handle)
 
     def combine(self, expert_out: torch.Tensor, dispatched: DispatchOutput) -> torch.Tensor:
         h = dispatched.handle
         assert isinstance(h, _LocalHandle)
+        if use_triton(expert_out):
+            # One gather-and-sum pass per token (float32, one rounding; no atomics). The
+            # CPU path below sums with index_add_, the engine's exact reference order.
+            from kernels.moe_gemm import unpermute_combine
+
+            return unpermute_combine(expert_out, h.order, h.weights)
         out = torch.zeros(
             (h.num_tokens, expert_out.shape[1]), dtype=expert_out.dtype, device=expert_out.device
         )
-        weighted = expert_out * h.weights[:, None].to(expert_out.dtype)
+        weighted = expert_out * h.weights.reshape(-1)[h.order][:, None].to(expert_out.dtype)
         out.index_add_(0, h.order // h.top_k, weighted)
         return out

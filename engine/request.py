@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.sampling_params import SamplingParams
@@ -39,6 +40,8 @@ class Request:
     num_cached_pages: int = 0  # leading pages shared from the prefix cache
     prefill_only: bool = False  # finish after the first token (prefill instance)
     keep_pages: bool = False  # on finish, hold pages until the owner releases them
+    _pages_np: np.ndarray | None = field(default=None, repr=False, compare=False)
+    _pages_key: tuple[int, int] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -56,6 +59,18 @@ class Request:
         """Up to ``limit`` of the next tokens to feed."""
         start = self.num_computed
         end = min(self.num_tokens, start + limit)
-        if end <= len(self.prompt_ids):
+        n_prompt = len(self.prompt_ids)
+        if end <= n_prompt:
             return self.prompt_ids[start:end]
-        return (self.prompt_ids + self.output_ids)[start:end]
+        if start >= n_prompt:  # decode: no copy of the (long) prompt
+            return self.output_ids[start - n_prompt : end - n_prompt]
+        return self.prompt_ids[start:] + self.output_ids[: end - n_prompt]
+
+    def pages_array(self) -> np.ndarray:
+        """``pages`` as an int32 array, cached while the page list is unchanged (the decode
+        graph runner copies it into its page table every step)."""
+        key = (id(self.pages), len(self.pages))
+        if self._pages_key != key:
+            self._pages_np = np.asarray(self.pages, dtype=np.int32)
+            self._pages_key = key
+        return self._pages_np

@@ -65,6 +65,8 @@ class Sampler:
                 f"len(params)={len(params)}, len(generators)={len(generators)}"
             )
         device = logits.device
+        if all(p.temperature < GREEDY_BELOW for p in params):
+            return logits.argmax(dim=-1)  # all greedy (the common decode batch): one kernel
         token_ids = torch.empty(batch, dtype=torch.int64, device=device)
         # Temperatures below GREEDY_BELOW would divide float32 logits by ~0: greedy, as vLLM.
         greedy_rows = [i for i, p in enumerate(params) if p.temperature < GREEDY_BELOW]

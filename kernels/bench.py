@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 
 RESULTS: list[dict] = []
+TUNED: dict[str, dict] = {}  # fused MoE block sizes found by --tune (kernels.moe_fused format)
 TUNE = False
+STEPS = ("mla_decode", "mla_prefill", "quant", "routing", "moe", "moe_fused", "scaled_grouped_mm")
 
 
 def bench(fn, warmup: int = 25, rep: int = 100) -> float:
@@ -115,9 +117,22 @@ def mla_decode_bench(quick: bool) -> None:
             for s in (1, 2, 3)
             if not (bh == 64 and bn == 64)
         ]
-        if quick or not TUNE or (h, b) not in ((16, 128), (128, 32), (16, 1)):
+        if h == 16:  # V2-Lite: the context split count per batch size
+            variants = [
+                {"block_h": 16, "block_n": bn, "num_warps": 4, "num_stages": st, "splits": sp}
+                for bn in (32, 64)
+                for st in (2, 3)
+                for sp in (1, 2, 4, 8, 16, 32)
+                if b * sp <= 8192
+            ]
+        if quick or not TUNE or h != 16:
             variants = []
-        best_ms, best_cfg = best_variant(lambda v: mla_decode(*args, config=v), variants)
+
+        def run_variant(v: dict) -> torch.Tensor:
+            v = dict(v)
+            return mla_decode(*args, num_splits=v.pop("splits", None), config=v)
+
+        best_ms, best_cfg = best_variant(run_variant, variants)
         kv_bytes = b * ctx * (c + r) * 2
         record(
             "mla_decode",
@@ -342,6 +357,91 @@ def moe_bench(quick: bool) -> None:
         torch.cuda.empty_cache()
 
 
+def _grouped_routed(x, ids, weights, w13, w2):
+    """The graph runner's previous routed-expert path: argsort + scatter_add counts, gather,
+    two torch._grouped_mm with SwiGLU between, weighted index_add back."""
+    from kernels.moe_gemm import expert_ffn
+
+    top_k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(w13.shape[0], dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    token = order // top_k
+    out_rows = expert_ffn(x.index_select(0, token), counts, w13, w2)
+    w = weights.reshape(-1).index_select(0, order)[:, None].to(out_rows.dtype)
+    out = torch.zeros_like(x)
+    return out.index_add_(0, token, out_rows * w)
+
+
+def fused_moe_bench(quick: bool) -> None:
+    """Decode-sized routed experts, bf16: fused kernels vs the grouped-GEMM path, in graphs."""
+    from kernels.moe_fused import fused_moe
+
+    shapes = [("v2_lite", 64, 2048, 1408, 6), ("v3", 256, 7168, 2048, 8)]
+    for name, e, hdim, inter, k in shapes:
+        w13 = torch.randn(e, 2 * inter, hdim, device="cuda", dtype=torch.bfloat16) * 0.02
+        w2 = torch.randn(e, hdim, inter, device="cuda", dtype=torch.bfloat16) * 0.02
+        for t in (1, 32, 128, 256) if not quick else (256,):
+            x = torch.randn(t, hdim, device="cuda", dtype=torch.bfloat16)
+            ids = torch.rand(t, e, device="cuda").topk(k, dim=-1).indices
+            weights = torch.rand(t, k, device="cuda")
+            touched = int(torch.unique(ids).numel())
+            wbytes = touched * 3 * inter * hdim * 2
+            fused_ms = bench_graph(lambda: fused_moe(x, w13, w2, ids, weights), calls=5)
+            ref_ms = bench_graph(lambda: _grouped_routed(x, ids, weights, w13, w2), calls=5)
+            out = fused_moe(x, w13, w2, ids, weights).float()
+            ref = _grouped_routed(x, ids, weights, w13, w2).float()
+            err = float((out - ref).norm() / ref.norm())
+            best = {}
+            if TUNE and not quick and t == 256 and name == "v2_lite":
+                best = _tune_fused_moe(x, w13, w2, ids, weights, wbytes)
+            record(
+                "moe_fused_decode",
+                f"{name} T={t} top{k} E={e} bf16 (graph)",
+                fused_ms or math.nan,
+                ref_ms,
+                weight_gbs=round(wbytes / fused_ms / 1e6, 1) if fused_ms else None,
+                grouped_weight_gbs=round(wbytes / ref_ms / 1e6, 1) if ref_ms else None,
+                experts_touched=touched,
+                rel_err_vs_grouped=err,
+                **best,
+            )
+        torch.cuda.empty_cache()
+
+
+def _tune_fused_moe(x, w13, w2, ids, weights, wbytes) -> dict:
+    """Block sizes of each fused GEMM (the other at its default), timed in graphs."""
+    from kernels.moe_fused import fused_moe
+
+    space = [
+        {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": w, "num_stages": st}
+        for bm in (16, 32)
+        for bn in (32, 64, 128)
+        for bk in (64, 128, 256)
+        for w, st in ((4, 3), (4, 5), (8, 4))
+        if not (w == 8 and bn == 32)
+    ]
+    found = {}
+    for which in ("gate_up_config", "down_config"):
+        best = (math.inf, {})
+        print(f"  tuning {which}: {len(space)} variants", flush=True)
+        for v in space:
+            ms = bench_graph(lambda v=v: fused_moe(x, w13, w2, ids, weights, **{which: v}), 5)
+            if ms is not None and ms < best[0]:
+                best = (ms, v)
+        print(f"  best {which}: {best}", flush=True)
+        found[f"best_{which}"] = best[1]
+        found[f"best_{which}_ms"] = best[0]
+    both = {k.removeprefix("best_"): v for k, v in found.items() if not k.endswith("_ms")}
+    ms = bench_graph(lambda: fused_moe(x, w13, w2, ids, weights, **both), 5)
+    TUNED["gate_up"] = both["gate_up_config"]
+    TUNED["down"] = both["down_config"]
+    found["best_both_ms"] = ms
+    found["best_both_weight_gbs"] = round(wbytes / ms / 1e6, 1) if ms else None
+    return found
+
+
 def scaled_grouped_mm_probe() -> None:
     """Does torch._scaled_grouped_mm take 1x128 / 128x128 block scales on this GPU?"""
     e, m, n, k = 4, 256, 256, 512
@@ -370,6 +470,14 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--tune", action="store_true", help="also time block-size variants")
+    parser.add_argument(
+        "--tuned-out",
+        default=None,
+        help="write the fused MoE block sizes --tune found (for $DSMESH_MOE_FUSED_CONFIG)",
+    )
+    parser.add_argument(
+        "--only", default="", help="comma list of steps to run (default all): " + ",".join(STEPS)
+    )
     args = parser.parse_args()
     global TUNE
     TUNE = args.tune
@@ -382,14 +490,22 @@ def main() -> None:
     }
     print(info)
     copy_bandwidth()
-    for step in (
-        lambda: mla_decode_bench(args.quick),
-        lambda: mla_prefill_bench(args.quick),
-        quant_bench,
-        routing_bench,
-        lambda: moe_bench(args.quick),
-        scaled_grouped_mm_probe,
-    ):
+    steps = {
+        "mla_decode": lambda: mla_decode_bench(args.quick),
+        "mla_prefill": lambda: mla_prefill_bench(args.quick),
+        "quant": quant_bench,
+        "routing": routing_bench,
+        "moe": lambda: moe_bench(args.quick),
+        "moe_fused": lambda: fused_moe_bench(args.quick),
+        "scaled_grouped_mm": scaled_grouped_mm_probe,
+    }
+    only = [s for s in args.only.split(",") if s]
+    unknown = sorted(set(only) - set(steps))
+    if unknown:
+        parser.error(f"--only: unknown steps {unknown}; choose from {sorted(steps)}")
+    for name, step in steps.items():
+        if only and name not in only:
+            continue
         try:
             step()
         except Exception as exc:  # keep the other kernels' numbers
@@ -398,6 +514,9 @@ def main() -> None:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"info": info, "results": RESULTS}, f, indent=1)
+    if args.tuned_out and TUNED:
+        with open(args.tuned_out, "w") as f:
+            json.dump(TUNED, f, indent=1)
     print(f"total {time.time() - start:.0f} s")
     for row in RESULTS:
         print(

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.fp8 import FP8_DTYPE, dequantize_fp8_block, dequantize_fp8_per_token_group
-from kernels._triton import can_launch
+from kernels._triton import can_launch, next_pow2, use_triton
 
 __all__ = [
     "Fp8ExpertWeights",
@@ -35,6 +35,7 @@ __all__ = [
     "grouped_gemm_ref",
     "grouped_mm_supported",
     "permute_tokens",
+    "unpermute_combine",
     "unpermute_tokens",
 ]
 
@@ -83,6 +84,62 @@ def unpermute_tokens(
     return out.index_add_(0, order // top_k, expert_out * w[:, None])
 
 
+@functools.cache
+def _combine_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def combine_kernel(
+        rows_ptr, inv_ptr, w_ptr, out_ptr, hidden, stride_r, stride_o,
+        TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = cols < hidden
+        acc = tl.zeros((BLOCK_N,), tl.float32)
+        for j in tl.static_range(TOP_K):
+            row = tl.load(inv_ptr + t * TOP_K + j).to(tl.int64)
+            w = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
+            x = tl.load(rows_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+            acc += w * x
+        tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    return combine_kernel
+
+
+def unpermute_combine(
+    expert_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """:func:`unpermute_tokens` in one Triton pass: token ``t`` reads its ``k`` rows where
+    :func:`permute_tokens` put them and sums them with its routing weights in float32,
+    rounding once (no atomics, no unsorted copy). expert_out [T*k, H], order [T*k],
+    weights [T, k] -> [T, H] in expert_out's dtype."""
+    num_tokens, top_k = weights.shape
+    if expert_out.dim() != 2 or expert_out.shape[0] != num_tokens * top_k:
+        raise ValueError(
+            f"expert_out {tuple(expert_out.shape)} must be [{num_tokens * top_k}, hidden]"
+        )
+    if order.shape != (num_tokens * top_k,):
+        raise ValueError(f"order {tuple(order.shape)} must be [{num_tokens * top_k}]")
+    if not can_launch(expert_out):
+        raise RuntimeError("unpermute_combine needs a CUDA tensor (or TRITON_INTERPRET=1)")
+    hidden = expert_out.shape[1]
+    out = torch.empty((num_tokens, hidden), dtype=expert_out.dtype, device=expert_out.device)
+    if num_tokens == 0:
+        return out
+    if expert_out.stride(1) != 1:
+        expert_out = expert_out.contiguous()
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
+    block = min(next_pow2(hidden), 1024)
+    _combine_kernel()[(num_tokens, -(-hidden // block))](
+        expert_out, inv, weights.contiguous(), out, hidden, expert_out.stride(0), out.stride(0),
+        TOP_K=top_k, BLOCK_N=block,
+    )  # fmt: skip
+    return out
+
+
 # ---- bf16 ----------------------------------------------------------------------------------
 
 
@@ -108,9 +165,17 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tens
 def expert_ffn(
     hidden: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:
-    """SwiGLU experts: w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I]; [M, H] -> [M, H]."""
-    gate, up = grouped_gemm(hidden, w13, tokens_per_expert).chunk(2, dim=-1)
-    return grouped_gemm(F.silu(gate) * up, w2, tokens_per_expert)
+    """SwiGLU experts: w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I]; [M, H] -> [M, H].
+    On CUDA the SwiGLU between the GEMMs is one Triton pass (:mod:`kernels.activation`)."""
+    gate_up = grouped_gemm(hidden, w13, tokens_per_expert)
+    if use_triton(gate_up):
+        from kernels.activation import silu_mul
+
+        h = silu_mul(gate_up)
+    else:
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+    return grouped_gemm(h, w2, tokens_per_expert)
 
 
 def expert_ffn_ref(

@@ -57,7 +57,8 @@ def test_reference_empty_context_gives_zeros() -> None:
 
 def test_num_splits_only_depends_on_shapes() -> None:
     assert num_splits_for(1, 16, 4096, 16, 132) == 32
-    assert num_splits_for(256, 16, 4096, 16, 132) == 2
+    assert num_splits_for(256, 16, 4096, 16, 132) == 1
+    assert num_splits_for(128, 16, 4096, 16, 132) == 2
     assert num_splits_for(512, 128, 4096, 16, 132) == 1
     assert num_splits_for(1, 16, 100, 16, 132) == 1
     assert num_splits_for(1, 1, 1 << 20, 16, 132) == 64

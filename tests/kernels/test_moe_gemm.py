@@ -226,3 +226,23 @@ def test_fp8_grouped_gemm_deepseek_shape_on_gpu(m) -> None:
     out = fp8_grouped_gemm(*case)
     ref = fp8_grouped_gemm_ref(*case, out_dtype=torch.float32)
     assert rel_err(out, ref) < 1e-2
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_unpermute_combine_equals_the_index_add_reference(dtype, device) -> None:
+    from kernels.moe_gemm import unpermute_combine
+
+    g = torch.Generator().manual_seed(5)
+    tokens, experts, k, hidden = 23, 7, 3, 40
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    w = torch.rand(tokens, k, generator=g)
+    x = torch.randn(tokens, hidden, generator=g)
+    rows, _, order = permute_tokens(x, ids, experts)
+    expert_rows = (rows * 3 - 1).to(dtype)  # "the experts"
+    got = unpermute_combine(expert_rows.to(device), order.to(device), w.to(device)).cpu()
+    want = unpermute_tokens(expert_rows.float(), order, w, tokens)
+    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="order"):
+        unpermute_combine(expert_rows.to(device), order[:-1].to(device), w.to(device))
