@@ -297,3 +297,31 @@ def test_cuda_graph_replay_reads_new_inputs(v2_greedy_ckpt: HFCheckpoint) -> Non
     assert len(runner.graphs) == 1 and runner.num_replays == 2
     torch.testing.assert_close(b, a.flip(0))
     assert relative_error(a[0], a[1]) > 1e-3  # the two rows really differ
+
+
+@pytest.mark.parametrize("ckpt_name", ["v3_ckpt", "v2_greedy_ckpt"])
+def test_fused_kernels_in_the_static_forward_equal_the_torch_path(request, ckpt_name) -> None:
+    """The bf16 GPU configuration of the static forward (fused residual-add norms, the
+    one-launch rope/cache write, the Triton MLA decode and the fused MoE with shared experts)
+    forced on the CPU in float32, where the kernels run in Triton's interpreter, against the
+    same runner's torch path. The GPU tests check the bf16 graphs themselves."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("covered by the GPU tests (the runner picks these kernels itself there)")
+    import tests.kernels.conftest  # noqa: F401 - patches Triton's interpreter for NumPy 2.4
+    from kernels.mla_decode import mla_decode
+    from kernels.moe_fused import fused_moe
+
+    ckpt = request.getfixturevalue(ckpt_name)
+    page_size, steps = 4, 3
+    model = load_model(ckpt.path)
+    prompts = random_prompts([1, 6, 13], model.config.vocab_size, seed=9)
+    pool, pages, first = _prefilled(model, prompts, page_size, steps)
+    fed, _ = _eager_decode(model, pool, prompts, pages, first, page_size, steps)
+    torch_path = CudaGraphRunner(model, pool, max_batch=4, max_tokens_per_request=32)
+    want = _static_decode(torch_path, prompts, pages, fed)
+    fused = CudaGraphRunner(model, pool, max_batch=4, max_tokens_per_request=32)
+    fused.decode_attention, fused.fused_moe, fused.fused_glue = mla_decode, fused_moe, True
+    got = _static_decode(fused, prompts, pages, fed)
+    for g, w in zip(got, want, strict=True):
+        assert relative_error(g, w) < 1e-5
