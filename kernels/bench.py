@@ -117,15 +117,15 @@ def mla_decode_bench(quick: bool) -> None:
             for s in (1, 2, 3)
             if not (bh == 64 and bn == 64)
         ]
-        if h == 16:  # V2-Lite: the context split count per batch size
+        if h == 16:  # V2-Lite: tile length (16 = one page per tile), pipeline depth, splits
             variants = [
-                {"block_h": 16, "block_n": bn, "num_warps": 4, "num_stages": st, "splits": sp}
-                for bn in (32, 64)
-                for st in (2, 3)
-                for sp in (1, 2, 4, 8, 16, 32)
-                if b * sp <= 8192
+                {"block_h": 16, "block_n": bn, "num_warps": w, "num_stages": st, "splits": sp}
+                for bn in (16, 32, 64)
+                for st in (2, 3, 4, 5)
+                for w in (4, 8)
+                for sp in ((1, 2) if b >= 128 else (4, 8, 16))
             ]
-        if quick or not TUNE or h != 16:
+        if quick or not TUNE or h != 16 or b not in (32, 256):
             variants = []
 
         def run_variant(v: dict) -> torch.Tensor:

@@ -110,6 +110,8 @@ def _kernels():
         NUM_SPLITS: tl.constexpr,
         DIRECT: tl.constexpr,
         PRECISION: tl.constexpr,
+        IN_PAGE: tl.constexpr,
+        FULL_WIDTH: tl.constexpr,
     ):
         b = tl.program_id(0)
         hb = tl.program_id(1)
@@ -145,18 +147,28 @@ def _kernels():
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             pmask = pos < end
-            page = tl.load(pt_row + pos // PAGE_SIZE, mask=pmask, other=0).to(tl.int64)
-            row = page * stride_kv_page + (pos % PAGE_SIZE) * stride_kv_tok
-            k = tl.load(
-                kv_ptr + row[:, None] + c[None, :],
-                mask=pmask[:, None] & cmask[None, :],
-                other=0.0,
-            )
-            kpe = tl.load(
-                kv_ptr + row[:, None] + C + r[None, :],
-                mask=pmask[:, None] & rmask[None, :],
-                other=0.0,
-            )
+            if IN_PAGE:  # the tile lies in one page: one page-id load, contiguous rows
+                page = tl.load(pt_row + n0 // PAGE_SIZE).to(tl.int64)
+                row = page * stride_kv_page + (pos % PAGE_SIZE) * stride_kv_tok
+            else:
+                page = tl.load(pt_row + pos // PAGE_SIZE, mask=pmask, other=0).to(tl.int64)
+                row = page * stride_kv_page + (pos % PAGE_SIZE) * stride_kv_tok
+            if FULL_WIDTH:  # C and R fill their blocks: only the row mask
+                k = tl.load(kv_ptr + row[:, None] + c[None, :], mask=pmask[:, None], other=0.0)
+                kpe = tl.load(
+                    kv_ptr + row[:, None] + C + r[None, :], mask=pmask[:, None], other=0.0
+                )
+            else:
+                k = tl.load(
+                    kv_ptr + row[:, None] + c[None, :],
+                    mask=pmask[:, None] & cmask[None, :],
+                    other=0.0,
+                )
+                kpe = tl.load(
+                    kv_ptr + row[:, None] + C + r[None, :],
+                    mask=pmask[:, None] & rmask[None, :],
+                    other=0.0,
+                )
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             s = tl.dot(qpe, tl.trans(kpe), acc=s, input_precision=PRECISION)
             s = tl.where(pmask[None, :], s * qk_scale, float("-inf"))
@@ -223,6 +235,10 @@ def _kernels():
 
 
 _DEFAULT_CONFIG = {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}
+# Few heads (V2-Lite's 16) are bound by reading the cache: one-page tiles and a 5-deep
+# pipeline keep more of it in flight. H200, 2000 tokens, page 16: 0.202 ms at batch 256
+# against 0.226 with the default (2.9 against 2.6 TB/s), and the best of 72 variants at 32.
+_FEW_HEADS_CONFIG = {"block_h": 16, "block_n": 16, "num_warps": 4, "num_stages": 5}
 
 
 def mla_decode(
@@ -259,7 +275,7 @@ def mla_decode(
         out = torch.empty((b, h, c), dtype=q_latent.dtype, device=q_latent.device)
     if b == 0:
         return out
-    cfg = dict(_DEFAULT_CONFIG, **(config or {}))
+    cfg = dict(_FEW_HEADS_CONFIG if h <= 16 else _DEFAULT_CONFIG, **(config or {}))
     block_h = max(16, min(cfg["block_h"], next_pow2(h)))
     page_size = kv.shape[1]
     if num_splits is None:
@@ -268,6 +284,9 @@ def mla_decode(
     partial, combine = _kernels()
     fp32 = kv.dtype == torch.float32
     block_c = max(16, next_pow2(c))
+    block_r = max(16, next_pow2(r))
+    # Every tile starts at a multiple of BLOCK_N (so does every split's piece), so when
+    # BLOCK_N divides the page size a tile lies inside one page (IN_PAGE).
     direct = num_splits == 1
     if direct:
         part, lse = out, out  # lse unused
@@ -298,13 +317,15 @@ def mla_decode(
         C=c,
         R=r,
         BLOCK_C=block_c,
-        BLOCK_R=max(16, next_pow2(r)),
+        BLOCK_R=block_r,
         BLOCK_H=block_h,
         BLOCK_N=cfg["block_n"],
         PAGE_SIZE=page_size,
         NUM_SPLITS=num_splits,
         DIRECT=direct,
         PRECISION="ieee" if fp32 else "tf32",
+        IN_PAGE=page_size % cfg["block_n"] == 0,
+        FULL_WIDTH=block_c == c and block_r == r,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

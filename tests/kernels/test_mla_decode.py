@@ -79,6 +79,19 @@ def test_kernel_equals_reference(h, c, r, page_size, lens, num_splits, device) -
 
 
 @needs_triton
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize(("page_size", "block_n"), [(16, 16), (32, 16), (16, 32)])
+def test_tiles_inside_a_page_and_across_pages(page_size, block_n, num_splits, device) -> None:
+    """With BLOCK_N dividing the page size a tile reads one page id (IN_PAGE); otherwise
+    each row looks its page up. Both equal the reference, masks at the tail included."""
+    lens = [1, 40, 75]
+    case = make_case(3, 4, 32, 16, page_size, lens, torch.float32, device, seed=page_size)
+    cfg = {"block_n": block_n, "num_stages": 1}
+    out = mla_decode(*case, scale=0.2, num_splits=num_splits, config=cfg)
+    assert rel_err(out.cpu(), mla_decode_ref(*case, scale=0.2).cpu()) < 1e-5
+
+
+@needs_triton
 def test_kernel_out_argument_empty_context_and_errors(device) -> None:
     case = make_case(3, 4, 32, 16, 4, [0, 6, 11], torch.float32, device, seed=5)
     out = torch.full((3, 4, 32), float("nan"), device=device)
