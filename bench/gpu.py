@@ -25,6 +25,7 @@ smoke test); its numbers mean nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import statistics
@@ -422,7 +423,8 @@ def bench_decode(
     graphs: bool,
     host_profile: dict[str, str] | None = None,
 ) -> float:
-    """Median seconds of one decode step of ``batch`` requests at ``context`` tokens. With
+    """Mean seconds of one decode step of ``batch`` requests at ``context`` tokens, over
+    ``steps`` steps run back to back after ``warmup`` (which capture the graphs). With
     ``host_profile``, two more steps run under cProfile and its table (host functions by
     own time; the GPU wait shows as the call that synchronises) lands in ``host_profile``."""
     from engine.sampling_params import SamplingParams
@@ -436,16 +438,18 @@ def bench_decode(
         req = engine.reserve(random_prompt(vocab, context, i), params, f"d{batch}-{graphs}-{i}")
         engine.activate(req.request_id, 5)
         ids.append(req.request_id)
-    times = []
     try:
-        for s in range(warmup + steps):
-            sync(engine.device)
-            t = time.perf_counter()
+        for _ in range(warmup):
+            assert len(engine.step()) == batch
+        # Steps back to back, as a serving loop runs them (with overlapped decode a step's
+        # host work runs while the GPU computes the next): the mean over the block.
+        sync(engine.device)
+        t = time.perf_counter()
+        for _ in range(steps):
             out = engine.step()
-            sync(engine.device)
-            if s >= warmup:
-                times.append(time.perf_counter() - t)
             assert len(out) == batch, f"decode step served {len(out)} of {batch}"
+        sync(engine.device)
+        mean = (time.perf_counter() - t) / steps
         if host_profile is not None:
             host_profile["table"] = host_profile_steps(engine, 2)
             host_profile["trace"] = trace_step(engine)
@@ -453,7 +457,7 @@ def bench_decode(
         for rid in ids:
             engine.abort(rid)
         engine.graph_runner = runner
-    return statistics.median(times)
+    return mean
 
 
 def host_profile_steps(engine, steps: int, rows: int = 22) -> str:
@@ -609,6 +613,13 @@ def run_v2(args, device, ceilings, results) -> None:
                     row["graphs"]["replay_ms"] = replay * 1e3
                     row["graphs"]["replay_roofline_fraction"] = roofline / replay
                 runner = engine.graph_runner
+                if b == max(batches) and engine.config.overlap_decode:
+                    # Baseline in the same run: each step finishing before the next starts.
+                    on = engine.config
+                    engine.config = dataclasses.replace(on, overlap_decode=False)
+                    base = bench_decode(engine, cfg.vocab_size, b, context, args.steps, 3, True)
+                    engine.config = on
+                    row["graphs_no_overlap"] = {"step_ms": base * 1e3}
                 if b == max(batches) and getattr(runner, "moe_backend", "") == "fused":
                     # Baseline in the same run: the grouped-GEMM MoE path it replaced.
                     runner.set_moe_backend("grouped")

@@ -53,6 +53,13 @@ def add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool = Fal
         help="replay decode steps as CUDA graphs, one per batch-size bucket (CUDA only)",
     )
     g.add_argument(
+        "--overlap-decode",
+        action=argparse.BooleanOptionalAction,
+        default=d.overlap_decode,
+        help="with CUDA graphs, launch a greedy decode step before the previous one's "
+        "bookkeeping, so host work overlaps the GPU",
+    )
+    g.add_argument(
         "--fp8-experts",
         action=argparse.BooleanOptionalAction,
         default=d.fp8_experts,
@@ -74,6 +81,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         prefix_cache=args.prefix_cache,
         tbo=getattr(args, "tbo", False),
         cuda_graphs=getattr(args, "cuda_graphs", True),
+        overlap_decode=getattr(args, "overlap_decode", True),
         fp8_experts=getattr(args, "fp8_experts", False),
     )
 

@@ -21,7 +21,8 @@ FORWARDED_ENGINE_FLAGS = (
     "max_batch_tokens",
     "attention_mode",
 )
-FORWARDED_ENGINE_SWITCHES = ("prefix_cache", "cuda_graphs", "fp8_experts")  # --x / --no-x
+# --x / --no-x
+FORWARDED_ENGINE_SWITCHES = ("prefix_cache", "cuda_graphs", "overlap_decode", "fp8_experts")
 
 
 def _count(text: str) -> int:

@@ -240,10 +240,15 @@ class CudaGraphRunner:
         self,
         token_ids: Sequence[int],
         positions: Sequence[int],
-        pages: Sequence[Sequence[int]],
+        pages: Sequence[Sequence[int] | np.ndarray],
+        device_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One decode step: row i feeds ``token_ids[i]`` at ``positions[i]`` of a request
-        whose KV lives in ``pages[i]`` (in token order). Returns logits [n, vocab] float32."""
+        whose KV lives in ``pages[i]`` (in token order). Returns logits [n, vocab] float32.
+
+        ``device_ids`` [n] (on the device) replaces ``token_ids``: the tokens a step still
+        running on the GPU is producing (overlapped decode); the copy is ordered after it on
+        the stream, and nothing here waits for the GPU."""
         n = len(token_ids)
         if not (n == len(positions) == len(pages)) or not self.can_run(n):
             raise ValueError(f"bad decode step: {n} rows (max {self.max_batch})")
@@ -251,6 +256,11 @@ class CudaGraphRunner:
         need = pages_for(max(positions) + 1, self.page_size)
         p = page_bucket(need, self.max_pages)
         self._load_inputs(b, p, token_ids, positions, pages)
+        if device_ids is not None:
+            if device_ids.shape != (n,):
+                raise ValueError(f"device_ids must be [{n}], got {tuple(device_ids.shape)}")
+            self.meta[_IDS, :n].copy_(device_ids)
+            self.meta[_IDS, n:b].copy_(device_ids[:1].expand(b - n))
         self.keys_used.add((b, p))
         if not self.use_graphs:
             self.num_eager += 1
@@ -293,8 +303,17 @@ class CudaGraphRunner:
         meta[_SLOT, :n] = table[np.arange(n), pos // ps].astype(np.int64) * ps + pos % ps
         meta[:, n:] = meta[:, :1]
         meta[_LEN] = meta[_POS] + 1
-        self.meta[:, :b].copy_(torch.from_numpy(meta))
-        self._table(p)[:b].copy_(torch.from_numpy(table))
+        self._upload(self.meta[:, :b], meta)
+        self._upload(self._table(p)[:b], table)
+
+    def _upload(self, dst: torch.Tensor, src: np.ndarray) -> None:
+        """Host -> device without waiting for the GPU: from pinned memory, ordered on the
+        stream (a copy from pageable memory would synchronise with the running step)."""
+        host = torch.from_numpy(src)
+        if dst.is_cuda:
+            dst.copy_(host.pin_memory(), non_blocking=True)
+        else:
+            dst.copy_(host)
 
     def _capture(self, key: tuple[int, int]) -> None:
         try:

@@ -22,7 +22,7 @@ from engine.loader import load_model
 from engine.mla import ATTENTION_MODES
 from engine.model import DeepseekForCausalLM
 from engine.request import Request, RequestStatus
-from engine.sampler import Sampler, advance_generator, make_generator
+from engine.sampler import GREEDY_BELOW, Sampler, advance_generator, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 
@@ -47,6 +47,10 @@ class EngineConfig:
     # CPU, with tbo, with attention_mode "naive" and under expert parallelism).
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256  # larger decode batches run eagerly
+    # With CUDA graphs, a greedy decode step launches the next one (its input tokens taken
+    # on the device) before its own bookkeeping, so host work overlaps the GPU. Only when
+    # the next batch is certain to be the same requests (docs/GPU.md).
+    overlap_decode: bool = True
     # FP8 checkpoints: keep the routed experts in FP8 and run the FP8 grouped GEMM (CUDA);
     # off = dequantise every weight to ``dtype`` at load
     fp8_experts: bool = False
@@ -92,6 +96,18 @@ class StepOutput:
     finished: bool
     finish_reason: str | None
     computed: tuple[int, int] = (0, 0)
+
+
+@dataclass
+class _Inflight:
+    """A launched decode step: row i fed ``reqs[i]`` at ``positions[i]``; its greedy tokens
+    are ``tokens`` on the device and, once ``event`` has passed, ``host``."""
+
+    reqs: list[Request]
+    positions: list[int]
+    tokens: torch.Tensor
+    host: torch.Tensor
+    event: torch.cuda.Event | None
 
 
 @dataclass(frozen=True)
@@ -150,6 +166,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.graph_runner = self._make_graph_runner()
+        self._inflight: _Inflight | None = None  # a decode step launched ahead (overlap)
+        self.num_launched_ahead = 0  # decode steps launched before the previous one's end
 
     def _make_graph_runner(self) -> CudaGraphRunner | None:
         cfg = self.config
@@ -289,12 +307,22 @@ class LLMEngine:
 
         With ``idle_forward`` a rank with nothing scheduled still runs an empty forward, so
         it joins the expert-parallel collectives of the step.
+
+        With ``overlap_decode`` a greedy decode step may already have been launched by the
+        previous call (its inputs are that call's tokens, still on the device); this call
+        then finishes it, after launching the one after it when that is certain too.
         """
+        if self._inflight is not None:
+            outputs = self._finish_inflight()
+            if outputs is not None:
+                return outputs
         chunks = self.scheduler.schedule()
         if not chunks:
             if idle_forward:
                 self.model(ForwardBatch.empty(self.device), self.kv_pool, tbo=self.config.tbo)
             return []
+        if self._overlappable(chunks):
+            return self._decode_overlapped([c.request for c in chunks])
         logits = self._forward(chunks)
 
         due_rows: list[int] = []
@@ -364,6 +392,121 @@ class LLMEngine:
             )
         batch = ForwardBatch.build(seqs, self.config.page_size, self.device)
         return self.model(batch, self.kv_pool, self.config.attention_mode, tbo=self.config.tbo)
+
+    # ---- overlapped decode ----------------------------------------------------------------
+
+    def _overlappable(self, chunks: list[ScheduledChunk]) -> bool:
+        """A decode-only, all-greedy step of the graph runner (the step to launch ahead from)."""
+        runner = self.graph_runner
+        return (
+            self.config.overlap_decode
+            and runner is not None
+            and runner.can_run(len(chunks))
+            and all(c.num_tokens == 1 and not c.request.is_prefilling for c in chunks)
+            and all(c.request.params.temperature < GREEDY_BELOW for c in chunks)
+        )
+
+    def _next_is_certain(self, reqs: list[Request]) -> bool:
+        """The step after this one will run exactly ``reqs``, one token each, unless one of
+        them samples a stop token: nothing waits to join, no other request runs, and no
+        request reaches its length limit in this step (so the next token's KV slot lies in
+        pages it holds)."""
+        sched = self.scheduler
+        if sched.waiting or len(sched.running) != len(reqs):
+            return False
+        for r in reqs:
+            if len(r.output_ids) + 1 >= r.params.max_new_tokens:
+                return False
+            if r.num_tokens + 1 >= r.max_total_tokens:
+                return False
+        return True
+
+    def _launch(
+        self, reqs: list[Request], positions: list[int], device_ids: torch.Tensor | None
+    ) -> _Inflight:
+        """Replay the decode graph for ``reqs`` at ``positions`` (input tokens from the
+        requests, or ``device_ids`` on the device) and start copying its greedy tokens to
+        the host; nothing here waits for the GPU."""
+        runner = self.graph_runner
+        assert runner is not None
+        ids = [0] * len(reqs) if device_ids is not None else [r.pending_ids(1)[0] for r in reqs]
+        logits = runner.run(ids, positions, [r.pages_array() for r in reqs], device_ids)
+        tokens = logits.argmax(dim=-1)
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, event = tokens, None
+        return _Inflight(reqs, positions, tokens, host, event)
+
+    def _launch_next(self, current: _Inflight, rows: list[int]) -> None:
+        """Launch the step after ``current`` for its rows ``rows`` (row order kept), fed the
+        tokens ``current`` is computing, when that step is certain."""
+        reqs = [current.reqs[i] for i in rows]
+        if not reqs or not self._next_is_certain(reqs):
+            return
+        if len(rows) == len(current.reqs):
+            device_ids = current.tokens
+        else:
+            index = torch.tensor(rows, dtype=torch.int64)
+            if current.tokens.is_cuda:
+                index = index.pin_memory().to(current.tokens.device, non_blocking=True)
+            device_ids = current.tokens.index_select(0, index)
+        positions = [current.positions[i] + 1 for i in rows]
+        try:
+            self._inflight = self._launch(reqs, positions, device_ids)
+            self.num_launched_ahead += 1
+        except GraphCaptureError:
+            log.exception("CUDA graphs off for this engine; decode continues eagerly")
+            self.graph_runner = None
+
+    def _decode_overlapped(self, reqs: list[Request]) -> list[StepOutput]:
+        try:
+            current = self._launch(reqs, [r.num_computed for r in reqs], None)
+        except GraphCaptureError:
+            log.exception("CUDA graphs off for this engine; decode continues eagerly")
+            self.graph_runner = None
+            return self.step()  # the same schedule again (nothing was consumed)
+        self._launch_next(current, list(range(len(reqs))))
+        return self._finish_rows(current, list(range(len(reqs))))
+
+    def _finish_inflight(self) -> list[StepOutput] | None:
+        """Finish the step launched ahead: rows whose request stopped (finished at the
+        previous step, or aborted) are dropped. None when no row is left."""
+        current, self._inflight = self._inflight, None
+        assert current is not None
+        rows = [
+            i
+            for i, r in enumerate(current.reqs)
+            if r.status is RequestStatus.RUNNING and r.num_computed == current.positions[i]
+        ]
+        if not rows:
+            return None
+        self._launch_next(current, rows)
+        return self._finish_rows(current, rows)
+
+    def _finish_rows(self, current: _Inflight, rows: list[int]) -> list[StepOutput]:
+        """Wait for ``current``'s tokens and book the given rows (each fed one token)."""
+        if current.event is not None:
+            current.event.synchronize()
+        tokens = current.host.tolist()
+        outputs = []
+        for i in rows:
+            req, tok = current.reqs[i], tokens[i]
+            start = req.num_computed
+            req.num_computed += 1
+            req.output_ids.append(tok)
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+                if not req.keep_pages:
+                    self.requests.pop(req.request_id, None)
+            outputs.append(
+                StepOutput(req.request_id, [tok], reason is not None, reason, (start, start + 1))
+            )
+        return outputs
 
     def _stop_reason(self, req: Request, tok: int) -> str | None:
         p = req.params

@@ -198,13 +198,16 @@ def _assert_matches_transformers(ckpt: HFCheckpoint, out: dict[int, list[int]]) 
 
 
 @pytest.mark.parametrize("ckpt_name", ["v3_ckpt", "v2_greedy_ckpt"])
+@pytest.mark.parametrize("overlap", [False, True])
 def test_engine_static_decode_matches_eager_and_transformers_on_cpu(
-    request, ckpt_name: str
+    request, ckpt_name: str, overlap: bool
 ) -> None:
+    """With ``overlap`` the engine launches greedy decode steps ahead (fed the previous
+    step's tokens on the device) while requests join and leave; the tokens must not move."""
     ckpt = request.getfixturevalue(ckpt_name)
     vocab = ckpt.hf_model.config.vocab_size
     eager = _scenario(_engine(ckpt, "cpu"), vocab)
-    engine = _engine(ckpt, "cpu")
+    engine = _engine(ckpt, "cpu", overlap_decode=overlap)
     assert engine.graph_runner is None  # CPU: cuda_graphs is ignored
     # The CUDA path's runner, without graphs, so CPU CI checks its integration too.
     engine.graph_runner = CudaGraphRunner(
@@ -212,9 +215,13 @@ def test_engine_static_decode_matches_eager_and_transformers_on_cpu(
     )
     static = _scenario(engine, vocab)
     assert engine.graph_runner.num_eager > 10
-    # Decode steps of 1..7 rows: padded buckets (3 -> 4, 5..7 -> 8) and two page buckets.
-    assert {b for b, _ in engine.graph_runner.keys_used} >= {2, 4, 8}
-    assert len({p for _, p in engine.graph_runner.keys_used}) >= 2
+    if overlap:
+        assert engine.num_launched_ahead > 5
+    else:
+        assert engine.num_launched_ahead == 0
+        # Decode steps of 1..7 rows: padded buckets (3 -> 4, 5..7 -> 8), two page buckets.
+        assert {b for b, _ in engine.graph_runner.keys_used} >= {2, 4, 8}
+        assert len({p for _, p in engine.graph_runner.keys_used}) >= 2
     assert static == eager
     assert [len(static[i]) for i in range(len(LENGTHS))] == MAX_NEW
     _assert_matches_transformers(ckpt, static)
@@ -225,7 +232,7 @@ def test_engine_falls_back_to_eager_when_capture_fails(v2_greedy_ckpt: HFCheckpo
     step runs eagerly; no request fails and the tokens are the eager engine's."""
 
     class FailingCapture(CudaGraphRunner):
-        def run(self, token_ids, positions, pages):
+        def run(self, *args, **kwargs):
             raise GraphCaptureError("planted capture failure")
 
     vocab = v2_greedy_ckpt.hf_model.config.vocab_size

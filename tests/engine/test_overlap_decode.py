@@ -1,0 +1,109 @@
+"""Overlapped decode: a greedy decode step launches the next one (fed its tokens on the
+device) before its own bookkeeping. Stop tokens, aborts, sampled rows and length limits
+around a step launched ahead must leave the tokens and the KV pages exactly as without it.
+
+On CPU the graph runner runs without graphs (each launch computes at once), which exercises
+the engine's bookkeeping; the GPU tests and bench/gpu.py run it with real graphs."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.cuda_graph import CudaGraphRunner
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.sampling_params import SamplingParams
+from tests.engine.hf_checkpoints import HFCheckpoint, random_prompts
+
+LENGTHS = [3, 9, 17, 30]
+
+
+def _engine(ckpt: HFCheckpoint, overlap: bool) -> LLMEngine:
+    cfg = EngineConfig(
+        model=str(ckpt.path),
+        device="cpu",
+        dtype="float32",
+        page_size=4,
+        max_total_tokens=1024,
+        overlap_decode=overlap,
+    )
+    engine = LLMEngine(cfg)
+    engine.graph_runner = CudaGraphRunner(
+        engine.model, engine.kv_pool, max_batch=8, max_tokens_per_request=256, use_graphs=False
+    )
+    return engine
+
+
+def _run(engine: LLMEngine, params: list[SamplingParams], abort_at: dict[int, int] | None = None):
+    """Every prompt at once; ``abort_at`` {request index: step} aborts after that step.
+    Returns (tokens per request, finish reason per request)."""
+    prompts = random_prompts(LENGTHS, engine.model_config.vocab_size, seed=3)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    out: dict[str, list[int]] = {i: [] for i in ids}
+    reasons: dict[str, str | None] = {i: None for i in ids}
+    step = 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+        step += 1
+        for i, at in (abort_at or {}).items():
+            if at == step and engine.abort(ids[i]):
+                reasons[ids[i]] = "abort"
+    assert engine.num_pages_in_use == 0  # nothing leaks, launched-ahead rows included
+    return [out[i] for i in ids], [reasons[i] for i in ids]
+
+
+def _greedy(max_new: list[int], stop: list[list[int]] | None = None) -> list[SamplingParams]:
+    stop = stop or [[] for _ in max_new]
+    return [
+        SamplingParams(max_new_tokens=n, ignore_eos=True, stop_token_ids=s)
+        for n, s in zip(max_new, stop, strict=True)
+    ]
+
+
+def test_stop_tokens_and_length_limits(v2_greedy_ckpt: HFCheckpoint) -> None:
+    base, _ = _run(_engine(v2_greedy_ckpt, False), _greedy([12, 12, 12, 12]))
+    # Request 1 stops at its 4th token, request 3 at its 7th: steps launched ahead for them
+    # must be dropped. Request 0 ends by length two steps before the others.
+    stop = [[], [base[1][3]], [], [base[3][6]]]
+    params = _greedy([10, 12, 12, 12], stop)
+    want, want_reasons = _run(_engine(v2_greedy_ckpt, False), params)
+    engine = _engine(v2_greedy_ckpt, True)
+    got, reasons = _run(engine, params)
+    assert got == want and reasons == want_reasons
+    assert reasons[1] == "stop" and reasons[0] == "length"
+    assert len(got[1]) <= 4 and len(got[0]) == 10
+    assert engine.num_launched_ahead > 5
+
+
+def test_abort_while_a_step_is_launched_ahead(v2_greedy_ckpt: HFCheckpoint) -> None:
+    params = _greedy([9, 9, 9, 9])
+    want = _run(_engine(v2_greedy_ckpt, False), params, abort_at={2: 4})
+    engine = _engine(v2_greedy_ckpt, True)
+    got = _run(engine, params, abort_at={2: 4})
+    assert got == want
+    assert got[1][2] == "abort" and len(got[0][2]) < 9
+    assert engine.num_launched_ahead > 3
+
+
+def test_a_sampled_row_turns_overlap_off_for_its_batch(v2_greedy_ckpt: HFCheckpoint) -> None:
+    """Launching ahead needs the next inputs to be argmaxes; a batch with a sampled row runs
+    step by step, with the same tokens as without overlap."""
+    params = _greedy([6, 6, 6, 6])
+    params[2] = SamplingParams(max_new_tokens=6, temperature=0.8, seed=5, ignore_eos=True)
+    want = _run(_engine(v2_greedy_ckpt, False), params)
+    engine = _engine(v2_greedy_ckpt, True)
+    assert _run(engine, params) == want
+    assert engine.num_launched_ahead == 0
+
+
+@pytest.mark.parametrize(("argv", "want"), [([], True), (["--no-overlap-decode"], False)])
+def test_cli_switch(argv: list[str], want: bool) -> None:
+    import argparse
+
+    from dsmesh.cli_common import add_engine_args, engine_config_from
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from(parser.parse_args(argv)).overlap_decode is want
