@@ -250,9 +250,18 @@ class LLMEngine:
         """Validate and take pages now for a request whose prompt KV will be written into
         them by someone else (decode instance). Raises OutOfPagesError when short."""
         req = self.make_request(prompt_ids, params, request_id)
+        self._settle_launched_ahead()
         self.scheduler.reserve(req)
         self.requests[req.request_id] = req
         return req
+
+    def _settle_launched_ahead(self) -> None:
+        """Wait until a step launched ahead has run. Its rows of requests that stopped since
+        write one KV slot into pages already freed; stream order keeps the engine's own
+        later writes after it, but a reserved request's pages are filled by the KV transfer,
+        outside the stream, so they must not be handed out while that write is pending."""
+        if self._inflight is not None and self._inflight.event is not None:
+            self._inflight.event.synchronize()
 
     def activate(self, request_id: str, first_token: int) -> StepOutput:
         """The prompt KV of a reserved request is in its pages and ``first_token`` was sampled

@@ -107,3 +107,27 @@ def test_cli_switch(argv: list[str], want: bool) -> None:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert engine_config_from(parser.parse_args(argv)).overlap_decode is want
+
+
+def test_reserve_while_a_step_is_launched_ahead(v2_greedy_ckpt: HFCheckpoint) -> None:
+    """A decode instance reserves pages for an arriving request between steps; with a step
+    launched ahead the engine first lets it finish (its KV writes are on the stream, the
+    transfer's are not). The running requests' tokens do not move, nothing leaks."""
+    params = _greedy([8, 8, 8, 8])
+    want = _run(_engine(v2_greedy_ckpt, False), params)
+    engine = _engine(v2_greedy_ckpt, True)
+    prompts = random_prompts(LENGTHS, engine.model_config.vocab_size, seed=3)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    out: dict[str, list[int]] = {i: [] for i in ids}
+    reserved = False
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id in out:
+                out[o.request_id].extend(o.new_token_ids)
+        if not reserved and engine._inflight is not None:
+            engine.reserve(prompts[0], SamplingParams(max_new_tokens=2), "arriving")
+            reserved = True
+    assert reserved
+    engine.release("arriving")  # its KV never came
+    assert [out[i] for i in ids] == want[0]
+    assert engine.num_pages_in_use == 0
