@@ -359,18 +359,18 @@ class LLMEngine:
                 due_logits, [r.params for r in due], [r.generator for r in due]
             ).tolist()
             for req, tok in zip(due, tokens, strict=True):
-                req.output_ids.append(tok)
-                reason = "prefilled" if req.prefill_only else self._stop_reason(req, tok)
-                if reason is not None:
-                    self.scheduler.finish(req, reason)
-                    if not req.keep_pages:
-                        self.requests.pop(req.request_id, None)
-                outputs.append(
-                    StepOutput(
-                        req.request_id, [tok], reason is not None, reason, computed[req.request_id]
-                    )
-                )
+                outputs.append(self._book_token(req, tok, computed[req.request_id]))
         return outputs
+
+    def _book_token(self, req: Request, tok: int, computed: tuple[int, int]) -> StepOutput:
+        """Append a sampled token, finish the request if it stops there, report it."""
+        req.output_ids.append(tok)
+        reason = "prefilled" if req.prefill_only else self._stop_reason(req, tok)
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+            if not req.keep_pages:
+                self.requests.pop(req.request_id, None)
+        return StepOutput(req.request_id, [tok], reason is not None, reason, computed)
 
     def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Logits [len(chunks), vocab] of each chunk's last token; a step where every chunk
@@ -503,18 +503,10 @@ class LLMEngine:
         tokens = current.host.tolist()
         outputs = []
         for i in rows:
-            req, tok = current.reqs[i], tokens[i]
-            start = req.num_computed
+            req = current.reqs[i]
             req.num_computed += 1
-            req.output_ids.append(tok)
-            reason = self._stop_reason(req, tok)
-            if reason is not None:
-                self.scheduler.finish(req, reason)
-                if not req.keep_pages:
-                    self.requests.pop(req.request_id, None)
-            outputs.append(
-                StepOutput(req.request_id, [tok], reason is not None, reason, (start, start + 1))
-            )
+            computed = (req.num_computed - 1, req.num_computed)
+            outputs.append(self._book_token(req, tokens[i], computed))
         return outputs
 
     def _stop_reason(self, req: Request, tok: int) -> str | None:

@@ -40,8 +40,10 @@ class Request:
     num_cached_pages: int = 0  # leading pages shared from the prefix cache
     prefill_only: bool = False  # finish after the first token (prefill instance)
     keep_pages: bool = False  # on finish, hold pages until the owner releases them
-    _pages_np: np.ndarray | None = field(default=None, repr=False, compare=False)
-    _pages_key: tuple[int, int] | None = field(default=None, repr=False, compare=False)
+    _pages_np: np.ndarray = field(
+        default_factory=lambda: np.empty(0, np.int32), repr=False, compare=False
+    )
+    _pages_src: list[int] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -69,8 +71,7 @@ class Request:
     def pages_array(self) -> np.ndarray:
         """``pages`` as an int32 array, cached while the page list is unchanged (the decode
         graph runner copies it into its page table every step)."""
-        key = (id(self.pages), len(self.pages))
-        if self._pages_key != key:
+        if self._pages_src is not self.pages or len(self._pages_np) != len(self.pages):
             self._pages_np = np.asarray(self.pages, dtype=np.int32)
-            self._pages_key = key
+            self._pages_src = self.pages  # held, so a new list can never look like it
         return self._pages_np
