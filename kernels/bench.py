@@ -358,20 +358,18 @@ def moe_bench(quick: bool) -> None:
 
 
 def _grouped_routed(x, ids, weights, w13, w2):
-    """The graph runner's previous routed-expert path: argsort + scatter_add counts, gather,
-    two torch._grouped_mm with SwiGLU between, weighted index_add back."""
-    from kernels.moe_gemm import expert_ffn
+    """The graph runner's grouped-GEMM routed-expert path (``moe_backend="grouped"``): sort,
+    gather, two ``torch._grouped_mm`` with SwiGLU between, weighted ``index_add_`` back."""
+    import types
 
-    top_k = ids.shape[1]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(w13.shape[0], dtype=torch.int64, device=x.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    token = order // top_k
-    out_rows = expert_ffn(x.index_select(0, token), counts, w13, w2)
-    w = weights.reshape(-1).index_select(0, order)[:, None].to(out_rows.dtype)
-    out = torch.zeros_like(x)
-    return out.index_add_(0, token, out_rows * w)
+    from engine.cuda_graph import CudaGraphRunner
+    from engine.moe import RoutedExperts
+
+    experts = RoutedExperts(w13.shape[0], w13.shape[2], w2.shape[2])
+    experts.w13 = torch.nn.Parameter(w13, requires_grad=False)
+    experts.w2 = torch.nn.Parameter(w2, requires_grad=False)
+    moe = types.SimpleNamespace(experts=experts)
+    return CudaGraphRunner._routed_grouped(moe, x, weights, ids)
 
 
 def fused_moe_bench(quick: bool) -> None:
