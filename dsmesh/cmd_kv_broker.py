@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from dsmesh.cli_common import add_security_args, tls_config_from
 from dsmesh.grpc_server import run_until_signal
@@ -116,8 +115,5 @@ def run(args: argparse.Namespace) -> int:
     def ready(port: int) -> None:
         print(f"kv-broker listening on {config.host}:{port}", flush=True)
 
-    async def main(stop: asyncio.Event) -> None:
-        await serve(config, stop, ready)
-
-    run_until_signal(main)
+    run_until_signal(lambda stop: serve(config, stop, ready))
     return 0

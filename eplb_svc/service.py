@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dsmesh.grpc_server import set_channel_defaults, start_server
-from dsmesh.metrics_http import metrics_endpoint
 from dsmesh.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
+from dsmesh.service_loop import serve_until_stopped
 from dsmesh.v1 import eplb_pb2, eplb_pb2_grpc
 from eplb_svc.metrics import EPLBMetrics
 from eplb_svc.servicer import EPLBServicer
-
-log = logging.getLogger(__name__)
 
 SERVICE_NAME = eplb_pb2.DESCRIPTOR.services_by_name["EPLB"].full_name
 DEFAULT_PORT = 50055  # the CLI's default; EPLBConfig's 0 picks any free port
@@ -62,26 +58,15 @@ async def serve(
     NOT_SERVING, WatchPlacement streams end with OK, in-flight calls get
     ``config.shutdown_grace_s``. ``metrics`` (tests) defaults to a fresh registry.
     """
-    set_channel_defaults(config.tls, config.max_message_bytes)
     metrics = metrics if metrics is not None else EPLBMetrics()
     servicer = EPLBServicer(config, metrics)
-    running = await start_server(
+    await serve_until_stopped(
+        "eplb",
+        SERVICE_NAME,
         lambda server: eplb_pb2_grpc.add_EPLBServicer_to_server(servicer, server),
-        (SERVICE_NAME,),
-        config.host,
-        config.port,
-        tls=config.tls,
-        max_message_bytes=config.max_message_bytes,
+        servicer,
+        metrics.registry,
+        config,
+        stop,
+        ready,
     )
-    servicer.start()
-    try:
-        async with metrics_endpoint(metrics.registry, config.metrics_port, config.host, "eplb"):
-            log.info("eplb listening on %s:%d", config.host, running.port)
-            if ready is not None:
-                ready(running.port)
-            await stop.wait()
-    finally:
-        log.info("eplb stopping")
-        await running.set_serving(False, ("", SERVICE_NAME))
-        await servicer.close()
-        await running.server.stop(config.shutdown_grace_s)

@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dsmesh.grpc_server import set_channel_defaults, start_server
-from dsmesh.metrics_http import metrics_endpoint
 from dsmesh.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
+from dsmesh.service_loop import serve_until_stopped
 from dsmesh.telemetry import tracing
 from dsmesh.v1 import kv_broker_pb2, kv_broker_pb2_grpc
 from kv_broker.metrics import BrokerMetrics
 from kv_broker.servicer import KVBrokerServicer
-
-log = logging.getLogger(__name__)
 
 SERVICE_NAME = kv_broker_pb2.DESCRIPTOR.services_by_name["KVBroker"].full_name
 DEFAULT_PORT = 50054  # the CLI's default; BrokerConfig's 0 picks any free port
@@ -63,35 +59,16 @@ async def serve(
     ``config.shutdown_grace_s`` to finish. Traces go wherever the ``OTEL_*`` environment says
     (service name ``kv-broker``); off by default.
     """
-    async with tracing("kv-broker"):  # before the server: it picks its interceptors
-        await _serve(config, stop, ready)
-
-
-async def _serve(
-    config: BrokerConfig, stop: asyncio.Event, ready: Callable[[int], None] | None
-) -> None:
-    set_channel_defaults(config.tls, config.max_message_bytes)
     metrics = BrokerMetrics()
     servicer = KVBrokerServicer(config, metrics)
-    running = await start_server(
-        lambda server: kv_broker_pb2_grpc.add_KVBrokerServicer_to_server(servicer, server),
-        (SERVICE_NAME,),
-        config.host,
-        config.port,
-        tls=config.tls,
-        max_message_bytes=config.max_message_bytes,
-    )
-    servicer.start()
-    try:
-        async with metrics_endpoint(
-            metrics.registry, config.metrics_port, config.host, "kv-broker"
-        ):
-            log.info("kv-broker listening on %s:%d", config.host, running.port)
-            if ready is not None:
-                ready(running.port)
-            await stop.wait()
-    finally:
-        log.info("kv-broker stopping")
-        await running.set_serving(False, ("", SERVICE_NAME))
-        await servicer.close()
-        await running.server.stop(config.shutdown_grace_s)
+    async with tracing("kv-broker"):  # before the server: it picks its interceptors
+        await serve_until_stopped(
+            "kv-broker",
+            SERVICE_NAME,
+            lambda server: kv_broker_pb2_grpc.add_KVBrokerServicer_to_server(servicer, server),
+            servicer,
+            metrics.registry,
+            config,
+            stop,
+            ready,
+        )
