@@ -28,6 +28,7 @@ from dsmesh.v1 import eplb_pb2, eplb_pb2_grpc, generation_pb2
 from dsmesh.v1 import generation_pb2_grpc as gen_grpc
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
+from tests.pd.launch import start_gateway
 
 pytestmark = pytest.mark.timeout(600)
 MAX_NEW = 6
@@ -132,22 +133,7 @@ def live(tmp_path_factory: pytest.TempPathFactory):
                     log_dir=logs,
                 )
             )
-        gateway = start_service(
-            "gateway",
-            dsmesh_command(
-                "gateway",
-                "--broker",
-                broker.address,
-                "--model",
-                model,
-                "--grpc-port",
-                "0",
-                "--http-port",
-                "0",
-            ),
-            env=env,
-            log_dir=logs,
-        )
+        gateway = start_gateway(broker.address, model, env, logs)
         procs.append(gateway)
         yield {
             "model": model,

@@ -22,6 +22,7 @@ from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
+from tests.pd.launch import start_gateway
 
 pytestmark = pytest.mark.timeout(400)
 MAX_NEW = 8
@@ -98,24 +99,7 @@ def ep_mesh(tmp_path_factory: pytest.TempPathFactory):
                 log_dir=logs,
             )
         )
-        procs.append(
-            start_service(
-                "gateway",
-                dsmesh_command(
-                    "gateway",
-                    "--broker",
-                    broker.address,
-                    "--model",
-                    model,
-                    "--grpc-port",
-                    "0",
-                    "--http-port",
-                    "0",
-                ),
-                env=env,
-                log_dir=logs,
-            )
-        )
+        procs.append(start_gateway(broker.address, model, env, logs))
         yield {"procs": procs, "model": model, "logs": logs, "metrics": metrics}
     finally:
         for proc in reversed(procs):
