@@ -536,7 +536,7 @@ def graph_replay_seconds(runner, batch: int, device: torch.device) -> float | No
     return time_it(graph.replay, device, repeats=10, warmup=2)
 
 
-def profile_static_forward(runner, batch: int, device: torch.device, rows: int = 25) -> str:
+def profile_static_forward(runner, batch: int, device: torch.device, rows: int = 60) -> str:
     """Kernel table (CUDA time) of one static decode forward at ``batch``, run eagerly on
     the buffers of the last step of that bucket."""
     from engine.cuda_graph import bucket_for

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from engine.kv_cache import MLAKVPool, pages_for
 from engine.mla import MLAttention
@@ -151,6 +152,7 @@ class CudaGraphRunner:
         self.fused_glue = self.attention_backend == "kernel" and use_triton(self.meta)
         self.tables: dict[int, torch.Tensor] = {}
         self.expert_maps = self._expert_maps()
+        self.input_projections = self._fuse_input_projections()
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.num_replays = 0
@@ -216,6 +218,32 @@ class CudaGraphRunner:
             loc.logical_to_physical[i, :, 0].to(self.device)
             for i in range(loc.logical_to_physical.shape[0])
         ]
+
+    def _fuse_input_projections(self) -> dict[int, tuple[torch.Tensor, int]]:
+        """Per layer, the weight of one GEMM for both projections of the layer input (``q_proj``
+        or ``q_a_proj``, then ``kv_a_proj_with_mqa``) and the split point: the two weights
+        move into one tensor and the modules keep views of it, so no memory is added and
+        every other path reads the same values. Layers with biases or other module types
+        keep two GEMMs."""
+        fused: dict[int, tuple[torch.Tensor, int]] = {}
+        for layer in self.model.model.layers:
+            attn = layer.self_attn
+            q = attn.q_proj if attn.q_lora_rank is None else attn.q_a_proj
+            kv = attn.kv_a_proj_with_mqa
+            plain = all(type(m) is nn.Linear and m.bias is None for m in (q, kv))
+            same = q.weight.dtype == kv.weight.dtype and q.weight.device == kv.weight.device
+            if not (plain and same):
+                continue
+            split = q.weight.shape[0]
+            weight = getattr(attn, "fused_input_weight", None)  # another runner's, reused
+            views = () if weight is None else (weight[:split].data_ptr(), weight[split:].data_ptr())
+            if views != (q.weight.data_ptr(), kv.weight.data_ptr()):
+                with torch.no_grad():
+                    weight = torch.cat([q.weight, kv.weight])
+                q.weight.data, kv.weight.data = weight[:split], weight[split:]
+                attn.fused_input_weight = weight
+            fused[attn.layer_idx] = (weight, split)
+        return fused
 
     def _table(self, pages: int) -> torch.Tensor:
         if pages not in self.tables:
@@ -396,10 +424,8 @@ class CudaGraphRunner:
     ) -> torch.Tensor:
         """MLAttention.forward for single-token rows, weight-absorbed, static shapes."""
         t = x.shape[0]
-        if attn.q_lora_rank is None:
-            q = attn.q_proj(x)
-        else:
-            q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+        q_in, kv_a = self._input_projections(attn, x)
+        q = q_in if attn.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(q_in))
         q = q.view(t, attn.num_heads, attn.nope_dim + attn.rope_dim)
         if self.fused_glue:
             # One launch: rope on q_pe in place; norm + rope of the new latent, into the cache.
@@ -407,7 +433,7 @@ class CudaGraphRunner:
 
             norm = attn.kv_a_layernorm
             mla_decode_prep(
-                q, attn.kv_a_proj_with_mqa(x), norm.weight, norm.eps, cos, sin,
+                q, kv_a, norm.weight, norm.eps, cos, sin,
                 self.kv_pool.layer_slots(attn.layer_idx), slots, attn.rotary.interleave,
                 attn.nope_dim, attn.rope_dim, attn.kv_lora_rank,
             )  # fmt: skip
@@ -415,23 +441,40 @@ class CudaGraphRunner:
         else:
             q_nope, q_pe = q.split([attn.nope_dim, attn.rope_dim], dim=-1)
             q_pe = attn.rotary(q_pe, cos, sin).contiguous()
-            latent, k_pe = attn.kv_a_proj_with_mqa(x).split([attn.kv_lora_rank, attn.rope_dim], -1)
+            latent, k_pe = kv_a.split([attn.kv_lora_rank, attn.rope_dim], -1)
             latent = attn.kv_a_layernorm(latent)
             k_pe = attn.rotary(k_pe, cos, sin)
             self.kv_pool.write(attn.layer_idx, slots, torch.cat([latent, k_pe], dim=-1))
         w_uk, w_uv = attn.absorbed_weights()
-        q_latent = torch.einsum("bhd,hdc->bhc", q_nope, w_uk).contiguous()
+        # Head-major products (batched GEMMs over heads) on strided views: no copies.
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [t, h, c]
         kv = self.kv_pool.buffer[attn.layer_idx]
-        out_latent = self.decode_attention(q_latent, q_pe, kv, table, seq_lens, attn.scale)
-        out = torch.einsum("bhc,hvc->bhv", out_latent.to(x.dtype), w_uv)
-        return attn.o_proj(out.reshape(t, attn.num_heads * attn.v_dim))
+        latent_out = torch.empty(
+            attn.num_heads, t, attn.kv_lora_rank, dtype=x.dtype, device=x.device
+        ).transpose(0, 1)
+        self.decode_attention(q_latent, q_pe, kv, table, seq_lens, attn.scale, out=latent_out)
+        out = torch.empty(t, attn.num_heads, attn.v_dim, dtype=x.dtype, device=x.device)
+        torch.bmm(latent_out.transpose(0, 1), w_uv.mT, out=out.transpose(0, 1))
+        return attn.o_proj(out.view(t, attn.num_heads * attn.v_dim))
+
+    def _input_projections(
+        self, attn: MLAttention, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q or q_a, kv_a) of the layer input: one GEMM where the weights were fused."""
+        fused = self.input_projections.get(attn.layer_idx)
+        if fused is None:
+            q = attn.q_proj if attn.q_lora_rank is None else attn.q_a_proj
+            return q(x), attn.kv_a_proj_with_mqa(x)
+        weight, split = fused
+        both = F.linear(x, weight)
+        return both[:, :split], both[:, split:]
 
     def _moe(self, moe: DeepseekMoE, x: torch.Tensor) -> torch.Tensor:
         """DeepseekMoE.forward on one rank without host syncs."""
-        weights, logical = select_experts(
-            moe.gate(x), moe.moe_cfg, moe.gate.e_score_correction_bias
+        expert_map = self.expert_maps[moe.moe_layer_idx] if self.expert_maps else None
+        weights, physical = select_experts(
+            moe.gate(x), moe.moe_cfg, moe.gate.e_score_correction_bias, expert_map
         )
-        physical = self.expert_maps[moe.moe_layer_idx][logical]
         if self.fused_moe is not None and moe.experts.fp8 is None:
             ex, mlp = moe.experts, moe.shared_experts
             if mlp is not None and mlp.gate_proj.weight.shape[0] % ex.intermediate_size == 0:

@@ -19,9 +19,13 @@ from engine.config import MoEConfig
 
 
 def select_experts(
-    router_logits: torch.Tensor, moe: MoEConfig, correction_bias: torch.Tensor | None = None
+    router_logits: torch.Tensor,
+    moe: MoEConfig,
+    correction_bias: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] float32 -> (weights [T, k] float32, logical expert ids [T, k] int64).
+    """router_logits [T, E] float32 -> (weights [T, k] float32, expert ids [T, k] int64):
+    logical ids, or ``expert_map[ids]`` when a logical -> physical map [E] is given.
 
     On CUDA (with Triton) one fused kernel (kernels.routing) does it; elsewhere the reference.
     """
@@ -30,8 +34,9 @@ def select_experts(
     if use_triton(router_logits):
         from kernels.routing import fused_select_experts
 
-        return fused_select_experts(router_logits, moe, correction_bias)
-    return select_experts_reference(router_logits, moe, correction_bias)
+        return fused_select_experts(router_logits, moe, correction_bias, expert_map)
+    weights, ids = select_experts_reference(router_logits, moe, correction_bias)
+    return weights, ids if expert_map is None else expert_map[ids]
 
 
 def select_experts_reference(

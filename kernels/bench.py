@@ -117,13 +117,18 @@ def mla_decode_bench(quick: bool) -> None:
             for s in (1, 2, 3)
             if not (bh == 64 and bn == 64)
         ]
-        if h == 16:  # V2-Lite: tile length (16 = one page per tile), pipeline depth, splits
+        if h == 16:  # V2-Lite: layout, tile length, pipeline depth (copies in flight), splits
+            tiles = [{"block_n": 16, "num_warps": 4, "num_stages": st} for st in (5, 7, 9)] + [
+                {"block_n": 32, "num_warps": 4, "num_stages": st} for st in (6, 7)
+            ]
+            tiles += [
+                {"tokens_major": True, "block_n": bn, "num_warps": w, "num_stages": st}
+                for bn, w, st in ((32, 8, 5), (32, 8, 7), (32, 4, 7), (64, 4, 2), (64, 8, 2))
+            ]
             variants = [
-                {"block_h": 16, "block_n": bn, "num_warps": w, "num_stages": st, "splits": sp}
-                for bn in (16, 32, 64)
-                for st in (2, 3, 4, 5)
-                for w in (4, 8)
-                for sp in ((1, 2) if b >= 128 else (4, 8, 16))
+                {"block_h": 16, **tile, "splits": sp}
+                for tile in tiles
+                for sp in ((1, 2) if b >= 128 else (6, 12))
             ]
         if quick or not TUNE or h != 16 or b not in (32, 256):
             variants = []

@@ -190,6 +190,120 @@ def _kernels():
             tl.store(lse_ptr + (b * num_heads + heads) * NUM_SPLITS + split, lse, mask=hmask)
 
     @triton.jit
+    def partial_tokens_kernel(
+        q_ptr,
+        qpe_ptr,
+        kv_ptr,
+        pt_ptr,
+        lens_ptr,
+        o_ptr,
+        lse_ptr,
+        num_heads,
+        stride_qb,
+        stride_qh,
+        stride_pb,
+        stride_ph,
+        stride_kv_page,
+        stride_kv_tok,
+        stride_pt,
+        stride_ob,
+        stride_oh,
+        stride_os,
+        qk_scale,
+        C: tl.constexpr,
+        R: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        DIRECT: tl.constexpr,
+        PRECISION: tl.constexpr,
+        IN_PAGE: tl.constexpr,
+        FULL_WIDTH: tl.constexpr,
+    ):
+        """partial_kernel transposed: tokens are the rows of both products,
+        ``s^T = kv @ q^T`` [BLOCK_N, BLOCK_H] and ``acc^T += kv^T @ p^T`` [C, BLOCK_H], so
+        with few heads the M side of each product is 64 or more and Hopper's warpgroup MMA
+        reads the tile and the query from shared memory once per warpgroup, instead of
+        every warp reading all of the query for a 16-row product."""
+        b = tl.program_id(0)
+        hb = tl.program_id(1)
+        split = tl.program_id(2)
+        seq_len = tl.load(lens_ptr + b)
+        per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = split * per_split
+        end = tl.minimum(start + per_split, seq_len)
+
+        heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = heads < num_heads
+        c = tl.arange(0, BLOCK_C)
+        r = tl.arange(0, BLOCK_R)
+        cmask = c < C
+        rmask = r < R
+        q_t = tl.load(  # [BLOCK_C, BLOCK_H]
+            q_ptr + b * stride_qb + heads[None, :] * stride_qh + c[:, None],
+            mask=hmask[None, :] & cmask[:, None],
+            other=0.0,
+        ).to(kv_ptr.dtype.element_ty)
+        qpe_t = tl.load(  # [BLOCK_R, BLOCK_H]
+            qpe_ptr + b * stride_pb + heads[None, :] * stride_ph + r[:, None],
+            mask=hmask[None, :] & rmask[:, None],
+            other=0.0,
+        ).to(kv_ptr.dtype.element_ty)
+
+        m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_H,), tl.float32)
+        acc = tl.zeros((BLOCK_C, BLOCK_H), tl.float32)
+        pt_row = pt_ptr + b.to(tl.int64) * stride_pt
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            pmask = pos < end
+            if IN_PAGE:
+                page = tl.load(pt_row + n0 // PAGE_SIZE).to(tl.int64)
+            else:
+                page = tl.load(pt_row + pos // PAGE_SIZE, mask=pmask, other=0).to(tl.int64)
+            row = page * stride_kv_page + (pos % PAGE_SIZE) * stride_kv_tok
+            if FULL_WIDTH:
+                k = tl.load(kv_ptr + row[:, None] + c[None, :], mask=pmask[:, None], other=0.0)
+                kpe = tl.load(
+                    kv_ptr + row[:, None] + C + r[None, :], mask=pmask[:, None], other=0.0
+                )
+            else:
+                k = tl.load(
+                    kv_ptr + row[:, None] + c[None, :],
+                    mask=pmask[:, None] & cmask[None, :],
+                    other=0.0,
+                )
+                kpe = tl.load(
+                    kv_ptr + row[:, None] + C + r[None, :],
+                    mask=pmask[:, None] & rmask[None, :],
+                    other=0.0,
+                )
+            s = tl.dot(k, q_t, input_precision=PRECISION)  # [BLOCK_N, BLOCK_H]
+            s = tl.dot(kpe, qpe_t, acc=s, input_precision=PRECISION)
+            s = tl.where(pmask[:, None], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            p = tl.exp2(s - m_new[None, :])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            acc = tl.dot(
+                tl.trans(k), p.to(k.dtype), acc=acc * alpha[None, :], input_precision=PRECISION
+            )
+            m_i = m_new
+
+        has = l_i > 0
+        res = acc / tl.where(has, l_i, 1.0)[None, :]
+        o = o_ptr + b.to(tl.int64) * stride_ob + heads[None, :] * stride_oh + c[:, None]
+        if DIRECT:
+            tl.store(o, res.to(o_ptr.dtype.element_ty), mask=hmask[None, :] & cmask[:, None])
+        else:
+            tl.store(o + split * stride_os, res, mask=hmask[None, :] & cmask[:, None])
+            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+            tl.store(lse_ptr + (b * num_heads + heads) * NUM_SPLITS + split, lse, mask=hmask)
+
+    @triton.jit
     def combine_kernel(
         part_ptr,
         lse_ptr,
@@ -231,7 +345,7 @@ def _kernels():
             mask=c < C,
         )
 
-    return partial_kernel, combine_kernel
+    return partial_kernel, partial_tokens_kernel, combine_kernel
 
 
 _DEFAULT_CONFIG = {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}
@@ -281,7 +395,8 @@ def mla_decode(
     if num_splits is None:
         sms = _num_sms(q_latent.device.index or 0) if q_latent.is_cuda else _NUM_SMS_DEFAULT
         num_splits = num_splits_for(b, h, page_table.shape[1] * page_size, block_h, sms)
-    partial, combine = _kernels()
+    heads_major, tokens_major, combine = _kernels()
+    partial = tokens_major if cfg.get("tokens_major") else heads_major
     fp32 = kv.dtype == torch.float32
     block_c = max(16, next_pow2(c))
     block_r = max(16, next_pow2(r))

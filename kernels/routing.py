@@ -40,6 +40,7 @@ def _kernels():
         bias_ptr,
         w_ptr,
         ids_ptr,
+        map_ptr,
         t,
         stride_t,
         E: tl.constexpr,
@@ -54,6 +55,7 @@ def _kernels():
         HAS_BIAS: tl.constexpr,
         NORMALIZE: tl.constexpr,
         SCALE: tl.constexpr,
+        HAS_MAP: tl.constexpr,
     ):
         PER_GROUP: tl.constexpr = E // N_GROUP
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -101,6 +103,8 @@ def _kernels():
             w = tl.sum(tl.where(hit, scores, 0.0), axis=1)
             sel = tl.where(hit, float("-inf"), sel)
             out_w = tl.where(kidx[None, :] == k, w[:, None], out_w)
+            if HAS_MAP:  # logical -> physical expert id (one replica each)
+                best = tl.load(map_ptr + best, mask=row_ok, other=0)
             out_i = tl.where(kidx[None, :] == k, best.to(tl.int64)[:, None], out_i)
         if NORMALIZE:
             out_w = out_w / (tl.sum(out_w, axis=1)[:, None] + 1e-20)
@@ -114,10 +118,14 @@ def _kernels():
 
 
 def fused_select_experts(
-    router_logits: torch.Tensor, moe: MoEConfig, correction_bias: torch.Tensor | None = None
+    router_logits: torch.Tensor,
+    moe: MoEConfig,
+    correction_bias: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (weights [T, k] float32, logical ids [T, k] int64), as the
-    reference. Capturable in a CUDA graph (no host synchronisation)."""
+    reference; with ``expert_map`` [E] (logical -> physical id), the ids come out mapped
+    (``expert_map[ids]``) in the same launch. Capturable in a CUDA graph (no host sync)."""
     if router_logits.dim() != 2 or router_logits.shape[1] != moe.n_routed_experts:
         raise ValueError(
             f"router_logits must be [T, {moe.n_routed_experts}], got {tuple(router_logits.shape)}"
@@ -141,6 +149,8 @@ def fused_select_experts(
     else:
         normalize, scale = False, moe.routed_scaling_factor
     has_bias = noaux and correction_bias is not None
+    if expert_map is not None and tuple(expert_map.shape) != (e,):
+        raise ValueError(f"expert_map must be [{e}], got {tuple(expert_map.shape)}")
     block_e = next_pow2(e)
     block_t = max(1, min(16, 4096 // block_e))
     _kernels()[(triton_cdiv(t, block_t),)](
@@ -148,6 +158,7 @@ def fused_select_experts(
         correction_bias if has_bias else router_logits,
         weights,
         ids,
+        expert_map.contiguous() if expert_map is not None else ids,
         t,
         router_logits.stride(0),
         E=e,
@@ -162,6 +173,7 @@ def fused_select_experts(
         HAS_BIAS=has_bias,
         NORMALIZE=normalize,
         SCALE=float(scale),
+        HAS_MAP=expert_map is not None,
         num_warps=4,
     )
     return weights, ids

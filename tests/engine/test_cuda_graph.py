@@ -69,6 +69,26 @@ def test_unsupported_models_are_refused_with_a_reason(v3_ckpt: HFCheckpoint) -> 
         CudaGraphRunner(model, pool, max_batch=2, max_tokens_per_request=32)
 
 
+@pytest.mark.parametrize("ckpt_name", ["v3_ckpt", "v2_greedy_ckpt"])
+def test_input_projections_share_one_weight(request, ckpt_name: str) -> None:
+    """The runner puts q (V2: q_proj, V3: q_a_proj) and kv_a weights into one tensor for one
+    GEMM; the modules keep views with unchanged values, and a second runner reuses it."""
+    model = load_model(request.getfixturevalue(ckpt_name).path)
+    attn = model.model.layers[0].self_attn
+    q = attn.q_proj if attn.q_lora_rank is None else attn.q_a_proj
+    before = (q.weight.clone(), attn.kv_a_proj_with_mqa.weight.clone())
+    cfg = model.config
+    pool = MLAKVPool(cfg.num_hidden_layers, 8, 4, cfg.mla.kv_cache_dim, torch.float32)
+    first = CudaGraphRunner(model, pool, max_batch=2, max_tokens_per_request=16)
+    weight, split = first.input_projections[attn.layer_idx]
+    assert len(first.input_projections) == len(model.model.layers)
+    assert torch.equal(weight[:split], before[0]) and torch.equal(weight[split:], before[1])
+    assert q.weight.data_ptr() == weight.data_ptr()
+    assert attn.kv_a_proj_with_mqa.weight.data_ptr() == weight[split:].data_ptr()
+    second = CudaGraphRunner(model, pool, max_batch=2, max_tokens_per_request=16)
+    assert second.input_projections[attn.layer_idx][0] is weight
+
+
 def _prefilled(model, prompts, page_size, max_new):
     """Pool and page lists with every prompt prefilled (eagerly); returns next tokens too."""
     cfg = model.config

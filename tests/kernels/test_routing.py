@@ -117,6 +117,27 @@ def test_no_bias_and_empty(device: str) -> None:
         fused_select_experts(logits[:, :10], cfg)
 
 
+@needs_triton
+@pytest.mark.parametrize("name", ["v3", "v2_lite_greedy"])
+def test_expert_map_gives_physical_ids(name: str, device: str) -> None:
+    """With a logical -> physical map the same launch writes ``map[ids]``; the engine's
+    select_experts does the same on the CPU."""
+    from engine.routing import select_experts
+
+    cfg = CONFIGS[name]
+    logits, bias = inputs(cfg, 21, device, seed=4)
+    g = torch.Generator().manual_seed(5)
+    expert_map = torch.randperm(cfg.n_routed_experts, generator=g).to(device)
+    w, ids = fused_select_experts(logits, cfg, bias, expert_map)
+    w_log, ids_log = fused_select_experts(logits, cfg, bias)
+    assert torch.equal(ids.cpu(), expert_map.cpu()[ids_log.cpu()]) and torch.equal(w, w_log)
+    cpu_bias = None if bias is None else bias.cpu()
+    w_ref, ids_ref = select_experts(logits.cpu(), cfg, cpu_bias, expert_map.cpu())
+    assert torch.equal(by_id(w, ids)[1], by_id(w_ref, ids_ref)[1])
+    with pytest.raises(ValueError, match="expert_map"):
+        fused_select_experts(logits, cfg, bias, expert_map[:3])
+
+
 def test_engine_dispatch_uses_reference_on_cpu() -> None:
     """On the CPU the engine's select_experts is the reference itself."""
     from engine.routing import select_experts
