@@ -190,7 +190,7 @@ def _kernels():
             tl.store(lse_ptr + (b * num_heads + heads) * NUM_SPLITS + split, lse, mask=hmask)
 
     @triton.jit
-    def partial_tokens_kernel(
+    def partial_chunked_kernel(
         q_ptr,
         qpe_ptr,
         kv_ptr,
@@ -222,12 +222,14 @@ def _kernels():
         PRECISION: tl.constexpr,
         IN_PAGE: tl.constexpr,
         FULL_WIDTH: tl.constexpr,
+        CHUNKS: tl.constexpr,
     ):
-        """partial_kernel transposed: tokens are the rows of both products,
-        ``s^T = kv @ q^T`` [BLOCK_N, BLOCK_H] and ``acc^T += kv^T @ p^T`` [C, BLOCK_H], so
-        with few heads the M side of each product is 64 or more and Hopper's warpgroup MMA
-        reads the tile and the query from shared memory once per warpgroup, instead of
-        every warp reading all of the query for a 16-row product."""
+        """partial_kernel with the latent cut into CHUNKS slices, one batch entry of a
+        batched product each: ``s = sum_j q_j . k_j + q_pe . k_pe`` and ``acc_j += p @ k_j``.
+        Each warp then owns one slice of the query and the accumulator, so the query stays in
+        registers instead of every warp re-reading all of it from shared memory per tile.
+        Needs C == BLOCK_C and R == BLOCK_R (FULL_WIDTH)."""
+        CW: tl.constexpr = C // CHUNKS
         b = tl.program_id(0)
         hb = tl.program_id(1)
         split = tl.program_id(2)
@@ -238,24 +240,23 @@ def _kernels():
 
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < num_heads
-        c = tl.arange(0, BLOCK_C)
+        ch = tl.arange(0, CHUNKS)[:, None, None] * CW
+        cw = tl.arange(0, CW)[None, None, :]
+        c3 = ch + cw  # [CHUNKS, 1, CW]
         r = tl.arange(0, BLOCK_R)
-        cmask = c < C
-        rmask = r < R
-        q_t = tl.load(  # [BLOCK_C, BLOCK_H]
-            q_ptr + b * stride_qb + heads[None, :] * stride_qh + c[:, None],
-            mask=hmask[None, :] & cmask[:, None],
-            other=0.0,
-        ).to(kv_ptr.dtype.element_ty)
-        qpe_t = tl.load(  # [BLOCK_R, BLOCK_H]
-            qpe_ptr + b * stride_pb + heads[None, :] * stride_ph + r[:, None],
-            mask=hmask[None, :] & rmask[:, None],
+        h3 = heads[None, :, None]
+        q = tl.load(q_ptr + b * stride_qb + h3 * stride_qh + c3, mask=h3 < num_heads, other=0.0).to(
+            kv_ptr.dtype.element_ty
+        )  # [CHUNKS, BLOCK_H, CW]
+        qpe = tl.load(
+            qpe_ptr + b * stride_pb + heads[:, None] * stride_ph + r[None, :],
+            mask=hmask[:, None],
             other=0.0,
         ).to(kv_ptr.dtype.element_ty)
 
         m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_H,), tl.float32)
-        acc = tl.zeros((BLOCK_C, BLOCK_H), tl.float32)
+        acc = tl.zeros((CHUNKS, BLOCK_H, CW), tl.float32)
         pt_row = pt_ptr + b.to(tl.int64) * stride_pt
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
@@ -265,41 +266,29 @@ def _kernels():
             else:
                 page = tl.load(pt_row + pos // PAGE_SIZE, mask=pmask, other=0).to(tl.int64)
             row = page * stride_kv_page + (pos % PAGE_SIZE) * stride_kv_tok
-            if FULL_WIDTH:
-                k = tl.load(kv_ptr + row[:, None] + c[None, :], mask=pmask[:, None], other=0.0)
-                kpe = tl.load(
-                    kv_ptr + row[:, None] + C + r[None, :], mask=pmask[:, None], other=0.0
-                )
-            else:
-                k = tl.load(
-                    kv_ptr + row[:, None] + c[None, :],
-                    mask=pmask[:, None] & cmask[None, :],
-                    other=0.0,
-                )
-                kpe = tl.load(
-                    kv_ptr + row[:, None] + C + r[None, :],
-                    mask=pmask[:, None] & rmask[None, :],
-                    other=0.0,
-                )
-            s = tl.dot(k, q_t, input_precision=PRECISION)  # [BLOCK_N, BLOCK_H]
-            s = tl.dot(kpe, qpe_t, acc=s, input_precision=PRECISION)
-            s = tl.where(pmask[:, None], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=0))
-            p = tl.exp2(s - m_new[None, :])
+            row3 = row[None, :, None]
+            k = tl.load(kv_ptr + row3 + c3, mask=pmask[None, :, None], other=0.0)
+            kpe = tl.load(kv_ptr + row[:, None] + C + r[None, :], mask=pmask[:, None], other=0.0)
+            s3 = tl.dot(q, tl.trans(k, (0, 2, 1)), input_precision=PRECISION)
+            s = tl.sum(s3, axis=0)
+            s = tl.dot(qpe, tl.trans(kpe), acc=s, input_precision=PRECISION)
+            s = tl.where(pmask[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=0)
-            acc = tl.dot(
-                tl.trans(k), p.to(k.dtype), acc=acc * alpha[None, :], input_precision=PRECISION
-            )
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            p3 = tl.broadcast_to(p.to(k.dtype)[None, :, :], (CHUNKS, BLOCK_H, BLOCK_N))
+            acc = tl.dot(p3, k, acc=acc * alpha[None, :, None], input_precision=PRECISION)
             m_i = m_new
 
         has = l_i > 0
-        res = acc / tl.where(has, l_i, 1.0)[None, :]
-        o = o_ptr + b.to(tl.int64) * stride_ob + heads[None, :] * stride_oh + c[:, None]
+        res = acc / tl.where(has, l_i, 1.0)[None, :, None]
+        o = o_ptr + b.to(tl.int64) * stride_ob + h3 * stride_oh + c3
+        omask = h3 < num_heads
         if DIRECT:
-            tl.store(o, res.to(o_ptr.dtype.element_ty), mask=hmask[None, :] & cmask[:, None])
+            tl.store(o, res.to(o_ptr.dtype.element_ty), mask=omask)
         else:
-            tl.store(o + split * stride_os, res, mask=hmask[None, :] & cmask[:, None])
+            tl.store(o + split * stride_os, res, mask=omask)
             lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
             tl.store(lse_ptr + (b * num_heads + heads) * NUM_SPLITS + split, lse, mask=hmask)
 
@@ -345,14 +334,14 @@ def _kernels():
             mask=c < C,
         )
 
-    return partial_kernel, partial_tokens_kernel, combine_kernel
+    return partial_kernel, partial_chunked_kernel, combine_kernel
 
 
 _DEFAULT_CONFIG = {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}
-# Few heads (V2-Lite's 16) are bound by reading the cache: one-page tiles and a 5-deep
-# pipeline keep more of it in flight. H200, 2000 tokens, page 16: 0.202 ms at batch 256
-# against 0.226 with the default (2.9 against 2.6 TB/s), and the best of 72 variants at 32.
-_FEW_HEADS_CONFIG = {"block_h": 16, "block_n": 16, "num_warps": 4, "num_stages": 5}
+# Few heads (V2-Lite's 16): 32-token tiles and a 6-deep pipeline (two tiles of the cache in
+# flight). H200, 2000 tokens, page 16 (docs/BENCHMARKS.md): at batch 256, 0.202 ms against
+# 0.239 for one-page tiles 5 deep, with one split as with two.
+_FEW_HEADS_CONFIG = {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 6}
 
 
 def mla_decode(
@@ -395,11 +384,19 @@ def mla_decode(
     if num_splits is None:
         sms = _num_sms(q_latent.device.index or 0) if q_latent.is_cuda else _NUM_SMS_DEFAULT
         num_splits = num_splits_for(b, h, page_table.shape[1] * page_size, block_h, sms)
-    heads_major, tokens_major, combine = _kernels()
-    partial = tokens_major if cfg.get("tokens_major") else heads_major
+    partial, chunked, combine = _kernels()
     fp32 = kv.dtype == torch.float32
     block_c = max(16, next_pow2(c))
     block_r = max(16, next_pow2(r))
+    chunks = cfg.get("chunks", 1)
+    extra = {}
+    if chunks > 1:
+        if block_c != c or block_r != r or c % (16 * chunks):
+            raise ValueError(
+                f"chunks={chunks} needs power-of-two latent ({c}) and rope ({r}) widths and "
+                f"latent slices of at least 16"
+            )
+        partial, extra = chunked, {"CHUNKS": chunks}
     # Every tile starts at a multiple of BLOCK_N (so does every split's piece), so when
     # BLOCK_N divides the page size a tile lies inside one page (IN_PAGE).
     direct = num_splits == 1
@@ -443,6 +440,7 @@ def mla_decode(
         FULL_WIDTH=block_c == c and block_r == r,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        **extra,
     )
     if not direct:
         combine[(b, h)](
