@@ -9,9 +9,8 @@ weights, and the launches around them cost as much again. This module fuses the 
 
 1. :func:`moe_align` - one program per expert scans the flat ``(token, slot)`` expert ids and
    writes the pairs routed to it, in token order, at its offset (the number of pairs routed to
-   lower experts): a stable counting sort in one launch. It also writes the GEMMs' lists of
-   row tiles (below).
-2. gate/up GEMM - programs over (intermediate tile, row tile) gather their rows
+   lower experts): a stable counting sort in one launch.
+2. gate/up GEMM - programs over (intermediate tile, row tile, expert) gather their rows
    straight from ``x`` (no permuted copy), multiply by the gate and up rows of ``w13`` in one
    pass over K and store ``silu(gate) * up`` (float32 math, one rounding) in expert order.
 3. down GEMM - the same grid over the hidden tiles; each row is scaled by its routing weight
@@ -20,13 +19,9 @@ weights, and the launches around them cost as much again. This module fuses the 
    output) when given, and rounds once. Pairs whose expert id is outside ``[0, E)`` (not on
    this rank) contribute nothing.
 
-Rows of an expert beyond the first ``BLOCK_M`` go to further programs of the same expert, so
-a hot expert does not serialise. The align also lists the row tiles that hold rows (per GEMM,
-as its ``BLOCK_M`` cuts them), and each GEMM's grid runs over that list, sized by its bound
-``ceil(T*k / BLOCK_M) + E``, then the shared experts' tiles. A grid of every expert times
-``ceil(T / BLOCK_M)`` tiles would start mostly empty programs at large batches (at 256 tokens
-and 64 experts, 8 row tiles per expert for about 1.4 holding rows), each taking a slot on an
-SM only to return. Large batches (prefill) keep :mod:`kernels.moe_gemm`, whose
+Rows of an expert beyond the first ``BLOCK_M`` go to further programs of the same expert (the
+grid holds ``ceil(T / BLOCK_M)`` row tiles per expert; the empty ones return at once), so a hot
+expert does not serialise. Large batches (prefill) keep :mod:`kernels.moe_gemm`, whose
 grouped GEMM reuses each weight tile across many rows.
 
 The reference is :func:`fused_moe_ref` (per-pair float32 math).
@@ -40,7 +35,6 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -79,58 +73,19 @@ def _file_configs() -> tuple[dict, dict]:
     return out[0], out[1]
 
 
-# The @triton.jit helper the GEMMs call, bound by ``_kernels()`` (a module global, as Triton's
-# interpreter needs; see kernels/norm.py).
-_tile_of: Any = None
-
-
 @functools.cache
 def _kernels():
     import triton
     import triton.language as tl
 
-    global _tile_of
-
     @triton.jit
-    def tile_of(tiles_ptr, tile, max_routed, shared_tiles, num_experts):
-        """Row tile -> (expert, tile of its rows): first the routed tiles the align listed
-        (expert -1 past their total: nothing to do), then each shared expert's tiles."""
-        routed = tile < max_routed
-        total = tl.load(tiles_ptr)
-        packed = tl.load(tiles_ptr + 1 + tile, mask=routed & (tile < total), other=-1)
-        k = tl.maximum(tile - max_routed, 0)
-        e = tl.where(routed, packed >> 16, num_experts + k // shared_tiles)
-        m = tl.where(routed, packed & 0xFFFF, k % shared_tiles)
-        return e, m
-
-    _tile_of = tile_of
-
-    @triton.jit
-    def align_kernel(
-        ids_ptr,
-        sorted_ptr,
-        starts_ptr,
-        counts_ptr,
-        tiles_ptr,
-        n_pairs,
-        num_experts,
-        tiles_stride,
-        BLOCK: tl.constexpr,
-        BLOCK_E: tl.constexpr,
-        BLOCK_M1: tl.constexpr,
-        BLOCK_M2: tl.constexpr,
-        TILES: tl.constexpr,
-    ):
+    def align_kernel(ids_ptr, sorted_ptr, starts_ptr, counts_ptr, n_pairs, BLOCK: tl.constexpr):
         e = tl.program_id(0)
         start = tl.sum(tl.zeros([BLOCK], tl.int32), axis=0)
-        hist = tl.zeros([BLOCK_E], tl.int32)
         for c in range(0, n_pairs, BLOCK):
             offs = c + tl.arange(0, BLOCK)
             ids = tl.load(ids_ptr + offs, mask=offs < n_pairs, other=-1)
-            ok = (ids >= 0) & (ids < num_experts)
-            start += tl.sum((ok & (ids < e)).to(tl.int32), axis=0)
-            if TILES:  # skipped pairs land in the spare last bin
-                hist += tl.histogram(tl.where(ok, ids, BLOCK_E - 1).to(tl.int32), BLOCK_E)
+            start += tl.sum(((ids >= 0) & (ids < e)).to(tl.int32), axis=0)
         pos = start
         for c in range(0, n_pairs, BLOCK):
             offs = c + tl.arange(0, BLOCK)
@@ -141,21 +96,6 @@ def _kernels():
             pos += tl.sum(hit, axis=0)
         tl.store(starts_ptr + e, start)
         tl.store(counts_ptr + e, pos - start)
-        if TILES:
-            # The row tiles of each GEMM's BLOCK_M: expert e's, packed ``e << 16 | tile``,
-            # after those of the lower experts; the last expert writes the total first.
-            bins = tl.arange(0, BLOCK_E)
-            hist = tl.where(bins < num_experts, hist, 0)
-            j = tl.arange(0, 64)
-            for w in tl.static_range(2):
-                bm = BLOCK_M1 * (1 - w) + BLOCK_M2 * w
-                region = tiles_ptr + w * tiles_stride
-                before = tl.sum(tl.where(bins < e, (hist + bm - 1) // bm, 0), axis=0)
-                mine = (pos - start + bm - 1) // bm
-                for j0 in range(0, mine, 64):
-                    packed = (e << 16) | (j0 + j)
-                    tl.store(region + 1 + before + j0 + j, packed, mask=j0 + j < mine)
-                tl.store(region, before + mine, mask=e == num_experts - 1)
 
     @triton.jit
     def gate_up_kernel(
@@ -167,9 +107,6 @@ def _kernels():
         sorted_ptr,
         starts_ptr,
         counts_ptr,
-        tiles_ptr,
-        max_routed,
-        shared_tiles,
         num_experts,
         num_tokens,
         inter,
@@ -188,12 +125,13 @@ def _kernels():
         PRECISION: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
-        e, pid_m = _tile_of(tiles_ptr, tl.program_id(1), max_routed, shared_tiles, num_experts)
+        pid_m = tl.program_id(1)
+        e = tl.program_id(2)
         r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         if e < num_experts:  # routed: rows gathered through the align
-            count = tl.where(e >= 0, tl.load(counts_ptr + tl.maximum(e, 0)), 0)
-            start = tl.load(starts_ptr + tl.maximum(e, 0))
+            count = tl.load(counts_ptr + e)
+            start = tl.load(starts_ptr + e)
             rmask = r < count
             pair = tl.load(sorted_ptr + start + r, mask=rmask, other=0)
             token = (pair // top_k).to(tl.int64)
@@ -246,9 +184,6 @@ def _kernels():
         starts_ptr,
         counts_ptr,
         weights_ptr,
-        tiles_ptr,
-        max_routed,
-        shared_tiles,
         num_experts,
         num_tokens,
         top_k,
@@ -267,11 +202,12 @@ def _kernels():
         PRECISION: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
-        e, pid_m = _tile_of(tiles_ptr, tl.program_id(1), max_routed, shared_tiles, num_experts)
+        pid_m = tl.program_id(1)
+        e = tl.program_id(2)
         r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         if e < num_experts:
-            count = tl.where(e >= 0, tl.load(counts_ptr + tl.maximum(e, 0)), 0)
-            start = tl.load(starts_ptr + tl.maximum(e, 0))
+            count = tl.load(counts_ptr + e)
+            start = tl.load(starts_ptr + e)
             rmask = r < count
             pair = tl.load(sorted_ptr + start + r, mask=rmask, other=0)
             w = tl.load(weights_ptr + pair, mask=rmask, other=0.0).to(tl.float32)
@@ -358,43 +294,16 @@ def moe_align(
     ``sorted_pairs[starts[e] : starts[e] + counts[e]]`` are the flat ``t * k + j`` indices
     routed to expert ``e``, ascending. Ids outside ``[0, num_experts)`` are skipped; the tail
     of ``sorted_pairs`` past the routed pairs is unspecified."""
-    return _align(topk_ids, num_experts)[:3]
-
-
-def max_row_tiles(n_pairs: int, num_experts: int, block_m: int) -> int:
-    """Upper bound on the routed row tiles of ``block_m`` rows: sum over experts of
-    ceil(count / block_m) <= ceil(n_pairs / block_m) + (experts holding any pair)."""
-    return math.ceil(n_pairs / block_m) + min(num_experts, n_pairs)
-
-
-def _align(
-    topk_ids: torch.Tensor, num_experts: int, block_m: tuple[int, int] | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """:func:`moe_align`, plus with ``block_m`` (the two GEMMs' row tiles) the list of row
-    tiles per GEMM, ``tiles[g, 0]`` their number and ``tiles[g, 1:]`` each one packed
-    ``expert << 16 | tile``, experts ascending: the GEMMs launch programs for at most
-    :func:`max_row_tiles` routed tiles instead of every expert times ceil(T / BLOCK_M)."""
     ids = _check_ids(topk_ids)
     if not can_launch(ids):
         raise RuntimeError("moe_align needs a CUDA tensor (or TRITON_INTERPRET=1)")
     n_pairs = ids.numel()
-    dev = ids.device
-    sorted_pairs = torch.empty(max(n_pairs, 1), dtype=torch.int32, device=dev)
-    starts = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    bm1, bm2 = block_m or (16, 16)
-    tiles = None
-    if block_m is not None:
-        width = 1 + max_row_tiles(n_pairs, num_experts, min(bm1, bm2))
-        tiles = torch.empty((2, width), dtype=torch.int32, device=dev)
+    sorted_pairs = torch.empty(max(n_pairs, 1), dtype=torch.int32, device=ids.device)
+    starts = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     block = min(max(next_pow2(n_pairs), 16), 1024)
-    _kernels()[0][(num_experts,)](
-        ids.view(-1), sorted_pairs, starts, counts, tiles if tiles is not None else counts,
-        n_pairs, num_experts, tiles.stride(0) if tiles is not None else 0,
-        BLOCK=block, BLOCK_E=next_pow2(num_experts + 1), BLOCK_M1=bm1, BLOCK_M2=bm2,
-        TILES=tiles is not None,
-    )  # fmt: skip
-    return sorted_pairs, starts, counts, tiles
+    _kernels()[0][(num_experts,)](ids.view(-1), sorted_pairs, starts, counts, n_pairs, BLOCK=block)
+    return sorted_pairs, starts, counts
 
 
 def moe_align_ref(
@@ -460,26 +369,18 @@ def fused_moe(
     w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
     weights = topk_weights.reshape(-1).contiguous()
-    default1, default2 = _file_configs()
-    c1 = dict(default1, **(gate_up_config or {}))
-    c2 = dict(default2, **(down_config or {}))
-    sorted_pairs, starts, counts, tiles = _align(ids, num_experts, (c1["block_m"], c2["block_m"]))
+    sorted_pairs, starts, counts = moe_align(ids, num_experts)
     _, gate_up, down, combine = _kernels()
     precision = _precision(x.dtype)
     rows = t * (top_k + num_shared)
+    groups = num_experts + num_shared
 
-    def row_tiles(block_m: int) -> tuple[int, int, int]:
-        """(grid rows, routed tiles at most, tiles per shared expert)."""
-        routed = max_row_tiles(ids.numel(), num_experts, block_m)
-        shared_tiles = math.ceil(t / block_m)
-        return routed + num_shared * shared_tiles, routed, shared_tiles
-
+    default1, default2 = _file_configs()
+    c1 = dict(default1, **(gate_up_config or {}))
     h = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
-    m_tiles, max_routed, shared_tiles = row_tiles(c1["block_m"])
-    grid1 = (math.ceil(inter / c1["block_n"]), m_tiles)
+    grid1 = (math.ceil(inter / c1["block_n"]), math.ceil(t / c1["block_m"]), groups)
     gate_up[grid1](
-        x, w13, sg, su, h, sorted_pairs, starts, counts, tiles[0], max_routed, shared_tiles,
-        num_experts, t, inter, hidden, top_k,
+        x, w13, sg, su, h, sorted_pairs, starts, counts, num_experts, t, inter, hidden, top_k,
         x.stride(0), w13.stride(0), w13.stride(1), inter * sg.stride(0), sg.stride(0),
         h.stride(0),
         BLOCK_M=c1["block_m"], BLOCK_N=c1["block_n"], BLOCK_K=c1["block_k"],
@@ -487,12 +388,11 @@ def fused_moe(
         num_warps=c1["num_warps"], num_stages=c1["num_stages"],
     )  # fmt: skip
 
+    c2 = dict(default2, **(down_config or {}))
     part = torch.empty((rows, hidden), dtype=torch.float32, device=x.device)
-    m_tiles, max_routed, shared_tiles = row_tiles(c2["block_m"])
-    grid2 = (math.ceil(hidden / c2["block_n"]), m_tiles)
+    grid2 = (math.ceil(hidden / c2["block_n"]), math.ceil(t / c2["block_m"]), groups)
     down[grid2](
-        h, w2, sd, part, sorted_pairs, starts, counts, weights, tiles[1], max_routed,
-        shared_tiles, num_experts, t, top_k,
+        h, w2, sd, part, sorted_pairs, starts, counts, weights, num_experts, t, top_k,
         hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), inter, sd.stride(0),
         part.stride(0),
         BLOCK_M=c2["block_m"], BLOCK_N=c2["block_n"], BLOCK_K=c2["block_k"],

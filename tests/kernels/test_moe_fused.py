@@ -6,14 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe_fused import (
-    _align,
-    fused_moe,
-    fused_moe_ref,
-    max_row_tiles,
-    moe_align,
-    moe_align_ref,
-)
+from kernels.moe_fused import fused_moe, fused_moe_ref, moe_align, moe_align_ref
 from tests.kernels.conftest import HAS_CUDA, needs_cuda, needs_triton
 
 
@@ -47,23 +40,6 @@ def test_align_is_a_stable_counting_sort(tokens, experts, k, device) -> None:
     assert got[2].cpu().tolist() == want[2].tolist()
     n = int(want[2].sum())
     assert got[0][:n].cpu().tolist() == want[0].tolist()
-
-
-@needs_triton
-@pytest.mark.parametrize("block_m", [(16, 16), (16, 32), (32, 16)])
-def test_align_lists_each_gemms_row_tiles(block_m, device) -> None:
-    """With the GEMMs' row-tile sizes the align also lists, per GEMM, every routed row tile
-    as ``expert << 16 | tile`` in expert order, their number first, within the bound the
-    grid is sized by."""
-    ids, _ = _routing(70, 6, 2, seed=3, hot=4)  # expert 4: 70 rows, several tiles
-    ids[0, 0] = -1
-    _, _, counts, tiles = _align(ids.to(device), 6, block_m)
-    counts = counts.cpu().tolist()
-    for g, bm in enumerate(block_m):
-        want = [(e << 16) | j for e, n in enumerate(counts) for j in range(-(-n // bm))]
-        n = int(tiles[g, 0])
-        assert n == len(want) <= max_row_tiles(ids.numel(), 6, bm)
-        assert tiles[g, 1 : 1 + n].cpu().tolist() == want
 
 
 def test_align_reference_orders_pairs_by_expert_then_token() -> None:
