@@ -236,6 +236,7 @@ def init_random_(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
     """Random weights drawn on the model's device (fast for billions of parameters):
     N(0, std) for matrices, 1 for norm weights, small noise for V3's correction bias."""
     device = next(model.parameters()).device
+    dtype = model.model.embed_tokens.weight.dtype
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, t in sorted(model.state_dict(keep_vars=True).items()):
         if not t.is_floating_point() or t.element_size() == 1 or name.endswith("inv_freq"):
@@ -244,6 +245,8 @@ def init_random_(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
             t.fill_(1.0)
         else:
             t.normal_(0.0, std, generator=gen)
+        if name.endswith("gate.weight") and t.dtype != dtype:
+            t.copy_(t.to(dtype))  # float32 router weights hold bf16 values, as checkpoints do
 
 
 def build_dsmesh(

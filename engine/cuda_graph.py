@@ -99,6 +99,15 @@ def load_decode_kernel() -> DecodeAttention | None:
     return mla_decode
 
 
+def _mm_out_dtype_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch has ``torch.mm(a, b, out_dtype=torch.float32)`` for ``dtype`` here."""
+    a = torch.zeros(1, 16, dtype=dtype, device=device)
+    try:
+        return torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
 def graph_support_problem(model: DeepseekForCausalLM) -> str | None:
     """Why the static decode path cannot run this model, or None when it can."""
     loc = model.expert_location
@@ -153,6 +162,7 @@ class CudaGraphRunner:
         self.tables: dict[int, torch.Tensor] = {}
         self.expert_maps = self._expert_maps()
         self.input_projections = self._fuse_input_projections()
+        self.router_weights = self._router_weights()
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.num_replays = 0
@@ -244,6 +254,25 @@ class CudaGraphRunner:
                 attn.fused_input_weight = weight
             fused[attn.layer_idx] = (weight, split)
         return fused
+
+    def _router_weights(self) -> dict[int, torch.Tensor]:
+        """Per MoE layer, the float32 router weight in the model's dtype where that loses
+        nothing (checkpoints store it in bf16). On CUDA one GEMM with float32 output
+        (``torch.mm(..., out_dtype=torch.float32)``) then replaces casting the input to
+        float32 and a float32 GEMM: the same exact products, summed in float32."""
+        if self.device.type != "cuda" or self.dtype not in (torch.bfloat16, torch.float16):
+            return {}
+        weights = {}
+        for layer in self.model.model.layers:
+            mlp = layer.mlp
+            if isinstance(mlp, DeepseekMoE):
+                w = mlp.gate.weight.detach()
+                low = w.to(self.dtype)
+                if torch.equal(low.float(), w):
+                    weights[mlp.moe_layer_idx] = low
+        if weights and not _mm_out_dtype_works(self.device, self.dtype):
+            return {}
+        return weights
 
     def _table(self, pages: int) -> torch.Tensor:
         if pages not in self.tables:
@@ -472,8 +501,10 @@ class CudaGraphRunner:
     def _moe(self, moe: DeepseekMoE, x: torch.Tensor) -> torch.Tensor:
         """DeepseekMoE.forward on one rank without host syncs."""
         expert_map = self.expert_maps[moe.moe_layer_idx] if self.expert_maps else None
+        low = self.router_weights.get(moe.moe_layer_idx)
+        logits = moe.gate(x) if low is None else torch.mm(x, low.t(), out_dtype=torch.float32)
         weights, physical = select_experts(
-            moe.gate(x), moe.moe_cfg, moe.gate.e_score_correction_bias, expert_map
+            logits, moe.moe_cfg, moe.gate.e_score_correction_bias, expert_map
         )
         if self.fused_moe is not None and moe.experts.fp8 is None:
             ex, mlp = moe.experts, moe.shared_experts

@@ -124,13 +124,10 @@ def mla_decode_bench(quick: bool) -> None:
             for s in (1, 2, 3)
             if not (bh == 64 and bn == 64)
         ]
-        if h == 16:  # V2-Lite: tile length, pipeline depth, latent chunks, splits
+        if h == 16:  # V2-Lite: tile length, pipeline depth, splits
             tiles = [
                 {"block_n": bn, "num_warps": w, "num_stages": st}
                 for bn, w, st in ((16, 4, 5), (32, 4, 4), (32, 4, 5), (32, 4, 6), (64, 8, 3))
-            ] + [
-                {"chunks": ch, "block_n": bn, "num_warps": w, "num_stages": st}
-                for ch, bn, w, st in ((4, 16, 4, 5), (4, 16, 4, 7), (4, 32, 4, 6), (8, 32, 8, 5))
             ]
             splits = {32: (4, 7, 12), 128: (1, 2, 3), 256: (1, 2)}.get(b, (None,))
             variants = [{"block_h": 16, **tile, "splits": sp} for tile in tiles for sp in splits]

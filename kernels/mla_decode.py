@@ -190,109 +190,6 @@ def _kernels():
             tl.store(lse_ptr + (b * num_heads + heads) * NUM_SPLITS + split, lse, mask=hmask)
 
     @triton.jit
-    def partial_chunked_kernel(
-        q_ptr,
-        qpe_ptr,
-        kv_ptr,
-        pt_ptr,
-        lens_ptr,
-        o_ptr,
-        lse_ptr,
-        num_heads,
-        stride_qb,
-        stride_qh,
-        stride_pb,
-        stride_ph,
-        stride_kv_page,
-        stride_kv_tok,
-        stride_pt,
-        stride_ob,
-        stride_oh,
-        stride_os,
-        qk_scale,
-        C: tl.constexpr,
-        R: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-        BLOCK_R: tl.constexpr,
-        BLOCK_H: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        PAGE_SIZE: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
-        DIRECT: tl.constexpr,
-        PRECISION: tl.constexpr,
-        IN_PAGE: tl.constexpr,
-        FULL_WIDTH: tl.constexpr,
-        CHUNKS: tl.constexpr,
-    ):
-        """partial_kernel with the latent cut into CHUNKS slices, one batch entry of a
-        batched product each: ``s = sum_j q_j . k_j + q_pe . k_pe`` and ``acc_j += p @ k_j``.
-        Each warp then owns one slice of the query and the accumulator, so the query stays in
-        registers instead of every warp re-reading all of it from shared memory per tile.
-        Needs C == BLOCK_C and R == BLOCK_R (FULL_WIDTH)."""
-        CW: tl.constexpr = C // CHUNKS
-        b = tl.program_id(0)
-        hb = tl.program_id(1)
-        split = tl.program_id(2)
-        seq_len = tl.load(lens_ptr + b)
-        per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        start = split * per_split
-        end = tl.minimum(start + per_split, seq_len)
-
-        heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-        hmask = heads < num_heads
-        ch = tl.arange(0, CHUNKS)[:, None, None] * CW
-        cw = tl.arange(0, CW)[None, None, :]
-        c3 = ch + cw  # [CHUNKS, 1, CW]
-        r = tl.arange(0, BLOCK_R)
-        h3 = heads[None, :, None]
-        q = tl.load(q_ptr + b * stride_qb + h3 * stride_qh + c3, mask=h3 < num_heads, other=0.0).to(
-            kv_ptr.dtype.element_ty
-        )  # [CHUNKS, BLOCK_H, CW]
-        qpe = tl.load(
-            qpe_ptr + b * stride_pb + heads[:, None] * stride_ph + r[None, :],
-            mask=hmask[:, None],
-            other=0.0,
-        ).to(kv_ptr.dtype.element_ty)
-
-        m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-        l_i = tl.zeros((BLOCK_H,), tl.float32)
-        acc = tl.zeros((CHUNKS, BLOCK_H, CW), tl.float32)
-        pt_row = pt_ptr + b.to(tl.int64) * stride_pt
-        for n0 in range(start, end, BLOCK_N):
-            pos = n0 + tl.arange(0, BLOCK_N)
-            pmask = pos < end
-            if IN_PAGE:
-                page = tl.load(pt_row + n0 // PAGE_SIZE).to(tl.int64)
-            else:
-                page = tl.load(pt_row + pos // PAGE_SIZE, mask=pmask, other=0).to(tl.int64)
-            row = page * stride_kv_page + (pos % PAGE_SIZE) * stride_kv_tok
-            row3 = row[None, :, None]
-            k = tl.load(kv_ptr + row3 + c3, mask=pmask[None, :, None], other=0.0)
-            kpe = tl.load(kv_ptr + row[:, None] + C + r[None, :], mask=pmask[:, None], other=0.0)
-            s3 = tl.dot(q, tl.trans(k, (0, 2, 1)), input_precision=PRECISION)
-            s = tl.sum(s3, axis=0)
-            s = tl.dot(qpe, tl.trans(kpe), acc=s, input_precision=PRECISION)
-            s = tl.where(pmask[None, :], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            p3 = tl.broadcast_to(p.to(k.dtype)[None, :, :], (CHUNKS, BLOCK_H, BLOCK_N))
-            acc = tl.dot(p3, k, acc=acc * alpha[None, :, None], input_precision=PRECISION)
-            m_i = m_new
-
-        has = l_i > 0
-        res = acc / tl.where(has, l_i, 1.0)[None, :, None]
-        o = o_ptr + b.to(tl.int64) * stride_ob + h3 * stride_oh + c3
-        omask = h3 < num_heads
-        if DIRECT:
-            tl.store(o, res.to(o_ptr.dtype.element_ty), mask=omask)
-        else:
-            tl.store(o + split * stride_os, res, mask=omask)
-            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-            tl.store(lse_ptr + (b * num_heads + heads) * NUM_SPLITS + split, lse, mask=hmask)
-
-    @triton.jit
     def combine_kernel(
         part_ptr,
         lse_ptr,
@@ -334,7 +231,7 @@ def _kernels():
             mask=c < C,
         )
 
-    return partial_kernel, partial_chunked_kernel, combine_kernel
+    return partial_kernel, combine_kernel
 
 
 _DEFAULT_CONFIG = {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}
@@ -384,19 +281,10 @@ def mla_decode(
     if num_splits is None:
         sms = _num_sms(q_latent.device.index or 0) if q_latent.is_cuda else _NUM_SMS_DEFAULT
         num_splits = num_splits_for(b, h, page_table.shape[1] * page_size, block_h, sms)
-    partial, chunked, combine = _kernels()
+    partial, combine = _kernels()
     fp32 = kv.dtype == torch.float32
     block_c = max(16, next_pow2(c))
     block_r = max(16, next_pow2(r))
-    chunks = cfg.get("chunks", 1)
-    extra = {}
-    if chunks > 1:
-        if block_c != c or block_r != r or c % (16 * chunks):
-            raise ValueError(
-                f"chunks={chunks} needs power-of-two latent ({c}) and rope ({r}) widths and "
-                f"latent slices of at least 16"
-            )
-        partial, extra = chunked, {"CHUNKS": chunks}
     # Every tile starts at a multiple of BLOCK_N (so does every split's piece), so when
     # BLOCK_N divides the page size a tile lies inside one page (IN_PAGE).
     direct = num_splits == 1
@@ -440,7 +328,6 @@ def mla_decode(
         FULL_WIDTH=block_c == c and block_r == r,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
-        **extra,
     )
     if not direct:
         combine[(b, h)](

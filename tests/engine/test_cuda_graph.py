@@ -323,6 +323,28 @@ def test_cuda_graphs_bfloat16_logits_close_to_eager(v3_ckpt: HFCheckpoint, atten
 
 @needs_cuda
 @pytest.mark.gpu
+def test_router_gemm_in_bfloat16_equals_the_float32_gate(v3_ckpt: HFCheckpoint) -> None:
+    """With router weights a bf16 checkpoint can hold, the runner computes router logits with
+    one bf16 GEMM into float32: exact products, float32 sums, as the float32 gate."""
+    model = load_model(v3_ckpt.path, torch.bfloat16, "cuda")
+    moes = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    for moe in moes:
+        moe.gate.weight.data = moe.gate.weight.to(torch.bfloat16).float()
+    moes[0].gate.weight.data[0, 0] += 1e-6  # not representable: this layer keeps the gate
+    cfg = model.config
+    pool = MLAKVPool(cfg.num_hidden_layers, 8, 4, cfg.mla.kv_cache_dim, torch.bfloat16, "cuda")
+    runner = CudaGraphRunner(model, pool, max_batch=4, max_tokens_per_request=16)
+    assert set(runner.router_weights) == {m.moe_layer_idx for m in moes[1:]}
+    x = torch.randn(5, cfg.hidden_size, device="cuda").to(torch.bfloat16)
+    for moe in moes[1:]:
+        low = runner.router_weights[moe.moe_layer_idx]
+        got = torch.mm(x, low.t(), out_dtype=torch.float32)
+        assert got.dtype == torch.float32
+        assert relative_error(got, moe.gate(x)) < 1e-6
+
+
+@needs_cuda
+@pytest.mark.gpu
 def test_cuda_graph_replay_reads_new_inputs(v2_greedy_ckpt: HFCheckpoint) -> None:
     """One captured graph, two different steps of the same bucket: replay must follow the
     buffers (a graph frozen on its capture inputs would repeat the first logits)."""

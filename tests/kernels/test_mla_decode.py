@@ -92,31 +92,6 @@ def test_tiles_inside_a_page_and_across_pages(page_size, block_n, num_splits, de
 
 
 @needs_triton
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize(
-    ("h", "page_size", "block_n", "lens"),
-    [(4, 16, 16, [1, 40, 75]), (16, 4, 32, [0, 33, 70]), (20, 16, 16, [7, 50])],
-)
-@pytest.mark.parametrize("chunks", [2, 4])
-def test_latent_chunked_kernel_equals_reference(
-    h, page_size, block_n, lens, num_splits, chunks, device
-) -> None:
-    """The latent-chunked variant (one batched-product entry per slice of the latent, so each
-    warp keeps its slice of the query) gives the same result: inside and across pages,
-    ragged tails, an empty context, and heads that do not fill their block."""
-    c = 32 * chunks  # latent slices of 32
-    case = make_case(len(lens), h, c, 16, page_size, lens, torch.float32, device, seed=h + 1)
-    cfg = {"chunks": chunks, "block_n": block_n, "block_h": 16, "num_stages": 1}
-    out = mla_decode(*case, scale=0.2, num_splits=num_splits, config=cfg)
-    ref = mla_decode_ref(*case, scale=0.2)
-    assert rel_err(out.cpu(), ref.cpu()) < 1e-5
-    heads_major = mla_decode(*case, scale=0.2, num_splits=num_splits, config={"block_n": 16})
-    assert rel_err(out.cpu(), heads_major.cpu()) < 1e-5
-    with pytest.raises(ValueError, match="chunks"):
-        mla_decode(*case, scale=0.2, config={"chunks": c // 8})
-
-
-@needs_triton
 def test_kernel_out_argument_empty_context_and_errors(device) -> None:
     case = make_case(3, 4, 32, 16, 4, [0, 6, 11], torch.float32, device, seed=5)
     out = torch.full((3, 4, 32), float("nan"), device=device)
