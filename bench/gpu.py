@@ -234,7 +234,8 @@ def measure_ceilings(device: torch.device, tiny: bool) -> dict[str, Any]:
 @torch.no_grad()
 def init_random_(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
     """Random weights drawn on the model's device (fast for billions of parameters):
-    N(0, std) for matrices, 1 for norm weights, small noise for V3's correction bias."""
+    N(0, std) for matrices (float32 router weights rounded to the model dtype's values, as a
+    checkpoint holds them), 1 for norm weights, small noise for V3's correction bias."""
     device = next(model.parameters()).device
     dtype = model.model.embed_tokens.weight.dtype
     gen = torch.Generator(device=device).manual_seed(seed)

@@ -70,7 +70,7 @@ def test_unsupported_models_are_refused_with_a_reason(v3_ckpt: HFCheckpoint) -> 
 
 
 @pytest.mark.parametrize("ckpt_name", ["v3_ckpt", "v2_greedy_ckpt"])
-def test_input_projections_share_one_weight(request, ckpt_name: str) -> None:
+def test_input_projections_share_one_weight(request, ckpt_name: str, tmp_path) -> None:
     """The runner puts q (V2: q_proj, V3: q_a_proj) and kv_a weights into one tensor for one
     GEMM; the modules keep views with unchanged values, and a second runner reuses it."""
     model = load_model(request.getfixturevalue(ckpt_name).path)
@@ -87,6 +87,11 @@ def test_input_projections_share_one_weight(request, ckpt_name: str) -> None:
     assert attn.kv_a_proj_with_mqa.weight.data_ptr() == weight[split:].data_ptr()
     second = CudaGraphRunner(model, pool, max_batch=2, max_tokens_per_request=16)
     assert second.input_projections[attn.layer_idx][0] is weight
+    # Saving the model still works: the views do not overlap, which safetensors accepts.
+    from engine.weights import official_state_dict, save_checkpoint_weights
+
+    save_checkpoint_weights(official_state_dict(model), tmp_path)
+    assert (tmp_path / "model.safetensors").stat().st_size > 0
 
 
 def _prefilled(model, prompts, page_size, max_new):
