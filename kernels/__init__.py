@@ -1,2 +1,3 @@
-"""Compute kernels (MLA decode attention, grouped-GEMM MoE, FP8 quantisation, routing top-k),
-each beside a plain-torch reference. GPU backends arrive with the GPU-path issue."""
+"""Compute kernels in Triton, each beside a plain-torch reference: MLA decode and prefill
+attention, fused decode MoE, grouped-GEMM MoE (bf16 and FP8), FP8 quantisation, routing
+top-k, fused norms and rope (docs/KERNELS.md)."""
