@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import random
 import re
 import signal
 import socket
@@ -42,18 +43,28 @@ def ranks_per_node(argv: list[str]) -> int:
     return ep_size // int(_flag(argv, "--ep-nnodes") or 1)
 
 
+def _ephemeral_start() -> int:
+    """First port of the kernel's ephemeral range (outgoing connections, gloo's pairs)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def _free_block(width: int, taken: set[int]) -> int:
-    """First port of ``width`` consecutive ports that are free now and not handed out."""
+    """First port of ``width`` consecutive ports that are free now and not handed out.
+
+    Drawn below the ephemeral range: a port the kernel hands out for port 0 can be taken by
+    any outgoing connection (the EP ranks' gloo pairs, say) before the service binds it."""
+    top = max(min(_ephemeral_start(), 32768), 20000) - width
     for _ in range(200):
-        with socket.socket() as s:
-            s.bind((LOOPBACK, 0))
-            base = s.getsockname()[1]
+        base = random.randrange(10000, top)
         ports = range(base, base + width)
-        if base + width > 65535 or taken.intersection(ports):
+        if taken.intersection(ports):
             continue
         try:
             with contextlib.ExitStack() as stack:
-                for port in ports[1:]:
+                for port in ports:
                     sock = stack.enter_context(socket.socket())
                     sock.bind((LOOPBACK, port))
         except OSError:
