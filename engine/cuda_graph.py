@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -52,6 +53,16 @@ DecodeAttention = Callable[..., torch.Tensor]
 
 # Rows of the ``meta`` buffer.
 _IDS, _POS, _SLOT, _LEN = range(4)
+
+
+class _StepTensors(NamedTuple):
+    """Per-step device tensors every layer of the static forward reads."""
+
+    cos: torch.Tensor  # rope of the new tokens' positions
+    sin: torch.Tensor
+    slots: torch.Tensor  # KV slot of each new token
+    table: torch.Tensor  # page table [b, pages] int32
+    seq_lens: torch.Tensor  # context length per row, int32
 
 
 class GraphCaptureError(RuntimeError):
@@ -399,30 +410,20 @@ class CudaGraphRunner:
         """The decode forward over the first ``b`` rows of the buffers -> logits [b, vocab]."""
         m = self.model.model
         meta = self.meta[:, :b]
-        slots = meta[_SLOT]
-        seq_lens = meta[_LEN].to(torch.int32)
-        table = self._table(p)[:b]
         x = m.embed_tokens(meta[_IDS])
         cos, sin = m.rotary.cos_sin(meta[_POS], x.dtype)
+        step = _StepTensors(cos, sin, meta[_SLOT], self._table(p)[:b], meta[_LEN].to(torch.int32))
         if self.fused_glue:
-            return self._forward_fused(x, cos, sin, slots, table, seq_lens)
+            return self._forward_fused(x, step)
         for layer in m.layers:
             h = layer.input_layernorm(x)
-            x = x + self._attention(layer.self_attn, h, cos, sin, slots, table, seq_lens)
+            x = x + self._attention(layer.self_attn, h, step)
             h = layer.post_attention_layernorm(x)
             mlp = layer.mlp
             x = x + (self._moe(mlp, h) if isinstance(mlp, DeepseekMoE) else mlp(h))
         return self.model.lm_head(m.norm(x)).to(torch.float32)
 
-    def _forward_fused(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        slots: torch.Tensor,
-        table: torch.Tensor,
-        seq_lens: torch.Tensor,
-    ) -> torch.Tensor:
+    def _forward_fused(self, x: torch.Tensor, step: _StepTensors) -> torch.Tensor:
         """The same layers with each residual add fused into the next RMSNorm
         (kernels.norm.fused_add_rms_norm; the residual stream ``x`` is updated in place)."""
         from kernels.norm import fused_add_rms_norm
@@ -432,7 +433,7 @@ class CudaGraphRunner:
         first = layers[0].input_layernorm
         h = first(x)
         for i, layer in enumerate(layers):
-            out = self._attention(layer.self_attn, h, cos, sin, slots, table, seq_lens)
+            out = self._attention(layer.self_attn, h, step)
             post = layer.post_attention_layernorm
             h = fused_add_rms_norm(out, x, post.weight, post.eps)
             mlp = layer.mlp
@@ -441,17 +442,9 @@ class CudaGraphRunner:
             h = fused_add_rms_norm(out, x, norm.weight, norm.eps)
         return self.model.lm_head(h).to(torch.float32)
 
-    def _attention(
-        self,
-        attn: MLAttention,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        slots: torch.Tensor,
-        table: torch.Tensor,
-        seq_lens: torch.Tensor,
-    ) -> torch.Tensor:
+    def _attention(self, attn: MLAttention, x: torch.Tensor, step: _StepTensors) -> torch.Tensor:
         """MLAttention.forward for single-token rows, weight-absorbed, static shapes."""
+        cos, sin, slots, table, seq_lens = step
         t = x.shape[0]
         q_in, kv_a = self._input_projections(attn, x)
         q = q_in if attn.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(q_in))
