@@ -28,7 +28,7 @@ from dsmesh.v1 import eplb_pb2, eplb_pb2_grpc, generation_pb2
 from dsmesh.v1 import generation_pb2_grpc as gen_grpc
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
-from tests.pd.launch import start_gateway
+from tests.pd.launch import instance_load, start_gateway
 
 pytestmark = pytest.mark.timeout(600)
 MAX_NEW = 6
@@ -220,7 +220,6 @@ def test_rebalances_under_load_keep_outputs_and_raise_balancedness(live) -> None
 
 async def _pages_free(broker: str, within: float) -> bool:
     """Every rank of both groups has all its KV pages back after the swaps."""
-    from dsmesh.v1 import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
     from dsmesh.v1 import kv_broker_pb2 as kb
     from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
 
@@ -230,13 +229,7 @@ async def _pages_free(broker: str, within: float) -> bool:
             listing = await kb_grpc.KVBrokerStub(ch).ListInstances(kb.ListInstancesRequest())
         free = []
         for inst in listing.instances:
-            async with channel(inst.grpc_address) as ch:
-                stub = (
-                    prefill_pb2_grpc.PrefillStub(ch)
-                    if inst.role == kb.ROLE_PREFILL
-                    else decode_pb2_grpc.DecodeStub(ch)
-                )
-                load = await stub.GetLoad(prefill_pb2.LoadRequest())
+            load = await instance_load(inst)
             free.append(load.free_pages == load.total_pages)
         if len(free) == 4 and all(free):
             return True

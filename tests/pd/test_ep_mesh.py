@@ -16,13 +16,19 @@ import torch
 from dsmesh.grpc_server import channel
 from dsmesh.launcher import dsmesh_command, start_service
 from dsmesh.pd_client import generate_pd
-from dsmesh.v1 import decode_pb2_grpc, generation_pb2, prefill_pb2, prefill_pb2_grpc
+from dsmesh.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
+    generation_pb2,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
 from dsmesh.v1 import generation_pb2_grpc as gen_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
-from tests.pd.launch import start_gateway
+from tests.pd.launch import instance_load, start_gateway
 
 pytestmark = pytest.mark.timeout(400)
 MAX_NEW = 8
@@ -179,13 +185,7 @@ def _wait_pages_free(ranks: list[kb.Instance], within: float) -> bool:
 
     async def all_free() -> bool:
         for inst in ranks:
-            async with channel(inst.grpc_address) as ch:
-                stub = (
-                    prefill_pb2_grpc.PrefillStub(ch)
-                    if inst.role == kb.ROLE_PREFILL
-                    else decode_pb2_grpc.DecodeStub(ch)
-                )
-                load = await stub.GetLoad(prefill_pb2.LoadRequest())
+            load = await instance_load(inst)
             if load.free_pages != load.total_pages:
                 return False
         return True
@@ -204,7 +204,9 @@ def test_an_idle_rank_does_not_stall_its_peer(ep_mesh, offline) -> None:
     batch = prompts(4, seed=2)
     want = reference(offline, batch)
 
-    async def main() -> tuple[list[list[int]], list[prefill_pb2.LoadResponse]]:
+    Load = prefill_pb2.PrefillLoad | decode_pb2.DecodeLoad
+
+    async def main() -> tuple[list[list[int]], list[Load]]:
         chans = [channel(prefill[0].grpc_address), channel(decode[0].grpc_address)]
         idle = [channel(prefill[1].grpc_address), channel(decode[1].grpc_address)]
         p, d = prefill_pb2_grpc.PrefillStub(chans[0]), decode_pb2_grpc.DecodeStub(chans[1])
