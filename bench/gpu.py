@@ -561,6 +561,25 @@ def profile_static_forward(runner, batch: int, device: torch.device, rows: int =
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
 
 
+def bench_other_attention(engine, vocab: int, b: int, context: int, steps: int, device):
+    """The same decode steps with the other MLA decode kernel in the graphs: dsmesh's Triton
+    kernel when "auto" chose FlashInfer, else FlashInfer (A/B in the same run). Returns the
+    key to record it under and its figures, or the reason it cannot run here."""
+    runner = engine.graph_runner
+    other = "kernel" if runner.attention_backend == "flashinfer" else "flashinfer"
+    key = f"graphs_{'triton' if other == 'kernel' else other}_attention"
+    try:
+        runner.set_attention_backend(other)
+    except Exception as exc:  # not installed, or it fails to build: say so in the results
+        return key, {"error": f"{type(exc).__name__}: {exc}"}
+    try:
+        step = bench_decode(engine, vocab, b, context, steps, 3, True)
+        replay = graph_replay_seconds(runner, b, device)
+        return key, {"step_ms": step * 1e3, "replay_ms": replay * 1e3 if replay else None}
+    finally:
+        runner.set_attention_backend("auto")
+
+
 def run_v2(args, device, ceilings, results) -> None:
     raw = v2_lite_config(args.tiny)
     model = build_dsmesh(raw, device, args.dtype)
@@ -634,6 +653,11 @@ def run_v2(args, device, ceilings, results) -> None:
                         "replay_ms": replay * 1e3 if replay else None,
                     }
                     runner.set_moe_backend("auto")
+                if args.attention_ab and runner is not None:
+                    key, ab = bench_other_attention(
+                        engine, cfg.vocab_size, b, context, args.steps, device
+                    )
+                    row[key] = ab
                 if host:
                     row["graphs"]["host_profile"] = host["table"]
                     row["graphs"]["step_trace"] = host["trace"]
@@ -670,9 +694,13 @@ def run_v3(args, device, ceilings, results) -> None:
     w = weight_bytes_touched(model, b)
     kv = kv_bytes(cfg, b, args.context, elem)
     roofline = (w["routed_experts"] + w["other"] + kv) / (ceilings["copy_GBps"] * 1e9)
+    ab = None
+    if args.attention_ab and engine.graph_runner is not None:
+        ab = bench_other_attention(engine, cfg.vocab_size, b, args.context, args.steps, device)
     results["v3_layers"] = {
         "shape": "DeepSeek-V3 layers (all MoE), vocab 4096",
         "num_layers": layers,
+        "attention_backend": getattr(engine.graph_runner, "attention_backend", None),
         "weights": ("routed experts fp8 (128x128 blocks), the rest bf16" if fp8 else "all bf16"),
         "prefill": {
             "prompt_len": args.prompt_len,
@@ -697,6 +725,9 @@ def run_v3(args, device, ceilings, results) -> None:
             "ratio_to_seed": dec_tokens * layers / seed_out,
         },
     }
+    if ab is not None:
+        key, figures = ab
+        results["v3_layers"]["decode"][key] = figures
     del engine, model
 
 
@@ -879,6 +910,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also time decode without CUDA graphs (the graph speed-up)",
+    )
+    ap.add_argument(
+        "--attention-ab",
+        action="store_true",
+        help="also time decode with the MLA kernel 'auto' did not pick (Triton or FlashInfer)",
     )
     ap.add_argument("--context", type=int, default=2000)
     ap.add_argument("--prompt-len", type=int, default=2000)

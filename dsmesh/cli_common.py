@@ -9,6 +9,7 @@ from dsmesh.security import (
     TLSConfig,
     api_keys_from_env_and_args,
 )
+from engine.cuda_graph import ATTENTION_BACKENDS
 from engine.llm_engine import EngineConfig
 
 
@@ -53,6 +54,14 @@ def add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool = Fal
         help="replay decode steps as CUDA graphs, one per batch-size bucket (CUDA only)",
     )
     g.add_argument(
+        "--decode-attention",
+        default=d.decode_attention,
+        choices=ATTENTION_BACKENDS,
+        help="MLA decode attention in the CUDA graphs: auto = dsmesh's Triton kernel, "
+        "flashinfer = FlashInfer's MLA kernel (pip install flashinfer-python), torch = the "
+        "reference",
+    )
+    g.add_argument(
         "--overlap-decode",
         action=argparse.BooleanOptionalAction,
         default=d.overlap_decode,
@@ -82,6 +91,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         tbo=getattr(args, "tbo", False),
         cuda_graphs=getattr(args, "cuda_graphs", True),
         overlap_decode=getattr(args, "overlap_decode", True),
+        decode_attention=getattr(args, "decode_attention", "auto"),
         fp8_experts=getattr(args, "fp8_experts", False),
     )
 

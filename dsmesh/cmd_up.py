@@ -20,6 +20,7 @@ FORWARDED_ENGINE_FLAGS = (
     "max_running_requests",
     "max_batch_tokens",
     "attention_mode",
+    "decode_attention",
 )
 # --x / --no-x
 FORWARDED_ENGINE_SWITCHES = ("prefix_cache", "cuda_graphs", "overlap_decode", "fp8_experts")

@@ -12,7 +12,9 @@ static decode forward over fixed buffers:
 - one page table per page bucket, [max_batch, pages] int32 (``pages`` a power of two, capped
   at the most pages one request can hold);
 - attention through :func:`kernels.mla_decode.mla_decode` when importable (and the dtype is
-  not float32), else its torch reference :func:`kernels.mla_decode.mla_decode_ref` (float32
+  not float32), or FlashInfer's MLA kernel when chosen (its schedule is planned on the host
+  before each step or replay; :mod:`kernels.mla_decode_flashinfer`), else the torch
+  reference :func:`kernels.mla_decode.mla_decode_ref` (float32
   scores, a masked gather over the bucket's fixed width), which is static too;
 - MoE with the router and experts of the model's own modules, but a static permutation
   (``argsort`` plus ``scatter_add_`` counts, device-side expert map) and, where
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -45,11 +47,18 @@ from engine.moe import DeepseekMoE
 from engine.moe_dispatch import LocalDispatcher
 from engine.routing import select_experts
 from kernels._triton import use_triton
+from kernels.backends import available, choose
 from kernels.mla_decode import mla_decode_ref
+
+if TYPE_CHECKING:
+    from kernels.mla_decode_flashinfer import FlashInferMLADecode
 
 log = logging.getLogger(__name__)
 
 DecodeAttention = Callable[..., torch.Tensor]
+# "kernel" is dsmesh's Triton kernel; "auto" picks FlashInfer only where kernels.backends
+# lists a tested adapter and the library is installed, else the Triton kernel.
+ATTENTION_BACKENDS = ("auto", "kernel", "flashinfer", "torch")
 
 # Rows of the ``meta`` buffer.
 _IDS, _POS, _SLOT, _LEN = range(4)
@@ -137,8 +146,9 @@ class CudaGraphRunner:
 
     ``run`` takes one step's rows (token id, position, the request's pages) and returns
     float32 logits [n, vocab]; the tensor is a view of graph memory, valid until the next
-    ``run``. ``attention`` is "auto" (kernel when importable and dtype is not float32),
-    "kernel" or "torch".
+    ``run``. ``attention`` is "auto" (a kernel when importable and dtype is not float32),
+    "kernel" (dsmesh's Triton kernel), "flashinfer" (the optional library, planned on the
+    host before each step: kernels.mla_decode_flashinfer) or "torch".
     """
 
     def __init__(
@@ -169,7 +179,7 @@ class CudaGraphRunner:
         self.fused_moe = self._choose_moe(moe_backend)
         # Fused norm / rope / cache-write kernels (kernels.norm, kernels.mla_rope) replace
         # ~40 small launches per layer; off in float32, the exact-reference precision.
-        self.fused_glue = self.attention_backend == "kernel" and use_triton(self.meta)
+        self.fused_glue = self.attention_backend != "torch" and use_triton(self.meta)
         self.tables: dict[int, torch.Tensor] = {}
         self.expert_maps = self._expert_maps()
         self.input_projections = self._fuse_input_projections()
@@ -183,8 +193,27 @@ class CudaGraphRunner:
     # ---- set-up -----------------------------------------------------------------------------
 
     def _choose_attention(self, attention: str) -> DecodeAttention:
-        if attention not in ("auto", "kernel", "torch"):
-            raise ValueError(f"attention must be auto, kernel or torch, got {attention!r}")
+        if attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
+        self.flashinfer: FlashInferMLADecode | None = None
+        if attention == "flashinfer" or (
+            attention == "auto"
+            and self.device.type == "cuda"
+            and self.dtype in (torch.bfloat16, torch.float16)
+            and self._deepseek_latent()
+            and choose("mla_decode") == "flashinfer"
+        ):
+            try:
+                flashinfer = self._make_flashinfer()
+                flashinfer.warm_up()
+            except Exception as exc:  # e.g. no CUDA compiler for its first-use build
+                if attention == "flashinfer":
+                    raise
+                log.warning("FlashInfer MLA decode unavailable (%s); using Triton", exc)
+            else:
+                self.flashinfer = flashinfer
+                self.attention_backend = "flashinfer"
+                return flashinfer
         kernel = None
         if attention in ("auto", "kernel") and self.device.type == "cuda":
             kernel = load_decode_kernel()
@@ -194,6 +223,35 @@ class CudaGraphRunner:
             kernel = None  # float32 is the reference precision: keep exact torch arithmetic
         self.attention_backend = "kernel" if kernel is not None else "torch"
         return kernel if kernel is not None else mla_decode_ref
+
+    def _deepseek_latent(self) -> bool:
+        """Whether the cache holds DeepSeek's latent (512 + 64), the shape FlashInfer's MLA
+        kernels are built and tested for; other widths (tiny test models) stay on Triton."""
+        attn = self.model.model.layers[0].self_attn
+        return (attn.kv_lora_rank, attn.rope_dim) == (512, 64)
+
+    def _make_flashinfer(self) -> FlashInferMLADecode:
+        from kernels.mla_decode_flashinfer import FlashInferMLADecode
+
+        if self.device.type != "cuda":
+            raise ValueError("attention='flashinfer' needs CUDA")
+        if not available("flashinfer"):
+            raise ValueError(
+                "attention='flashinfer' but FlashInfer is not installed "
+                "(pip install flashinfer-python)"
+            )
+        attn = self.model.model.layers[0].self_attn
+        return FlashInferMLADecode(
+            self.device,
+            attn.num_heads,
+            attn.kv_lora_rank,
+            attn.rope_dim,
+            self.page_size,
+            self.dtype,
+            attn.scale,
+            self.max_pages,
+            graph=self.use_graphs,
+        )
 
     def _choose_moe(self, moe_backend: str) -> Callable[..., torch.Tensor] | None:
         """The fused decode MoE kernel (kernels.moe_fused) for bf16/fp16 on CUDA when
@@ -299,6 +357,15 @@ class CudaGraphRunner:
         if self.use_graphs:  # a fresh pool: capturing into one whose graphs died can fail
             self.pool = torch.cuda.graph_pool_handle()
 
+    def set_attention_backend(self, attention: str) -> None:
+        """Switch decode attention ("auto", "kernel", "flashinfer", "torch") and drop
+        captured graphs (A/B in benchmarks)."""
+        self.decode_attention = self._choose_attention(attention)
+        self.fused_glue = self.attention_backend != "torch" and use_triton(self.meta)
+        self.graphs.clear()
+        if self.use_graphs:
+            self.pool = torch.cuda.graph_pool_handle()
+
     # ---- stepping ---------------------------------------------------------------------------
 
     def can_run(self, num_rows: int) -> bool:
@@ -323,7 +390,9 @@ class CudaGraphRunner:
         b = bucket_for(n, self.buckets)
         need = pages_for(max(positions) + 1, self.page_size)
         p = page_bucket(need, self.max_pages)
-        self._load_inputs(b, p, token_ids, positions, pages)
+        table, seq_lens = self._load_inputs(b, p, token_ids, positions, pages)
+        if self.flashinfer is not None:  # host-side schedule, read by every layer's launch
+            self.flashinfer.plan(table, seq_lens)
         if device_ids is not None:
             if device_ids.shape != (n,):
                 raise ValueError(f"device_ids must be [{n}], got {tuple(device_ids.shape)}")
@@ -349,8 +418,9 @@ class CudaGraphRunner:
         token_ids: Sequence[int],
         positions: Sequence[int],
         pages: Sequence[Sequence[int] | np.ndarray],
-    ) -> None:
-        """Fill the buffers of bucket (b, p): vectorised, one host->device copy per buffer."""
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Fill the buffers of bucket (b, p): vectorised, one host->device copy per buffer.
+        Returns the host page table [b, p] and sequence lengths [b] just uploaded."""
         n = len(token_ids)
         ps = self.page_size
         table = np.zeros((b, p), dtype=np.int32)
@@ -373,6 +443,7 @@ class CudaGraphRunner:
         meta[_LEN] = meta[_POS] + 1
         self._upload(self.meta[:, :b], meta)
         self._upload(self._table(p)[:b], table)
+        return table, meta[_LEN]
 
     def _upload(self, dst: torch.Tensor, src: np.ndarray) -> None:
         """Host -> device without waiting for the GPU: from pinned memory, ordered on the

@@ -14,7 +14,12 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelConfig
-from engine.cuda_graph import CudaGraphRunner, GraphCaptureError, graph_support_problem
+from engine.cuda_graph import (
+    ATTENTION_BACKENDS,
+    CudaGraphRunner,
+    GraphCaptureError,
+    graph_support_problem,
+)
 from engine.errors import InvalidRequestError, check_prompt
 from engine.forward_batch import ForwardBatch, SequenceChunk
 from engine.kv_cache import MLAKVPool, pages_for
@@ -47,6 +52,10 @@ class EngineConfig:
     # CPU, with tbo, with attention_mode "naive" and under expert parallelism).
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256  # larger decode batches run eagerly
+    # MLA decode attention inside the graphs: "auto" (dsmesh's Triton kernel; FlashInfer
+    # where kernels.backends has a tested adapter and it is installed), "kernel" (Triton),
+    # "flashinfer" (needs flashinfer-python) or "torch" (the reference)
+    decode_attention: str = "auto"
     # With CUDA graphs, a greedy decode step launches the next one (its input tokens taken
     # on the device) before its own bookkeeping, so host work overlaps the GPU. Only when
     # the next batch is certain to be the same requests (docs/GPU.md).
@@ -71,6 +80,11 @@ class EngineConfig:
     def validate(self) -> None:
         if self.attention_mode not in ATTENTION_MODES:
             raise ValueError(f"attention_mode must be one of {ATTENTION_MODES}")
+        if self.decode_attention not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"decode_attention must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.decode_attention!r}"
+            )
         names = (
             "page_size",
             "max_total_tokens",
@@ -184,6 +198,7 @@ class LLMEngine:
             self.kv_pool,
             max_batch=min(cfg.cuda_graph_max_batch, cfg.max_running_requests),
             max_tokens_per_request=min(self.max_context, self.kv_pool.num_pages * cfg.page_size),
+            attention=cfg.decode_attention,
         )
 
     @property

@@ -1,10 +1,16 @@
 """Optional third-party kernels: FlashInfer (MLA attention) and DeepGEMM (grouped FP8 GEMM).
 
-Both are looked up lazily (never imported at start-up, never required). The GPU machine this
-project measures on has neither, so no adapter to them has been run, and dsmesh does not call
-them yet: :func:`choose` returns ``"triton"`` for every kernel and logs once per kernel which
-optional library it found, so a deployment that installs one sees that the hook is there.
-An adapter goes in :data:`_ADAPTERS` once it can be tested on a machine that has the library.
+Both are looked up lazily (never imported at start-up, never required). :func:`choose` names
+the library for a kernel when it is installed and an adapter to it has been tested on a GPU
+with the library (:data:`_ADAPTERS`), else ``"triton"`` (dsmesh's own kernels); it logs the
+choice once per kernel. Adapters so far:
+
+- ``mla_decode``: FlashInfer's MLA paged decode (kernels.mla_decode_flashinfer), used by the
+  CUDA-graph decode path for DeepSeek's latent shape (512 + 64); see docs/KERNELS.md.
+
+MLA prefill and DeepGEMM's FP8 grouped GEMM have no adapter: the first has no measured need
+(the Triton kernel runs prefill at 56-58% of the matmul rate), the second could not be
+installed on the measuring machine (not on PyPI).
 """
 
 from __future__ import annotations
@@ -17,8 +23,8 @@ log = logging.getLogger(__name__)
 
 # kernel name -> the optional module that could serve it
 OPTIONAL = {"mla_decode": "flashinfer", "mla_prefill": "flashinfer", "moe_fp8_gemm": "deep_gemm"}
-# kernel name -> adapters proven on a GPU with the library installed (none yet)
-_ADAPTERS: dict[str, str] = {}
+# kernel name -> the adapter module, tested on a GPU with the library installed
+_ADAPTERS: dict[str, str] = {"mla_decode": "kernels.mla_decode_flashinfer"}
 
 
 @functools.cache

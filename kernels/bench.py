@@ -140,6 +140,7 @@ def mla_decode_bench(quick: bool) -> None:
 
         best_ms, best_cfg = best_variant(run_variant, variants, graph=True)
         kv_bytes = b * ctx * (c + r) * 2
+        flashinfer = flashinfer_mla_rows(args, page, mla_decode_ref(*args))
         record(
             "mla_decode",
             f"B={b} H={h} ctx={ctx} page={page} bf16",
@@ -154,7 +155,38 @@ def mla_decode_bench(quick: bool) -> None:
             best_gbs=round(kv_bytes / best_ms / 1e6, 1),
             best_config=best_cfg,
             rel_err=float(err),
+            **flashinfer,
         )
+
+
+def flashinfer_mla_rows(args: tuple, page: int, ref: torch.Tensor) -> dict:
+    """FlashInfer's MLA decode on the same problem, per backend (fa2, fa3): graph-timed ms and
+    error against the reference; empty when FlashInfer is not installed."""
+    from kernels.backends import available
+
+    if not available("flashinfer"):
+        return {}
+    from kernels.mla_decode_flashinfer import FlashInferMLADecode
+
+    q, qpe, kv, pt, lens, scale = args
+    rows: dict = {}
+    for backend in ("fa2", "fa3"):
+        try:
+            fi = FlashInferMLADecode(
+                q.device, q.shape[1], q.shape[2], qpe.shape[2], page, q.dtype, scale,
+                pt.shape[1], graph=True, backend=backend,
+            )  # fmt: skip
+            fi.plan(pt.cpu().numpy(), lens.cpu().numpy())
+            out = fi(*args)
+            err = (out.float() - ref.float()).norm() / ref.float().norm()
+            rows[f"flashinfer_{backend}"] = {
+                "ms": round(bench(lambda fi=fi: fi(*args)), 4),
+                "graph_ms": bench_graph(lambda fi=fi: fi(*args)),
+                "rel_err": float(err),
+            }
+        except Exception as exc:
+            rows[f"flashinfer_{backend}"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    return rows
 
 
 def mla_prefill_bench(quick: bool) -> None:

@@ -197,12 +197,12 @@ def _scenario(engine: LLMEngine, vocab: int) -> dict[int, list[int]]:
     return out
 
 
-def _engine(ckpt: HFCheckpoint, device: str, **kw) -> LLMEngine:
+def _engine(ckpt: HFCheckpoint, device: str, dtype: str = "float32", **kw) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model=str(ckpt.path),
             device=device,
-            dtype="float32",
+            dtype=dtype,
             page_size=8,
             max_total_tokens=4096,
             max_batch_tokens=64,  # the 100-token prompt is prefilled in two chunks
@@ -324,6 +324,68 @@ def test_cuda_graphs_bfloat16_logits_close_to_eager(v3_ckpt: HFCheckpoint, atten
         errs = [relative_error(s[i], e[i]) for e, s in pairs for i in range(len(s))]
         assert sum(err > 3e-2 for err in errs) <= 1, errs
         assert sorted(errs)[len(errs) // 2] < 1.5e-2, errs
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_cuda_graphs_with_flashinfer_attention(tmp_path) -> None:
+    """FlashInfer's MLA kernel (optional; DeepSeek's 512 + 64 latent) inside the graphs,
+    re-planned on the host before every replay: replays equal the same runner without
+    capture and stay close to the eager path."""
+    from kernels.backends import available
+
+    if not available("flashinfer"):
+        pytest.skip("FlashInfer is not installed (pip install flashinfer-python)")
+    from tests.engine.hf_checkpoints import make_hf_v2
+
+    ckpt = HFCheckpoint(*make_hf_v2(tmp_path, seed=4, kv_lora_rank=512, qk_rope_head_dim=64))
+    runner, eager, static, plain = _static_vs_eager(
+        ckpt, "cuda", torch.bfloat16, attention="flashinfer", compare_uncaptured=True
+    )
+    assert runner.attention_backend == "flashinfer" and runner.fused_glue
+    assert runner.use_graphs and runner.num_replays == len(eager)
+    for step, (p, s) in enumerate(zip(plain, static, strict=True)):
+        assert relative_error(s, p) < 1e-2, step
+    pairs = zip(eager, static, strict=True)
+    errs = [relative_error(s[i], e[i]) for e, s in pairs for i in range(len(s))]
+    assert sorted(errs)[len(errs) // 2] < 1.5e-2, errs
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_flashinfer_replans_race_free_with_overlapped_decode(tmp_path) -> None:
+    """Overlapped decode plans step n + 1 while step n may still run; the plan's uploads are
+    stream-ordered and its pinned staging buffer is not rewritten before its copy ran, so the
+    tokens equal those of the same engine without overlap, exactly."""
+    from kernels.backends import available
+
+    if not available("flashinfer"):
+        pytest.skip("FlashInfer is not installed (pip install flashinfer-python)")
+    from tests.engine.hf_checkpoints import make_hf_v2
+
+    ckpt = HFCheckpoint(*make_hf_v2(tmp_path, seed=4, kv_lora_rank=512, qk_rope_head_dim=64))
+    outs = []
+    for overlap in (False, True):
+        engine = _engine(ckpt, "cuda", dtype="bfloat16", overlap_decode=overlap)
+        assert engine.graph_runner.attention_backend == "flashinfer"  # "auto" picked it
+        outs.append(_scenario(engine, ckpt.hf_model.config.vocab_size))
+        assert engine.graph_runner.num_replays > 10
+        if overlap:
+            assert engine.num_launched_ahead > 5
+    assert outs[0] == outs[1]
+
+
+def test_decode_attention_choice_is_checked(v2_greedy_ckpt: HFCheckpoint) -> None:
+    with pytest.raises(ValueError, match="decode_attention must be one of"):
+        EngineConfig(decode_attention="fast").validate()
+    EngineConfig(decode_attention="flashinfer").validate()
+    model = load_model(v2_greedy_ckpt.path)
+    cfg = model.config
+    pool = MLAKVPool(cfg.num_hidden_layers, 8, 4, cfg.mla.kv_cache_dim, torch.float32)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        CudaGraphRunner(model, pool, max_batch=2, max_tokens_per_request=32, attention="x")
+    with pytest.raises(ValueError, match="attention='flashinfer' needs CUDA"):
+        CudaGraphRunner(model, pool, max_batch=2, max_tokens_per_request=32, attention="flashinfer")
 
 
 @needs_cuda

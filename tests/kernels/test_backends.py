@@ -23,3 +23,14 @@ def test_installed_library_without_adapter_still_uses_triton(monkeypatch) -> Non
     assert backends.available("json")
     assert backends.choose("fake_kernel2") == "triton"
     backends.choose.cache_clear()
+
+
+def test_a_tested_adapter_is_chosen_when_its_library_is_installed(monkeypatch) -> None:
+    """FlashInfer's MLA decode adapter (tests/kernels/test_mla_decode_flashinfer.py on a GPU)
+    is picked wherever flashinfer is importable; DeepGEMM has no adapter, so Triton stays."""
+    backends.choose.cache_clear()
+    monkeypatch.setattr(backends, "available", lambda module: True)
+    assert backends.choose("mla_decode") == "flashinfer"
+    assert backends.choose("moe_fp8_gemm") == "triton"
+    assert backends.choose("mla_prefill") == "triton"
+    backends.choose.cache_clear()
