@@ -9,7 +9,7 @@ from dsmesh.security import (
     TLSConfig,
     api_keys_from_env_and_args,
 )
-from engine.cuda_graph import ATTENTION_BACKENDS
+from engine.decode_attention import ATTENTION_BACKENDS
 from engine.llm_engine import EngineConfig
 
 

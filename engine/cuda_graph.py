@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.decode_attention import make_flashinfer
 from engine.kv_cache import MLAKVPool, pages_for
 from engine.mla import MLAttention
 from engine.model import DeepseekForCausalLM
@@ -47,18 +48,11 @@ from engine.moe import DeepseekMoE
 from engine.moe_dispatch import LocalDispatcher
 from engine.routing import select_experts
 from kernels._triton import use_triton
-from kernels.backends import available, choose
 from kernels.mla_decode import mla_decode_ref
-
-if TYPE_CHECKING:
-    from kernels.mla_decode_flashinfer import FlashInferMLADecode
 
 log = logging.getLogger(__name__)
 
 DecodeAttention = Callable[..., torch.Tensor]
-# "kernel" is dsmesh's Triton kernel; "auto" picks FlashInfer only where kernels.backends
-# lists a tested adapter and the library is installed, else the Triton kernel.
-ATTENTION_BACKENDS = ("auto", "kernel", "flashinfer", "torch")
 
 # Rows of the ``meta`` buffer.
 _IDS, _POS, _SLOT, _LEN = range(4)
@@ -193,27 +187,18 @@ class CudaGraphRunner:
     # ---- set-up -----------------------------------------------------------------------------
 
     def _choose_attention(self, attention: str) -> DecodeAttention:
-        if attention not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
-        self.flashinfer: FlashInferMLADecode | None = None
-        if attention == "flashinfer" or (
-            attention == "auto"
-            and self.device.type == "cuda"
-            and self.dtype in (torch.bfloat16, torch.float16)
-            and self._deepseek_latent()
-            and choose("mla_decode") == "flashinfer"
-        ):
-            try:
-                flashinfer = self._make_flashinfer()
-                flashinfer.warm_up()
-            except Exception as exc:  # e.g. no CUDA compiler for its first-use build
-                if attention == "flashinfer":
-                    raise
-                log.warning("FlashInfer MLA decode unavailable (%s); using Triton", exc)
-            else:
-                self.flashinfer = flashinfer
-                self.attention_backend = "flashinfer"
-                return flashinfer
+        self.flashinfer = make_flashinfer(
+            attention,
+            self.model,
+            self.device,
+            self.dtype,
+            self.page_size,
+            self.max_pages,
+            graph=self.use_graphs,
+        )
+        if self.flashinfer is not None:
+            self.attention_backend = "flashinfer"
+            return self.flashinfer
         kernel = None
         if attention in ("auto", "kernel") and self.device.type == "cuda":
             kernel = load_decode_kernel()
@@ -223,35 +208,6 @@ class CudaGraphRunner:
             kernel = None  # float32 is the reference precision: keep exact torch arithmetic
         self.attention_backend = "kernel" if kernel is not None else "torch"
         return kernel if kernel is not None else mla_decode_ref
-
-    def _deepseek_latent(self) -> bool:
-        """Whether the cache holds DeepSeek's latent (512 + 64), the shape FlashInfer's MLA
-        kernels are built and tested for; other widths (tiny test models) stay on Triton."""
-        attn = self.model.model.layers[0].self_attn
-        return (attn.kv_lora_rank, attn.rope_dim) == (512, 64)
-
-    def _make_flashinfer(self) -> FlashInferMLADecode:
-        from kernels.mla_decode_flashinfer import FlashInferMLADecode
-
-        if self.device.type != "cuda":
-            raise ValueError("attention='flashinfer' needs CUDA")
-        if not available("flashinfer"):
-            raise ValueError(
-                "attention='flashinfer' but FlashInfer is not installed "
-                "(pip install flashinfer-python)"
-            )
-        attn = self.model.model.layers[0].self_attn
-        return FlashInferMLADecode(
-            self.device,
-            attn.num_heads,
-            attn.kv_lora_rank,
-            attn.rope_dim,
-            self.page_size,
-            self.dtype,
-            attn.scale,
-            self.max_pages,
-            graph=self.use_graphs,
-        )
 
     def _choose_moe(self, moe_backend: str) -> Callable[..., torch.Tensor] | None:
         """The fused decode MoE kernel (kernels.moe_fused) for bf16/fp16 on CUDA when

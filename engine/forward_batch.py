@@ -8,6 +8,7 @@ tokens; a decode step is ``extend_len == 1``. One call may mix all three.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,7 +36,11 @@ class ForwardBatch:
         padded with -1; lets decode attention run as one batched op.
     decode_page_table: [len(decode_ids), max_pages] int32 pages of those requests (padded
         with page 0) and decode_seq_lens [len(decode_ids)] int32 their context lengths: the
-        paged form the decode kernel (kernels.mla_decode) reads.
+        paged form the decode kernel (kernels.mla_decode) reads; decode_host holds the same
+        two on the host (numpy), for kernels that plan their work there (FlashInfer).
+    decode_attention: a decode kernel already planned for this batch's decode rows (the
+        engine's FlashInfer kernel, engine/decode_attention.py), called as
+        kernels.mla_decode.mla_decode; None = dsmesh's Triton kernel.
     """
 
     input_ids: torch.Tensor
@@ -49,6 +54,8 @@ class ForwardBatch:
     decode_slots: torch.Tensor | None
     decode_page_table: torch.Tensor | None = None
     decode_seq_lens: torch.Tensor | None = None
+    decode_host: tuple[np.ndarray, np.ndarray] | None = None
+    decode_attention: Callable[..., torch.Tensor] | None = None
 
     @property
     def num_requests(self) -> int:
@@ -97,14 +104,15 @@ class ForwardBatch:
         kv_slots = list(torch.split(flat_dev, total.tolist()))
         extend_lens, prefix_lens = extend.tolist(), prefix.tolist()
         decode_ids = np.nonzero(extend == 1)[0]
-        decode_slots = decode_pages = decode_lens = None
+        decode_slots = decode_pages = decode_lens = decode_host = None
         if len(decode_ids):
             lens = total[decode_ids]
             decode_slots = _padded(flat, ctx_start[decode_ids], lens, -1, np.int64)
             used = -(-lens // page_size)
-            decode_pages = _padded(all_pages, page_start[decode_ids], used, 0, np.int32)
-            decode_slots, decode_pages = _to(decode_slots, device), _to(decode_pages, device)
-            decode_lens = _to(lens.astype(np.int32), device)
+            host_pages = _padded(all_pages, page_start[decode_ids], used, 0, np.int32)
+            decode_host = (host_pages, lens.astype(np.int32))
+            decode_slots, decode_pages = _to(decode_slots, device), _to(host_pages, device)
+            decode_lens = _to(decode_host[1], device)
         return cls(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
             positions=_to(new_pos, device),
@@ -117,11 +125,13 @@ class ForwardBatch:
             decode_slots=decode_slots,
             decode_page_table=decode_pages,
             decode_seq_lens=decode_lens,
+            decode_host=decode_host,
         )
 
     def split(self) -> tuple[ForwardBatch, ForwardBatch]:
         """Two micro-batches of whole requests with about half the tokens each (either may be
-        empty), for two-batch overlap. Requests keep their order: first, then second."""
+        empty), for two-batch overlap. Requests keep their order: first, then second. A planned
+        ``decode_attention`` is not carried over (its plan covers the whole batch)."""
         total = self.num_tokens
         best, acc, best_gap = 0, 0, total
         for i, n in enumerate(self.extend_lens):
@@ -139,7 +149,7 @@ class ForwardBatch:
         extend = self.extend_lens[lo:hi]
         keep = [r for r, i in enumerate(self.decode_ids) if lo <= i < hi]
         decode_ids = [self.decode_ids[r] - lo for r in keep]
-        slots = pages = lens = None
+        slots = pages = lens = host = None
         if keep:
             assert self.decode_slots is not None
             index = torch.tensor(keep, device=device)
@@ -148,6 +158,8 @@ class ForwardBatch:
             if self.decode_page_table is not None and self.decode_seq_lens is not None:
                 pages = self.decode_page_table.index_select(0, index)
                 lens = self.decode_seq_lens.index_select(0, index)
+            if self.decode_host is not None:
+                host = (self.decode_host[0][keep], self.decode_host[1][keep])
         return ForwardBatch(
             input_ids=self.input_ids[start:end],
             positions=self.positions[start:end],
@@ -160,6 +172,7 @@ class ForwardBatch:
             decode_slots=slots,
             decode_page_table=pages,
             decode_seq_lens=lens,
+            decode_host=host,
         )
 
 

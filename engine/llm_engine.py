@@ -5,21 +5,19 @@ Used by ``dsmesh generate``, by tests, and as the reference that the PD mesh mus
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.config import ModelConfig
-from engine.cuda_graph import (
-    ATTENTION_BACKENDS,
-    CudaGraphRunner,
-    GraphCaptureError,
-    graph_support_problem,
-)
+from engine.cuda_graph import CudaGraphRunner, GraphCaptureError, graph_support_problem
+from engine.decode_attention import ATTENTION_BACKENDS, make_flashinfer
 from engine.errors import InvalidRequestError, check_prompt
 from engine.forward_batch import ForwardBatch, SequenceChunk
 from engine.kv_cache import MLAKVPool, pages_for
@@ -30,6 +28,9 @@ from engine.request import Request, RequestStatus
 from engine.sampler import GREEDY_BELOW, Sampler, advance_generator, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+
+if TYPE_CHECKING:
+    from kernels.mla_decode_flashinfer import FlashInferMLADecode
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +181,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.graph_runner = self._make_graph_runner()
+        # Decode rows of eager forwards (no graph: EP, TBO, big batches): FlashInfer's kernel
+        # when chosen (engine/decode_attention.py), planned once per forward; else Triton.
+        self.eager_decode_attention = self._make_eager_decode_attention()
         self._inflight: _Inflight | None = None  # a decode step launched ahead (overlap)
         self.num_launched_ahead = 0  # decode steps launched before the previous one's end
 
@@ -199,6 +203,20 @@ class LLMEngine:
             max_batch=min(cfg.cuda_graph_max_batch, cfg.max_running_requests),
             max_tokens_per_request=min(self.max_context, self.kv_pool.num_pages * cfg.page_size),
             attention=cfg.decode_attention,
+        )
+
+    def _make_eager_decode_attention(self) -> FlashInferMLADecode | None:
+        cfg = self.config
+        if cfg.attention_mode == "naive":
+            return None
+        return make_flashinfer(
+            cfg.decode_attention,
+            self.model,
+            self.device,
+            self.kv_pool.buffer.dtype,
+            cfg.page_size,
+            self.kv_pool.num_pages,
+            graph=False,
         )
 
     @property
@@ -415,6 +433,10 @@ class LLMEngine:
                 SequenceChunk(req.pending_ids(c.num_tokens), req.num_computed, req.page_table)
             )
         batch = ForwardBatch.build(seqs, self.config.page_size, self.device)
+        planned = self.eager_decode_attention
+        if planned is not None and batch.decode_host is not None and not self.config.tbo:
+            planned.plan(*batch.decode_host)  # every layer's launch reads this schedule
+            batch = dataclasses.replace(batch, decode_attention=planned)
         return self.model(batch, self.kv_pool, self.config.attention_mode, tbo=self.config.tbo)
 
     # ---- overlapped decode ----------------------------------------------------------------

@@ -129,15 +129,15 @@ class MLAttention(nn.Module):
     def _decode_kernel(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_pool: MLAKVPool, batch: ForwardBatch
     ) -> torch.Tensor:
-        """:meth:`_decode_absorbed` through the Triton paged decode kernel (CUDA)."""
-        from kernels.backends import choose
+        """:meth:`_decode_absorbed` through a paged decode kernel (CUDA): the one the engine
+        planned for this batch (FlashInfer, ``batch.decode_attention``), else Triton's."""
         from kernels.mla_decode import mla_decode
 
-        choose("mla_decode")  # logs once which backend runs (Triton until one is wired)
         assert batch.decode_page_table is not None and batch.decode_seq_lens is not None
+        attend = batch.decode_attention or mla_decode
         w_uk, w_uv = self.absorbed_weights()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, C]
-        out_latent = mla_decode(
+        out_latent = attend(
             q_latent.contiguous(),
             q_pe.contiguous(),
             kv_pool.buffer[self.layer_idx],
