@@ -94,19 +94,24 @@ class FlashInferMLADecode:
         self.graph = graph
         self.backend = backend
         self.workspace = torch.empty(_FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._wrappers: dict[int, object] = {}
+        self._wrappers: dict[int, object] = {}  # see _key
         self._planned: int | None = None  # batch size of the current plan
         # Plan uploads its schedule from one pinned buffer per wrapper, asynchronously; the
         # next plan of that wrapper must not rewrite the buffer before the copy has run.
         self._uploaded: dict[int, torch.cuda.Event] = {}
 
+    def _key(self, b: int) -> int:
+        """Wrapper per batch size for graphs (fixed buffers); one for all sizes otherwise."""
+        return b if self.graph else 0
+
     def _wrapper(self, b: int):
-        if b not in self._wrappers:
+        key = self._key(b)
+        if key not in self._wrappers:
             from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
             if self.graph:
                 i32 = dict(dtype=torch.int32, device=self.device)
-                self._wrappers[b] = BatchMLAPagedAttentionWrapper(
+                self._wrappers[key] = BatchMLAPagedAttentionWrapper(
                     self.workspace,
                     use_cuda_graph=True,
                     qo_indptr=torch.arange(b + 1, **i32),
@@ -116,10 +121,10 @@ class FlashInferMLADecode:
                     backend=self.backend,
                 )
             else:
-                self._wrappers[b] = BatchMLAPagedAttentionWrapper(
+                self._wrappers[key] = BatchMLAPagedAttentionWrapper(
                     self.workspace, backend=self.backend
                 )
-        return self._wrappers[b]
+        return self._wrappers[key]
 
     def warm_up(self) -> None:
         """Build (FlashInfer compiles on first use, ~25 s on 16 cores) or load the kernel now,
@@ -139,7 +144,7 @@ class FlashInferMLADecode:
             )
         indptr, indices = paged_indices(page_table, lens, self.page_size)
         wrapper = self._wrapper(b)
-        done = self._uploaded.get(b)
+        done = self._uploaded.get(self._key(b))
         if done is not None:
             done.synchronize()
         wrapper.plan(
@@ -158,7 +163,7 @@ class FlashInferMLADecode:
         )
         event = torch.cuda.Event()
         event.record()
-        self._uploaded[b] = event
+        self._uploaded[self._key(b)] = event
         self._planned = b
 
     def __call__(
@@ -188,4 +193,4 @@ class FlashInferMLADecode:
             out = torch.empty((b, h, c), dtype=q_latent.dtype, device=q_latent.device)
         # Strided views: FlashInfer reads page and token strides, so no copy of the cache.
         ckv, kpe = kv[..., :c], kv[..., c:]
-        return self._wrappers[b].run(q_latent, q_pe, ckv, kpe, out=out)
+        return self._wrappers[self._key(b)].run(q_latent, q_pe, ckv, kpe, out=out)

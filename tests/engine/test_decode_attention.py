@@ -100,7 +100,7 @@ def test_eager_forward_with_planned_flashinfer_equals_triton(latent_ckpt) -> Non
     prefill = [SequenceChunk(p, 0, pg) for p, pg in zip(prompts, pages, strict=True)]
     model(ForwardBatch.build(prefill, page_size, "cuda"), pool)
     # Three decode rows and a new request's prompt in one forward.
-    chunks = [SequenceChunk([7], len(p), pg) for p, pg in zip(prompts[:3], pages, strict=True)]
+    chunks = [SequenceChunk([7], len(p), pg) for p, pg in zip(prompts[:3], pages[:3], strict=True)]
     chunks.append(SequenceChunk(prompts[3][:9], len(prompts[3]), pages[3]))
     batch = ForwardBatch.build(chunks, page_size, "cuda")
     want = model(batch, pool).float()
