@@ -19,8 +19,10 @@ from engine.forward_batch import ForwardBatch, SequenceChunk
 from engine.kv_cache import MLAKVPool
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.loader import load_model
+from engine.model import DeepseekForCausalLM
 from engine.sampling_params import SamplingParams
 from kernels.backends import available
+from kernels.mla_decode import mla_decode_ref
 from tests.engine.hf_checkpoints import HFCheckpoint, make_hf_v2, random_prompts, relative_error
 
 needs_flashinfer = pytest.mark.skipif(
@@ -84,27 +86,37 @@ def test_tbo_micro_batches_keep_host_pages_and_drop_the_plan() -> None:
     assert got == [([[2, 4, 5]], [10]), ([[3, 1, 0]], [7])]
 
 
-@needs_flashinfer
-@pytest.mark.gpu
-def test_eager_forward_with_planned_flashinfer_equals_triton(latent_ckpt) -> None:
-    """Decode rows and a prefill chunk in one eager forward: FlashInfer (planned for the
-    batch, called by every layer) against the Triton kernel, same inputs."""
-    model = load_model(latent_ckpt.path, torch.bfloat16, "cuda")
+def _mixed_step(model: DeepseekForCausalLM, page_size: int):
+    """Four prompts prefilled, then one forward of three decode rows and a fourth request's
+    next chunk. Returns (that batch, the pool)."""
     cfg = model.config
-    page_size = 16
+    dtype = next(model.parameters()).dtype
+    pool = MLAKVPool(cfg.num_hidden_layers, 64, page_size, cfg.mla.kv_cache_dim, dtype, "cuda")
     prompts = random_prompts([40, 3, 100, 17], cfg.vocab_size, seed=6)
-    pool = MLAKVPool(
-        cfg.num_hidden_layers, 64, page_size, cfg.mla.kv_cache_dim, torch.bfloat16, "cuda"
-    )
     pages = [torch.tensor(pool.allocator.allocate(8)) for _ in prompts]
     prefill = [SequenceChunk(p, 0, pg) for p, pg in zip(prompts, pages, strict=True)]
     model(ForwardBatch.build(prefill, page_size, "cuda"), pool)
-    # Three decode rows and a new request's prompt in one forward.
     chunks = [SequenceChunk([7], len(p), pg) for p, pg in zip(prompts[:3], pages[:3], strict=True)]
     chunks.append(SequenceChunk(prompts[3][:9], len(prompts[3]), pages[3]))
-    batch = ForwardBatch.build(chunks, page_size, "cuda")
-    want = model(batch, pool).float()
-    fi = make_flashinfer("flashinfer", model, batch.input_ids.device, torch.bfloat16,
+    return ForwardBatch.build(chunks, page_size, "cuda"), pool
+
+
+@needs_flashinfer
+@pytest.mark.gpu
+def test_eager_forward_with_planned_flashinfer_matches_triton(latent_ckpt) -> None:
+    """Decode rows and a prefill chunk in one bf16 eager forward, with FlashInfer (planned
+    for the batch, called by every layer) and with the Triton kernel, each against the same
+    forward of the float32 model (torch attention). Both kernels are held to the same
+    distance: this tiny random model's bf16 logits sit 1.5-4% from float32 whichever kernel
+    runs (measured on the H200), while wrong pages or rows would be off by about 100%."""
+    page_size = 16
+    exact = load_model(latent_ckpt.path, torch.float32, "cuda")
+    batch32, pool32 = _mixed_step(exact, page_size)
+    want = exact(dataclasses.replace(batch32, decode_attention=mla_decode_ref), pool32)
+    model = load_model(latent_ckpt.path, torch.bfloat16, "cuda")
+    batch, pool = _mixed_step(model, page_size)
+    triton = model(batch, pool).float()
+    fi = make_flashinfer("flashinfer", model, torch.device("cuda"), torch.bfloat16,
                          page_size, pool.num_pages, graph=False)  # fmt: skip
     assert fi is not None
     calls = []
@@ -113,10 +125,13 @@ def test_eager_forward_with_planned_flashinfer_equals_triton(latent_ckpt) -> Non
         calls.append(args[0].shape[0])
         return fi(*args, **kwargs)
 
+    assert batch.decode_host is not None
     fi.plan(*batch.decode_host)
     got = model(dataclasses.replace(batch, decode_attention=spy), pool).float()
-    assert calls == [3] * cfg.num_hidden_layers
-    assert relative_error(got, want) < 1e-2
+    assert calls == [3] * model.config.num_hidden_layers  # every layer, the 3 decode rows
+    for row in range(4):
+        err, base = relative_error(got[row], want[row]), relative_error(triton[row], want[row])
+        assert err < 1.5 * base + 5e-3 and err < 5e-2, (row, err, base)
 
 
 @needs_flashinfer
