@@ -24,7 +24,10 @@ log = logging.getLogger(__name__)
 # kernel name -> the optional module that could serve it
 OPTIONAL = {"mla_decode": "flashinfer", "mla_prefill": "flashinfer", "moe_fp8_gemm": "deep_gemm"}
 # kernel name -> the adapter module, tested on a GPU with the library installed
-_ADAPTERS: dict[str, str] = {"mla_decode": "kernels.mla_decode_flashinfer"}
+_ADAPTERS: dict[str, str] = {
+    "mla_decode": "kernels.mla_decode_flashinfer",
+    "moe_fp8_gemm": "kernels.moe_gemm_deepgemm",
+}
 
 
 @functools.cache
