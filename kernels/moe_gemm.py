@@ -382,16 +382,15 @@ def expert_ffn_fp8(
     from kernels.backends import choose
     from kernels.fp8_quant import per_token_group_quant_fp8, silu_mul_quant_fp8
 
-    gemm = fp8_grouped_gemm
-    if choose("moe_fp8_gemm") == "deep_gemm" and hidden.dtype == torch.bfloat16:
-        from kernels.moe_gemm_deepgemm import deepgemm_fp8_grouped_gemm, load_deep_gemm
-
-        if load_deep_gemm() is not None:
-            gemm = deepgemm_fp8_grouped_gemm
+    choose("moe_fp8_gemm")  # logs once which backend runs (Triton: no DeepGEMM adapter listed)
     a, a_scale = per_token_group_quant_fp8(hidden, BLOCK)
-    gate_up = gemm(a, a_scale, weights.w13, weights.w13_scale, tokens_per_expert, hidden.dtype)
+    gate_up = fp8_grouped_gemm(
+        a, a_scale, weights.w13, weights.w13_scale, tokens_per_expert, hidden.dtype
+    )
     h, h_scale = silu_mul_quant_fp8(gate_up, BLOCK)
-    return gemm(h, h_scale, weights.w2, weights.w2_scale, tokens_per_expert, hidden.dtype)
+    return fp8_grouped_gemm(
+        h, h_scale, weights.w2, weights.w2_scale, tokens_per_expert, hidden.dtype
+    )
 
 
 def expert_ffn_fp8_ref(

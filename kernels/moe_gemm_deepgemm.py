@@ -12,6 +12,12 @@ graph. Padding rows of the inputs are never initialised: their products are disc
 Weights stay as the checkpoint stores them (e4m3, 128x128 float32 block scales); activations
 are dsmesh's per-token groups of 128 (float32 scales), DeepGEMM's (1, 128, 128) recipe.
 DeepGEMM comes from ``pip install sgl-deep-gemm`` (SGLang's build of it), imported lazily.
+
+Status: not wired into the engine (kernels.backends does not list it). On the H200 with torch
+2.11, ``sgl-deep-gemm`` 0.2.0 imported, and its grouped GEMM raised ``Assertion error
+(.../utils/layout.hpp:16): dim == 2 or dim == 3`` on this call. That build pins
+``apache-tvm-ffi==0.1.11`` and the run had 0.1.15.post2 (FlashInfer's), a suspect not yet
+ruled out; 0.2.1 and later need a newer torch (docs/KERNELS.md). The layout is tested on CPU.
 """
 
 from __future__ import annotations
@@ -89,7 +95,7 @@ def deepgemm_fp8_grouped_gemm(
     dst, layout = padded_layout(tokens_per_expert, m, align)
     m_max = layout.shape[0]
     a_pad = torch.empty((m_max, k), dtype=a.dtype, device=a.device)
-    a_pad.index_copy_(0, dst, a)
+    a_pad.view(torch.uint8).index_copy_(0, dst, a.view(torch.uint8))  # no fp8 index_copy_
     scale_pad = torch.empty((m_max, a_scale.shape[1]), dtype=a_scale.dtype, device=a.device)
     scale_pad.index_copy_(0, dst, a_scale)
     d = torch.empty((m_max, n), dtype=out_dtype, device=a.device)

@@ -3,7 +3,8 @@
 The padded layout is plain torch and runs everywhere. The GEMM tests need a Hopper GPU with
 DeepGEMM installed (``pip install sgl-deep-gemm``); they compare it with the dequantised
 reference and with dsmesh's Triton FP8 grouped GEMM, eagerly and in a CUDA graph replayed
-with other routing.
+with other routing. They are expected to fail (strictly) until DeepGEMM's call works here:
+the adapter is not used by the engine.
 """
 
 from __future__ import annotations
@@ -13,18 +14,19 @@ import torch
 
 from engine.fp8 import quantize_fp8_block
 from kernels.backends import available
-from kernels.moe_gemm import (
-    Fp8ExpertWeights,
-    expert_ffn_fp8,
-    fp8_grouped_gemm,
-    fp8_grouped_gemm_ref,
-)
+from kernels.moe_gemm import fp8_grouped_gemm, fp8_grouped_gemm_ref
 from kernels.moe_gemm_deepgemm import padded_layout
 from tests.kernels.conftest import HAS_CUDA
 
 needs_deep_gemm = pytest.mark.skipif(
     not (HAS_CUDA and available("deep_gemm")),
     reason="needs a CUDA device and DeepGEMM (pip install sgl-deep-gemm)",
+)
+# Measured on the H200 (torch 2.11, sgl-deep-gemm 0.2.0): DeepGEMM's call raises "dim == 2 or
+# dim == 3" (docs/KERNELS.md). Strict: once it runs and matches, these fail until the marker
+# goes and the adapter is listed in kernels.backends.
+fails_on_h200 = pytest.mark.xfail(
+    raises=RuntimeError, strict=True, reason="DeepGEMM's layout assertion on the H200"
 )
 
 
@@ -70,6 +72,7 @@ def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 @needs_deep_gemm
+@fails_on_h200
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("e", "n", "k", "counts"),
@@ -90,6 +93,7 @@ def test_equals_reference_and_triton(e, n, k, counts) -> None:
 
 
 @needs_deep_gemm
+@fails_on_h200
 @pytest.mark.gpu
 def test_graph_replay_follows_new_routing() -> None:
     """Same row count, other expert counts: the layout is built on the device inside the
@@ -106,29 +110,3 @@ def test_graph_replay_follows_new_routing() -> None:
         tokens.copy_(torch.tensor(counts))
         graph.replay()
         _assert_close(out, fp8_grouped_gemm_ref(a, a_scale, w, w_scale, tokens.cpu()))
-
-
-@needs_deep_gemm
-@pytest.mark.gpu
-def test_fp8_experts_run_through_deep_gemm_when_installed(monkeypatch) -> None:
-    import kernels.moe_gemm_deepgemm as adapter
-
-    calls = []
-    real = adapter.deepgemm_fp8_grouped_gemm
-
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(adapter, "deepgemm_fp8_grouped_gemm", spy)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    w13 = torch.randn(4, 512, 256, device="cuda", generator=g) * 0.05
-    w2 = torch.randn(4, 256, 256, device="cuda", generator=g) * 0.05
-    weights = Fp8ExpertWeights.from_dense(w13, w2)
-    hidden = torch.randn(20, 256, device="cuda", generator=g, dtype=torch.bfloat16)
-    tokens = torch.tensor([5, 0, 12, 3], device="cuda")
-    out = expert_ffn_fp8(hidden, tokens, weights)
-    assert [tuple(s) for s in calls] == [(20, 256), (20, 256)]  # gate/up, then down
-    from kernels.moe_gemm import expert_ffn_fp8_ref
-
-    _assert_close(out, expert_ffn_fp8_ref(hidden, tokens.cpu(), weights))
