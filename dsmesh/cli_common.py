@@ -57,9 +57,9 @@ def add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool = Fal
         "--decode-attention",
         default=d.decode_attention,
         choices=ATTENTION_BACKENDS,
-        help="MLA decode attention in the CUDA graphs: auto = dsmesh's Triton kernel, "
-        "flashinfer = FlashInfer's MLA kernel (pip install flashinfer-python), torch = the "
-        "reference",
+        help="MLA decode kernel: auto = FlashInfer's where it is installed and fits, else "
+        "dsmesh's Triton kernel (kernel); flashinfer = FlashInfer's (pip install "
+        "'dsmesh[flashinfer]'); torch = the reference",
     )
     g.add_argument(
         "--overlap-decode",

@@ -53,9 +53,9 @@ class EngineConfig:
     # CPU, with tbo, with attention_mode "naive" and under expert parallelism).
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256  # larger decode batches run eagerly
-    # MLA decode attention inside the graphs: "auto" (dsmesh's Triton kernel; FlashInfer
-    # where kernels.backends has a tested adapter and it is installed), "kernel" (Triton),
-    # "flashinfer" (needs flashinfer-python) or "torch" (the reference)
+    # MLA decode attention, in graphs and for eager decode rows: "auto" (FlashInfer where it
+    # is installed and fits, else dsmesh's Triton kernel; engine/decode_attention.py),
+    # "kernel" (Triton), "flashinfer" (needs flashinfer-python) or "torch" (the reference)
     decode_attention: str = "auto"
     # With CUDA graphs, a greedy decode step launches the next one (its input tokens taken
     # on the device) before its own bookkeeping, so host work overlaps the GPU. Only when
@@ -181,8 +181,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.graph_runner = self._make_graph_runner()
-        # Decode rows of eager forwards (no graph: EP, TBO, big batches): FlashInfer's kernel
-        # when chosen (engine/decode_attention.py), planned once per forward; else Triton.
+        # Decode rows of eager forwards (graphs off, EP, mixed steps, big batches; not TBO's
+        # micro-batches): FlashInfer's kernel when chosen, planned once per forward; else
+        # the Triton kernel (engine/decode_attention.py).
         self.eager_decode_attention = self._make_eager_decode_attention()
         self._inflight: _Inflight | None = None  # a decode step launched ahead (overlap)
         self.num_launched_ahead = 0  # decode steps launched before the previous one's end

@@ -82,6 +82,19 @@ def test_only_given_engine_flags_are_forwarded() -> None:
     )
 
 
+def test_decode_attention_is_checked_and_forwarded() -> None:
+    """``--decode-attention`` reaches the prefill/decode services as given; a bad choice is
+    refused by the parser, naming the flag."""
+    from dsmesh.cli_common import engine_config_from
+
+    args = build_parser().parse_args(["up", "--decode-attention", "kernel"])
+    assert engine_flags(args) == ("--decode-attention", "kernel")
+    args = build_parser().parse_args(["generate", "--decode-attention", "flashinfer"])
+    assert engine_config_from(args).decode_attention == "flashinfer"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--decode-attention", "fast"])
+
+
 def test_backoff_doubles_to_the_cap_and_resets_after_a_stable_run() -> None:
     policy = RestartPolicy()
     delays = [0.0]
