@@ -133,20 +133,23 @@ class FlashInferMLADecode:
 
     def plan(self, page_table: np.ndarray, seq_lens: np.ndarray) -> None:
         """Schedule the next step: ``page_table`` [B, P] and ``seq_lens`` [B] on the host."""
-        lens = np.asarray(seq_lens)
+        table, lens = np.asarray(page_table), np.asarray(seq_lens)
         b = len(lens)
         if b == 0:
             raise ValueError("cannot plan an empty batch")
-        if np.asarray(page_table).shape[1] > self.max_pages:
+        if table.ndim == 2 and table.shape[1] > self.max_pages:
             raise ValueError(
-                f"page_table has {np.asarray(page_table).shape[1]} columns, more than "
+                f"page_table has {table.shape[1]} columns, more than "
                 f"max_pages_per_request={self.max_pages}"
             )
-        indptr, indices = paged_indices(page_table, lens, self.page_size)
+        indptr, indices = paged_indices(table, lens, self.page_size)
+        key = self._key(b)
         wrapper = self._wrapper(b)
-        done = self._uploaded.get(self._key(b))
-        if done is not None:
-            done.synchronize()
+        uploaded = self._uploaded.get(key)
+        if uploaded is None:
+            uploaded = self._uploaded[key] = torch.cuda.Event()
+        else:
+            uploaded.synchronize()  # the previous plan's copy from the pinned buffer has run
         wrapper.plan(
             torch.arange(b + 1, dtype=torch.int32),
             torch.from_numpy(indptr),
@@ -161,9 +164,7 @@ class FlashInferMLADecode:
             self.dtype,
             self.dtype,
         )
-        event = torch.cuda.Event()
-        event.record()
-        self._uploaded[self._key(b)] = event
+        uploaded.record()
         self._planned = b
 
     def __call__(
