@@ -45,3 +45,11 @@ def v2_grouped_ckpt(tmp_path_factory: pytest.TempPathFactory) -> HFCheckpoint:
 def any_ckpt(request: pytest.FixtureRequest) -> HFCheckpoint:
     """Each of the four checkpoints in turn."""
     return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(scope="session")
+def v2_latent_ckpt(tmp_path_factory: pytest.TempPathFactory) -> HFCheckpoint:
+    """V2 with DeepSeek's real latent widths (kv_lora_rank 512, rope 64): the shape
+    FlashInfer's MLA kernels are built for."""
+    path = tmp_path_factory.mktemp("v2_latent")
+    return HFCheckpoint(*make_hf_v2(path, seed=4, kv_lora_rank=512, qk_rope_head_dim=64))

@@ -328,7 +328,7 @@ def test_cuda_graphs_bfloat16_logits_close_to_eager(v3_ckpt: HFCheckpoint, atten
 
 @needs_cuda
 @pytest.mark.gpu
-def test_cuda_graphs_with_flashinfer_attention(tmp_path) -> None:
+def test_cuda_graphs_with_flashinfer_attention(v2_latent_ckpt: HFCheckpoint) -> None:
     """FlashInfer's MLA kernel (optional; DeepSeek's 512 + 64 latent) inside the graphs,
     re-planned on the host before every replay: replays equal the same runner without
     capture and stay close to the eager path."""
@@ -336,9 +336,7 @@ def test_cuda_graphs_with_flashinfer_attention(tmp_path) -> None:
 
     if not available("flashinfer"):
         pytest.skip("FlashInfer is not installed (pip install flashinfer-python)")
-    from tests.engine.hf_checkpoints import make_hf_v2
-
-    ckpt = HFCheckpoint(*make_hf_v2(tmp_path, seed=4, kv_lora_rank=512, qk_rope_head_dim=64))
+    ckpt = v2_latent_ckpt
     runner, eager, static, plain = _static_vs_eager(
         ckpt, "cuda", torch.bfloat16, attention="flashinfer", compare_uncaptured=True
     )
@@ -353,7 +351,9 @@ def test_cuda_graphs_with_flashinfer_attention(tmp_path) -> None:
 
 @needs_cuda
 @pytest.mark.gpu
-def test_flashinfer_replans_race_free_with_overlapped_decode(tmp_path) -> None:
+def test_flashinfer_replans_race_free_with_overlapped_decode(
+    v2_latent_ckpt: HFCheckpoint,
+) -> None:
     """Overlapped decode plans step n + 1 while step n may still run; the plan's uploads are
     stream-ordered and its pinned staging buffer is not rewritten before its copy ran, so the
     tokens equal those of the same engine without overlap, exactly."""
@@ -361,9 +361,7 @@ def test_flashinfer_replans_race_free_with_overlapped_decode(tmp_path) -> None:
 
     if not available("flashinfer"):
         pytest.skip("FlashInfer is not installed (pip install flashinfer-python)")
-    from tests.engine.hf_checkpoints import make_hf_v2
-
-    ckpt = HFCheckpoint(*make_hf_v2(tmp_path, seed=4, kv_lora_rank=512, qk_rope_head_dim=64))
+    ckpt = v2_latent_ckpt
     outs = []
     for overlap in (False, True):
         engine = _engine(ckpt, "cuda", dtype="bfloat16", overlap_decode=overlap)

@@ -23,7 +23,7 @@ from engine.model import DeepseekForCausalLM
 from engine.sampling_params import SamplingParams
 from kernels.backends import available
 from kernels.mla_decode import mla_decode_ref
-from tests.engine.hf_checkpoints import HFCheckpoint, make_hf_v2, random_prompts, relative_error
+from tests.engine.hf_checkpoints import HFCheckpoint, random_prompts, relative_error
 
 needs_flashinfer = pytest.mark.skipif(
     not (torch.cuda.is_available() and available("flashinfer")),
@@ -31,18 +31,11 @@ needs_flashinfer = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def latent_ckpt(tmp_path_factory: pytest.TempPathFactory) -> HFCheckpoint:
-    """A tiny V2 with DeepSeek's real latent widths (kv_lora_rank 512, rope 64)."""
-    path = tmp_path_factory.mktemp("v2_latent")
-    return HFCheckpoint(*make_hf_v2(path, seed=4, kv_lora_rank=512, qk_rope_head_dim=64))
-
-
 def test_auto_takes_flashinfer_only_where_it_fits(
-    v2_greedy_ckpt: HFCheckpoint, latent_ckpt: HFCheckpoint, monkeypatch
+    v2_greedy_ckpt: HFCheckpoint, v2_latent_ckpt: HFCheckpoint, monkeypatch
 ) -> None:
     """ "auto": an adapter for an installed FlashInfer, CUDA, bf16/fp16, DeepSeek's latent."""
-    small, latent = load_model(v2_greedy_ckpt.path), load_model(latent_ckpt.path)
+    small, latent = load_model(v2_greedy_ckpt.path), load_model(v2_latent_ckpt.path)
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
     monkeypatch.setattr(decode_attention, "choose", lambda kernel: "flashinfer")
     assert wants_flashinfer("auto", latent, cuda, bf16)
@@ -58,8 +51,8 @@ def test_auto_takes_flashinfer_only_where_it_fits(
         wants_flashinfer("fast", latent, cuda, bf16)
 
 
-def test_explicit_flashinfer_fails_clearly_where_it_cannot_run(latent_ckpt) -> None:
-    model = load_model(latent_ckpt.path)
+def test_explicit_flashinfer_fails_clearly_where_it_cannot_run(v2_latent_ckpt) -> None:
+    model = load_model(v2_latent_ckpt.path)
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="attention='flashinfer' needs CUDA"):
         make_flashinfer("flashinfer", model, cpu, torch.bfloat16, 16, 64, graph=False)
@@ -103,17 +96,17 @@ def _mixed_step(model: DeepseekForCausalLM, page_size: int):
 
 @needs_flashinfer
 @pytest.mark.gpu
-def test_eager_forward_with_planned_flashinfer_matches_triton(latent_ckpt) -> None:
+def test_eager_forward_with_planned_flashinfer_matches_triton(v2_latent_ckpt) -> None:
     """Decode rows and a prefill chunk in one bf16 eager forward, with FlashInfer (planned
     for the batch, called by every layer) and with the Triton kernel, each against the same
     forward of the float32 model (torch attention). Both kernels are held to the same
     distance: this tiny random model's bf16 logits sit 1.5-4% from float32 whichever kernel
     runs (measured on the H200), while wrong pages or rows would be off by about 100%."""
     page_size = 16
-    exact = load_model(latent_ckpt.path, torch.float32, "cuda")
+    exact = load_model(v2_latent_ckpt.path, torch.float32, "cuda")
     batch32, pool32 = _mixed_step(exact, page_size)
     want = exact(dataclasses.replace(batch32, decode_attention=mla_decode_ref), pool32)
-    model = load_model(latent_ckpt.path, torch.bfloat16, "cuda")
+    model = load_model(v2_latent_ckpt.path, torch.bfloat16, "cuda")
     batch, pool = _mixed_step(model, page_size)
     triton = model(batch, pool).float()
     fi = make_flashinfer("flashinfer", model, torch.device("cuda"), torch.bfloat16,
@@ -136,10 +129,10 @@ def test_eager_forward_with_planned_flashinfer_matches_triton(latent_ckpt) -> No
 
 @needs_flashinfer
 @pytest.mark.gpu
-def test_engine_plans_each_eager_decode_forward(latent_ckpt) -> None:
+def test_engine_plans_each_eager_decode_forward(v2_latent_ckpt) -> None:
     engine = LLMEngine(
         EngineConfig(
-            model=str(latent_ckpt.path),
+            model=str(v2_latent_ckpt.path),
             device="cuda",
             dtype="bfloat16",
             page_size=16,
