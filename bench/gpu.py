@@ -675,6 +675,18 @@ def run_v2(args, device, ceilings, results) -> None:
     del engine, model
 
 
+def fp8_expert_gemm(cfg: ModelConfig, tokens: int) -> str:
+    """The grouped GEMM FP8 experts run on for a forward of ``tokens`` tokens (EP 1): DeepGEMM
+    where it is installed and the experts get enough rows each, else Triton."""
+    from kernels.backends import choose
+    from kernels.moe_gemm_deepgemm import prefers_deep_gemm
+
+    rows = tokens * cfg.moe.num_experts_per_tok
+    if choose("moe_fp8_gemm") == "deep_gemm" and prefers_deep_gemm(rows, cfg.moe.n_routed_experts):
+        return "deep_gemm"
+    return "triton"
+
+
 def run_v3(args, device, ceilings, results) -> None:
     layers = args.v3_layers
     model = build_dsmesh(v3_layers_config(layers, args.tiny), device, args.dtype)
@@ -702,6 +714,12 @@ def run_v3(args, device, ceilings, results) -> None:
         "num_layers": layers,
         "attention_backend": getattr(engine.graph_runner, "attention_backend", None),
         "weights": ("routed experts fp8 (128x128 blocks), the rest bf16" if fp8 else "all bf16"),
+        "fp8_expert_gemm": {
+            "prefill": fp8_expert_gemm(cfg, args.prompt_len * args.prefill_prompts),
+            "decode": fp8_expert_gemm(cfg, b),
+        }
+        if fp8
+        else None,
         "prefill": {
             "prompt_len": args.prompt_len,
             "prompts_per_forward": args.prefill_prompts,
@@ -878,7 +896,8 @@ def print_table(results: dict[str, Any]) -> None:
             f"V3 x{v3['num_layers']} layers ({v3['weights']}): prefill "
             f"{p['token_layers_per_s']:.0f} token-layers/s ({p['ratio_to_seed']:.2f}x seed), "
             f"decode b{d['batch']} {d['token_layers_per_s']:.0f} token-layers/s "
-            f"({d['ratio_to_seed']:.2f}x seed, {100 * d['roofline_fraction']:.0f}% roofline)"
+            f"({d['ratio_to_seed']:.2f}x seed, {100 * d['roofline_fraction']:.0f}% roofline); "
+            f"fp8 expert GEMM {v3['fp8_expert_gemm']}"
         )
     hf = results.get("transformers")
     if hf:

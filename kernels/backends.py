@@ -8,9 +8,12 @@ choice once per kernel. Adapters so far:
 - ``mla_decode``: FlashInfer's MLA paged decode (kernels.mla_decode_flashinfer), used by the
   CUDA-graph decode path for DeepSeek's latent shape (512 + 64); see docs/KERNELS.md.
 
+- ``moe_fp8_gemm``: DeepGEMM's M-grouped contiguous FP8 GEMM (kernels.moe_gemm_deepgemm),
+  used by FP8 experts for problems with many rows per expert (prefill); see
+  :func:`kernels.moe_gemm_deepgemm.prefers_deep_gemm`.
+
 MLA prefill has no adapter (no measured need: the Triton kernel runs prefill at 54-58% of the
-matmul rate). DeepGEMM's FP8 grouped GEMM has one written (kernels.moe_gemm_deepgemm) that
-is not listed yet: on the H200 its call failed inside DeepGEMM (docs/KERNELS.md).
+matmul rate).
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ log = logging.getLogger(__name__)
 # kernel name -> the optional module that could serve it
 OPTIONAL = {"mla_decode": "flashinfer", "mla_prefill": "flashinfer", "moe_fp8_gemm": "deep_gemm"}
 # kernel name -> the adapter module, tested on a GPU with the library installed
-# (kernels.moe_gemm_deepgemm is written but not listed: it failed on the H200, docs/KERNELS.md)
-_ADAPTERS: dict[str, str] = {"mla_decode": "kernels.mla_decode_flashinfer"}
+_ADAPTERS: dict[str, str] = {
+    "mla_decode": "kernels.mla_decode_flashinfer",
+    "moe_fp8_gemm": "kernels.moe_gemm_deepgemm",
+}
 
 
 @functools.cache

@@ -21,7 +21,16 @@ import torch.nn.functional as F
 RESULTS: list[dict] = []
 TUNED: dict[str, dict] = {}  # fused MoE block sizes found by --tune (kernels.moe_fused format)
 TUNE = False
-STEPS = ("mla_decode", "mla_prefill", "quant", "routing", "moe", "moe_fused", "scaled_grouped_mm")
+STEPS = (
+    "mla_decode",
+    "mla_prefill",
+    "quant",
+    "routing",
+    "moe",
+    "moe_fp8_crossover",
+    "moe_fused",
+    "scaled_grouped_mm",
+)
 
 
 def bench(fn, warmup: int = 25, rep: int = 100) -> float:
@@ -327,6 +336,7 @@ def moe_bench(quick: bool) -> None:
         expert_ffn,
         expert_ffn_fp8,
         expert_ffn_ref,
+        fp8_expert_backend,
         fp8_grouped_gemm,
         permute_tokens,
     )
@@ -380,7 +390,7 @@ def moe_bench(quick: bool) -> None:
             )
             gemm_ms = bench(lambda: fp8_grouped_gemm(a, a_s, fp8.w13, fp8.w13_scale, counts))
             record(
-                "moe_fp8_triton",
+                f"moe_fp8_{fp8_expert_backend(rows, fp8)}",
                 f"{name} T={t} top{k} E={e}",
                 ms,
                 ms_bf16,
@@ -392,6 +402,62 @@ def moe_bench(quick: bool) -> None:
                 w13_best_ms=round(best_ms, 4),
                 w13_best_config=best_cfg,
                 **deepgemm_rows(a, a_s, fp8, counts, gemm_ms),
+            )
+        torch.cuda.empty_cache()
+
+
+def moe_fp8_crossover(quick: bool) -> None:
+    """FP8 experts (quantise, gate/up GEMM, silu*up + quantise, down GEMM) through DeepGEMM
+    against dsmesh's Triton kernels, from decode-sized to prefill-sized problems: where
+    ``prefers_deep_gemm`` should switch. Both are timed in CUDA graphs (no launch overhead on
+    either side); ``speedup`` is Triton's time over DeepGEMM's."""
+    from kernels.backends import available
+
+    if not available("deep_gemm"):
+        print("moe_fp8_crossover: deep_gemm is not installed; skipped", flush=True)
+        return
+    from kernels.moe_gemm import (
+        Fp8ExpertWeights,
+        expert_ffn_fp8,
+        fp8_expert_backend,
+        permute_tokens,
+    )
+
+    shapes = [
+        ("v3", 256, 7168, 2048, 8, (256, 1024, 2048, 4096, 8192, 16384)),
+        ("v2_lite", 64, 2048, 1408, 6, (256, 1024, 2048, 4096, 16384)),
+    ]
+    for name, e, hdim, inter, k, sizes in shapes:
+        fp8 = Fp8ExpertWeights.from_dense(
+            torch.randn(e, 2 * inter, hdim, device="cuda", dtype=torch.bfloat16) * 0.02,
+            torch.randn(e, hdim, inter, device="cuda", dtype=torch.bfloat16) * 0.02,
+        )
+        torch.cuda.empty_cache()
+        for t in sizes[1::2] if quick else sizes:
+            x = torch.randn(t, hdim, device="cuda", dtype=torch.bfloat16)
+            ids = torch.rand(t, e, device="cuda").topk(k, dim=-1).indices
+            rows, counts, _ = permute_tokens(x, ids, e)
+            m = rows.shape[0]
+
+            def run(backend: str):
+                return lambda: expert_ffn_fp8(rows, counts, fp8, backend=backend)
+
+            want = run("triton")().float()
+            err = float((run("deep_gemm")().float() - want).norm() / want.norm())
+            ms_triton = bench_graph(run("triton"), calls=3)
+            ms_dg = bench_graph(run("deep_gemm"), calls=3)
+            if ms_triton is None or ms_dg is None:
+                continue
+            flops = 2 * m * 3 * inter * hdim
+            record(
+                "moe_fp8_crossover",
+                f"{name} T={t} rows/expert={m / e:.1f}",
+                ms_dg,
+                ms_triton,
+                deepgemm_tflops=round(flops / ms_dg / 1e9, 1),
+                triton_tflops=round(flops / ms_triton / 1e9, 1),
+                rel_err_vs_triton=err,
+                uses=fp8_expert_backend(rows, fp8),
             )
         torch.cuda.empty_cache()
 
@@ -560,6 +626,7 @@ def main() -> None:
         "quant": quant_bench,
         "routing": routing_bench,
         "moe": lambda: moe_bench(args.quick),
+        "moe_fp8_crossover": lambda: moe_fp8_crossover(args.quick),
         "moe_fused": lambda: fused_moe_bench(args.quick),
         "scaled_grouped_mm": scaled_grouped_mm_probe,
     }

@@ -29,6 +29,7 @@ __all__ = [
     "expert_ffn_fp8",
     "expert_ffn_fp8_ref",
     "expert_ffn_ref",
+    "fp8_expert_backend",
     "fp8_grouped_gemm",
     "fp8_grouped_gemm_ref",
     "grouped_gemm",
@@ -375,14 +376,40 @@ def fp8_grouped_gemm_ref(
     return grouped_gemm_ref(x, dense, tokens_per_expert).to(out_dtype)
 
 
-def expert_ffn_fp8(
-    hidden: torch.Tensor, tokens_per_expert: torch.Tensor, weights: Fp8ExpertWeights
-) -> torch.Tensor:
-    """FP8 SwiGLU experts: quantise, grouped GEMM, fused silu*up + quantise, grouped GEMM."""
+def fp8_expert_backend(hidden: torch.Tensor, weights: Fp8ExpertWeights) -> str:
+    """``"deep_gemm"`` where DeepGEMM is installed with a tested adapter (kernels.backends),
+    the rows are bf16 on CUDA and the problem has enough rows per expert for it to win
+    (:func:`kernels.moe_gemm_deepgemm.prefers_deep_gemm`); else ``"triton"``."""
     from kernels.backends import choose
+
+    if not (hidden.is_cuda and hidden.dtype == torch.bfloat16):
+        return "triton"
+    if choose("moe_fp8_gemm") != "deep_gemm":
+        return "triton"
+    from kernels import moe_gemm_deepgemm as dg
+
+    if dg.prefers_deep_gemm(hidden.shape[0], weights.w13.shape[0]) and dg.load_deep_gemm():
+        return "deep_gemm"
+    return "triton"
+
+
+def expert_ffn_fp8(
+    hidden: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    weights: Fp8ExpertWeights,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """FP8 SwiGLU experts: quantise, grouped GEMM, fused silu*up + quantise, grouped GEMM.
+    ``backend`` (``"triton"`` or ``"deep_gemm"``) defaults to :func:`fp8_expert_backend`."""
     from kernels.fp8_quant import per_token_group_quant_fp8, silu_mul_quant_fp8
 
-    choose("moe_fp8_gemm")  # logs once which backend runs (Triton: no DeepGEMM adapter listed)
+    backend = backend or fp8_expert_backend(hidden, weights)
+    if backend == "deep_gemm":
+        from kernels.moe_gemm_deepgemm import deepgemm_expert_ffn_fp8
+
+        return deepgemm_expert_ffn_fp8(hidden, tokens_per_expert, weights)
+    if backend != "triton":
+        raise ValueError(f"backend must be 'triton' or 'deep_gemm', got {backend!r}")
     a, a_scale = per_token_group_quant_fp8(hidden, BLOCK)
     gate_up = fp8_grouped_gemm(
         a, a_scale, weights.w13, weights.w13_scale, tokens_per_expert, hidden.dtype

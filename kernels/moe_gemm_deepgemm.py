@@ -13,11 +13,16 @@ Weights stay as the checkpoint stores them (e4m3, 128x128 float32 block scales);
 are dsmesh's per-token groups of 128 (float32 scales), DeepGEMM's (1, 128, 128) recipe.
 DeepGEMM comes from ``pip install sgl-deep-gemm`` (SGLang's build of it), imported lazily.
 
-Status: not wired into the engine (kernels.backends does not list it). On the H200 with torch
-2.11, ``sgl-deep-gemm`` 0.2.0 imported, and its grouped GEMM raised ``Assertion error
-(.../utils/layout.hpp:16): dim == 2 or dim == 3`` on this call. That build pins
-``apache-tvm-ffi==0.1.11`` and the run had 0.1.15.post2 (FlashInfer's), a suspect not yet
-ruled out; 0.2.1 and later need a newer torch (docs/KERNELS.md). The layout is tested on CPU.
+Which builds work: ``sgl-deep-gemm`` ships one prebuilt host library per release, compiled
+against one torch; it reads torch tensors through torch's inline accessors, so a release built
+against another torch misreads them (it asserts ``dim == 2 or dim == 3`` on a 2-D tensor).
+With torch 2.11 (the H200 image) 0.1.0 to 0.1.5 work and 0.1.7 and later do not
+(docs/KERNELS.md); ``deploy/Dockerfile`` pins the tested pair.
+
+When it runs: :func:`prefers_deep_gemm`, a pure function of the problem's static shape. Every
+expert's rows are padded to a 128-row block, so with few rows per expert (decode) DeepGEMM
+multiplies mostly padding and dsmesh's Triton kernel, which sizes its row blocks to the
+problem, is faster; with many (prefill) DeepGEMM is (docs/BENCHMARKS.md, crossover rows).
 """
 
 from __future__ import annotations
@@ -29,9 +34,23 @@ from types import ModuleType
 
 import torch
 
+from kernels.moe_gemm import BLOCK, Fp8ExpertWeights
+
 log = logging.getLogger(__name__)
 
-__all__ = ["deepgemm_fp8_grouped_gemm", "load_deep_gemm", "padded_layout"]
+__all__ = [
+    "MIN_ROWS_PER_EXPERT",
+    "deepgemm_expert_ffn_fp8",
+    "deepgemm_fp8_grouped_gemm",
+    "load_deep_gemm",
+    "padded_layout",
+    "prefers_deep_gemm",
+]
+
+# Mean routed rows per expert from which DeepGEMM's expert FFN beats the Triton one on the
+# H200 (kernels.bench --only moe_fp8_crossover; docs/BENCHMARKS.md): V3 widths 0.90x at 128
+# and 1.10x at 256 rows per expert, V2-Lite widths 0.86x at 96 and 1.02x at 192.
+MIN_ROWS_PER_EXPERT = 192
 
 
 @functools.cache
@@ -43,6 +62,15 @@ def load_deep_gemm() -> ModuleType | None:
         log.warning("DeepGEMM unavailable (%s); FP8 experts use the Triton grouped GEMM", exc)
         return None
     return deep_gemm
+
+
+def prefers_deep_gemm(
+    num_rows: int, num_experts: int, min_rows_per_expert: int = MIN_ROWS_PER_EXPERT
+) -> bool:
+    """Whether a grouped GEMM of ``num_rows`` routed rows over ``num_experts`` experts should
+    run on DeepGEMM: only when the experts average ``min_rows_per_expert`` rows or more. The
+    shapes are static, so a CUDA graph captures one choice per bucket."""
+    return num_experts > 0 and num_rows >= min_rows_per_expert * num_experts
 
 
 def padded_layout(
@@ -70,6 +98,43 @@ def padded_layout(
     return dst, layout
 
 
+def _scatter_rows(src: torch.Tensor, dst: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``src`` [M, C] rows placed at rows ``dst`` of a new [num_rows, C] buffer (other rows
+    uninitialised). Rows are copied as 8-byte words where they allow it: ``index_copy_`` moves
+    one element per thread, and one-byte FP8 elements made it the adapter's largest cost."""
+    out = torch.empty((num_rows, src.shape[1]), dtype=src.dtype, device=src.device)
+    if src.shape[1] * src.element_size() % 8 == 0:
+        out.view(torch.int64).index_copy_(0, dst, src.contiguous().view(torch.int64))
+    else:
+        out.view(torch.uint8).index_copy_(0, dst, src.contiguous().view(torch.uint8))
+    return out
+
+
+def _gather_rows(src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` [M, C] = ``src[rows]``, copied as 8-byte words where the row width allows."""
+    if src.shape[1] * src.element_size() % 8 == 0:
+        torch.index_select(src.view(torch.int64), 0, rows, out=out.view(torch.int64))
+    else:
+        torch.index_select(src, 0, rows, out=out)
+    return out
+
+
+def _grouped(deep_gemm: ModuleType, a, a_scale, w, w_scale, layout, out_dtype) -> torch.Tensor:
+    """DeepGEMM's M-grouped contiguous GEMM on rows already in its padded layout."""
+    d = torch.empty((a.shape[0], w.shape[1]), dtype=out_dtype, device=a.device)
+    deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a, a_scale), (w, w_scale), d, layout)
+    return d
+
+
+def _require(out_dtype: torch.dtype) -> ModuleType:
+    deep_gemm = load_deep_gemm()
+    if deep_gemm is None:
+        raise RuntimeError("deep_gemm is not importable here")
+    if out_dtype != torch.bfloat16:
+        raise ValueError(f"DeepGEMM's grouped GEMM writes bfloat16, not {out_dtype}")
+    return deep_gemm
+
+
 def deepgemm_fp8_grouped_gemm(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -81,23 +146,53 @@ def deepgemm_fp8_grouped_gemm(
     """Same call and result as :func:`kernels.moe_gemm.fp8_grouped_gemm`, through DeepGEMM:
     a [M, K] e4m3 grouped by expert, a_scale [M, K/128]; w [E, N, K] e4m3, w_scale
     [E, N/128, K/128] -> [M, N] (bf16 output only)."""
-    deep_gemm = load_deep_gemm()
-    if deep_gemm is None:
-        raise RuntimeError("deep_gemm is not importable here")
-    if out_dtype != torch.bfloat16:
-        raise ValueError(f"DeepGEMM's grouped GEMM writes bfloat16, not {out_dtype}")
-    m, k = a.shape
-    n = w.shape[1]
-    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    deep_gemm = _require(out_dtype)
+    m = a.shape[0]
+    out = torch.empty((m, w.shape[1]), dtype=out_dtype, device=a.device)
     if m == 0:
         return out
     align = int(deep_gemm.get_mk_alignment_for_contiguous_layout())
     dst, layout = padded_layout(tokens_per_expert, m, align)
     m_max = layout.shape[0]
-    a_pad = torch.empty((m_max, k), dtype=a.dtype, device=a.device)
-    a_pad.view(torch.uint8).index_copy_(0, dst, a.view(torch.uint8))  # no fp8 index_copy_
-    scale_pad = torch.empty((m_max, a_scale.shape[1]), dtype=a_scale.dtype, device=a.device)
-    scale_pad.index_copy_(0, dst, a_scale)
-    d = torch.empty((m_max, n), dtype=out_dtype, device=a.device)
-    deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a_pad, scale_pad), (w, w_scale), d, layout)
-    return torch.index_select(d, 0, dst, out=out)
+    d = _grouped(
+        deep_gemm,
+        _scatter_rows(a, dst, m_max),
+        _scatter_rows(a_scale, dst, m_max),
+        w,
+        w_scale,
+        layout,
+        out_dtype,
+    )
+    return _gather_rows(d, dst, out)
+
+
+def deepgemm_expert_ffn_fp8(
+    hidden: torch.Tensor, tokens_per_expert: torch.Tensor, weights: Fp8ExpertWeights
+) -> torch.Tensor:
+    """:func:`kernels.moe_gemm.expert_ffn_fp8` through DeepGEMM, staying in its padded layout
+    between the two GEMMs: rows are scattered once (as FP8, after quantisation) and gathered
+    once (the down projection's output). The fused silu*up + quantise runs on the padded
+    rows too; padding rows hold garbage that no real row ever reads."""
+    from kernels.fp8_quant import per_token_group_quant_fp8, silu_mul_quant_fp8
+
+    deep_gemm = _require(hidden.dtype)
+    m = hidden.shape[0]
+    out = torch.empty_like(hidden)
+    if m == 0:
+        return out
+    align = int(deep_gemm.get_mk_alignment_for_contiguous_layout())
+    dst, layout = padded_layout(tokens_per_expert, m, align)
+    m_max = layout.shape[0]
+    a, a_scale = per_token_group_quant_fp8(hidden, BLOCK)
+    gate_up = _grouped(
+        deep_gemm,
+        _scatter_rows(a, dst, m_max),
+        _scatter_rows(a_scale, dst, m_max),
+        weights.w13,
+        weights.w13_scale,
+        layout,
+        hidden.dtype,
+    )
+    h, h_scale = silu_mul_quant_fp8(gate_up, BLOCK)
+    down = _grouped(deep_gemm, h, h_scale, weights.w2, weights.w2_scale, layout, hidden.dtype)
+    return _gather_rows(down, dst, out)

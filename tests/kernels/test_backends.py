@@ -27,11 +27,11 @@ def test_installed_library_without_adapter_still_uses_triton(monkeypatch) -> Non
 
 def test_a_tested_adapter_is_chosen_when_its_library_is_installed(monkeypatch) -> None:
     """FlashInfer's MLA decode adapter (tests/kernels/test_mla_decode_flashinfer.py on a GPU)
-    is picked wherever flashinfer is importable; DeepGEMM's adapter is not listed (it failed
-    on the H200), so FP8 experts stay on Triton."""
+    and DeepGEMM's FP8 grouped GEMM adapter (tests/kernels/test_moe_gemm_deepgemm.py) are
+    picked wherever their library is importable."""
     backends.choose.cache_clear()
     monkeypatch.setattr(backends, "available", lambda module: True)
     assert backends.choose("mla_decode") == "flashinfer"
-    assert backends.choose("moe_fp8_gemm") == "triton"
+    assert backends.choose("moe_fp8_gemm") == "deep_gemm"
     assert backends.choose("mla_prefill") == "triton"
     backends.choose.cache_clear()
