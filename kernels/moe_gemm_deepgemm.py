@@ -45,6 +45,7 @@ __all__ = [
     "load_deep_gemm",
     "padded_layout",
     "prefers_deep_gemm",
+    "reads_tensors_correctly",
 ]
 
 # Mean routed rows per expert from which DeepGEMM's expert FFN beats the Triton one on the
@@ -55,13 +56,42 @@ MIN_ROWS_PER_EXPERT = 192
 
 @functools.cache
 def load_deep_gemm() -> ModuleType | None:
-    """The ``deep_gemm`` module, or None (logged once) when it is missing or fails to load."""
+    """The ``deep_gemm`` module, or None (logged once) when it is missing, fails to load, or
+    fails :func:`reads_tensors_correctly` on the current CUDA device."""
     try:
         import deep_gemm
     except Exception as exc:  # ImportError, or its library failing to load against this torch
         log.warning("DeepGEMM unavailable (%s); FP8 experts use the Triton grouped GEMM", exc)
         return None
+    problem = reads_tensors_correctly(deep_gemm, "cuda")
+    if problem:
+        log.warning(
+            "DeepGEMM %s is installed but unusable with torch %s (%s): its prebuilt library "
+            "was built against another torch (docs/KERNELS.md). FP8 experts use the Triton "
+            "grouped GEMM",
+            getattr(deep_gemm, "__file__", "?"),
+            torch.__version__,
+            problem,
+        )
+        return None
     return deep_gemm
+
+
+def reads_tensors_correctly(deep_gemm: ModuleType, device: str) -> str:
+    """Empty when DeepGEMM's host library reads a torch tensor right, else what went wrong.
+
+    A build against another torch imports fine and then misreads every tensor (it asserts
+    ``dim == 2 or dim == 3`` on a 2-D one), which would take a serving process down at its
+    first large prefill; so a small layout call (transpose a [128, 4] float32 tensor into
+    DeepGEMM's MN-major scale layout) is checked once, before the first use."""
+    try:
+        x = torch.arange(128 * 4, dtype=torch.float32, device=device).view(128, 4)
+        y = deep_gemm.get_mn_major_tma_aligned_tensor(x)
+        if tuple(y.shape) != (128, 4) or not bool(torch.equal(y.cpu(), x.cpu())):
+            return f"its layout call returned shape {tuple(y.shape)} and other values"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+    return ""
 
 
 def prefers_deep_gemm(

@@ -64,6 +64,39 @@ def test_deep_gemm_is_preferred_only_with_many_rows_per_expert() -> None:
     assert not prefers_deep_gemm(0, 0)
 
 
+class _FakeDeepGemm:
+    """Stands in for DeepGEMM's host library, which cannot run without a Hopper GPU."""
+
+    def __init__(self, behaviour: str) -> None:
+        self.behaviour = behaviour
+
+    def get_mn_major_tma_aligned_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        if self.behaviour == "mismatched torch":
+            raise RuntimeError("Assertion error (csrc/utils/layout.hpp:16): dim == 2 or dim == 3")
+        if self.behaviour == "garbage":
+            return torch.zeros_like(x)
+        return x.t().contiguous().t()  # MN-major: same values, transposed storage
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "expect"),
+    [("works", ""), ("mismatched torch", "dim == 2 or dim == 3"), ("garbage", "other values")],
+)
+def test_a_deep_gemm_built_for_another_torch_is_refused(behaviour, expect) -> None:
+    from kernels.moe_gemm_deepgemm import reads_tensors_correctly
+
+    problem = reads_tensors_correctly(_FakeDeepGemm(behaviour), "cpu")
+    assert (expect in problem) if expect else problem == ""
+
+
+@needs_deep_gemm
+@pytest.mark.gpu
+def test_the_installed_deep_gemm_passes_its_load_check() -> None:
+    from kernels.moe_gemm_deepgemm import load_deep_gemm
+
+    assert load_deep_gemm() is not None
+
+
 def _problem(e: int, n: int, k: int, counts: list[int], seed: int = 0):
     from kernels.fp8_quant import per_token_group_quant_fp8
 
