@@ -100,7 +100,7 @@ def test_gpu_image_has_the_gpu_stack() -> None:
         assert needle in text, needle
     # DeepGEMM and DeepEP may fail to build without failing the image
     for name in ("DeepGEMM", "DeepEP"):
-        assert re.search(rf"\|\| echo \"WARNING: {name} did not build", text), name
+        assert re.search(rf"\|\| echo \"WARNING: {name} did not (build|install)", text), name
 
 
 def test_compose_builds_its_images_from_these_dockerfiles() -> None:
