@@ -1,23 +1,26 @@
-"""DeepGEMM's FP8 grouped GEMM (optional backend) behind
-:func:`kernels.moe_gemm.fp8_grouped_gemm`'s contract.
+"""DeepGEMM's FP8 grouped GEMM (optional backend) for dsmesh's FP8 experts.
 
 DeepGEMM's "M-grouped contiguous" GEMM wants every expert's rows to start on a multiple of
-its alignment (128 rows on Hopper) and a per-row expert index (``grouped_layout``, -1 past
-the last expert). dsmesh's rows are grouped by expert without gaps, so the adapter scatters
-them into a padded buffer and gathers the products back. Everything is computed on the
-device with shapes that depend only on ``M`` and the expert count (``M + E * (align - 1)``
-rows, rounded up), so nothing waits for the GPU and the call can be captured in a CUDA
-graph. Padding rows of the inputs are never initialised: their products are discarded.
+its alignment (128 rows on Hopper) and a per-row expert index (``grouped_layout``, -1 on
+padding rows). dsmesh's rows are grouped by expert without gaps, so
+:func:`deepgemm_expert_ffn_fp8` scatters them once into a padded buffer, runs the whole expert
+FFN there (gate/up GEMM, fused silu*up + quantise, down GEMM) and gathers the rows back once;
+:func:`deepgemm_fp8_grouped_gemm` is one GEMM with :func:`kernels.moe_gemm.fp8_grouped_gemm`'s
+contract. Everything is computed on the device with shapes that depend only on ``M`` and the
+expert count (``M + E * (align - 1)`` rows, rounded up), so nothing waits for the GPU and the
+calls can be captured in a CUDA graph. Padding rows are never initialised: no real row reads
+them.
 
 Weights stay as the checkpoint stores them (e4m3, 128x128 float32 block scales); activations
 are dsmesh's per-token groups of 128 (float32 scales), DeepGEMM's (1, 128, 128) recipe.
-DeepGEMM comes from ``pip install sgl-deep-gemm`` (SGLang's build of it), imported lazily.
+DeepGEMM comes from ``pip install dsmesh[deepgemm]`` (SGLang's ``sgl-deep-gemm`` build),
+imported lazily.
 
 Which builds work: ``sgl-deep-gemm`` ships one prebuilt host library per release, compiled
 against one torch; it reads torch tensors through torch's inline accessors, so a release built
-against another torch misreads them (it asserts ``dim == 2 or dim == 3`` on a 2-D tensor).
-With torch 2.11 (the H200 image) 0.1.0 to 0.1.5 work and 0.1.7 and later do not
-(docs/KERNELS.md); ``deploy/Dockerfile`` pins the tested pair.
+against another torch imports and then misreads them (it asserts ``dim == 2 or dim == 3`` on a
+2-D tensor). With torch 2.11 (the H200 image) 0.1.0, 0.1.3 and 0.1.5 work, 0.1.5.post3 and
+later do not (docs/KERNELS.md). :func:`load_deep_gemm` checks the build before first use.
 
 When it runs: :func:`prefers_deep_gemm`, a pure function of the problem's static shape. Every
 expert's rows are padded to a 128-row block, so with few rows per expert (decode) DeepGEMM

@@ -1,7 +1,7 @@
 """DeepGEMM's FP8 grouped GEMM behind dsmesh's contract (kernels/moe_gemm_deepgemm.py).
 
 The padded layout is plain torch and runs everywhere. The GEMM tests need a Hopper GPU with
-DeepGEMM installed (``pip install sgl-deep-gemm``); they compare it with the dequantised
+DeepGEMM installed (``pip install dsmesh[deepgemm]``); they compare it with the dequantised
 reference and with dsmesh's Triton FP8 grouped GEMM, eagerly and in a CUDA graph replayed
 with other routing, and check that FP8 experts take DeepGEMM exactly where
 ``prefers_deep_gemm`` says. Measured on the H200 with torch 2.11 and sgl-deep-gemm 0.1.5.
@@ -27,7 +27,7 @@ from tests.kernels.conftest import HAS_CUDA
 
 needs_deep_gemm = pytest.mark.skipif(
     not (HAS_CUDA and available("deep_gemm")),
-    reason="needs a CUDA device and DeepGEMM (pip install sgl-deep-gemm)",
+    reason="needs a CUDA device and DeepGEMM (pip install dsmesh[deepgemm])",
 )
 
 
