@@ -401,7 +401,6 @@ def moe_bench(quick: bool) -> None:
                 w13_gemm_ms=round(gemm_ms, 4),
                 w13_best_ms=round(best_ms, 4),
                 w13_best_config=best_cfg,
-                **deepgemm_rows(a, a_s, fp8, counts, gemm_ms),
             )
         torch.cuda.empty_cache()
 
@@ -460,33 +459,6 @@ def moe_fp8_crossover(quick: bool) -> None:
                 uses=fp8_expert_backend(rows, fp8),
             )
         torch.cuda.empty_cache()
-
-
-def deepgemm_rows(a, a_s, fp8, counts, triton_ms: float) -> dict:
-    """DeepGEMM's grouped GEMM on the same gate/up problem: eager and graph ms, and its error
-    against the Triton kernel; empty when DeepGEMM is not installed."""
-    from kernels.backends import available
-
-    if not available("deep_gemm"):
-        return {}
-    try:
-        from kernels.moe_gemm import fp8_grouped_gemm
-        from kernels.moe_gemm_deepgemm import deepgemm_fp8_grouped_gemm
-
-        def run():
-            return deepgemm_fp8_grouped_gemm(a, a_s, fp8.w13, fp8.w13_scale, counts)
-
-        want = fp8_grouped_gemm(a, a_s, fp8.w13, fp8.w13_scale, counts).float()
-        err = float((run().float() - want).norm() / want.norm())
-        ms = bench(run)
-        return {
-            "deepgemm_w13_ms": round(ms, 4),
-            "deepgemm_w13_graph_ms": bench_graph(run, calls=5),
-            "deepgemm_speedup_vs_triton": round(triton_ms / ms, 2),
-            "deepgemm_rel_err_vs_triton": err,
-        }
-    except Exception as exc:
-        return {"deepgemm_error": f"{type(exc).__name__}: {str(exc)[:300]}"}
 
 
 def _grouped_routed(x, ids, weights, w13, w2):

@@ -117,7 +117,7 @@ def padded_layout(
     convention). ``M_max`` is ``M + E * (align - 1)`` rounded up to ``align``: the most any
     routing can need.
     """
-    counts = tokens_per_expert.to(device=tokens_per_expert.device, dtype=torch.int64)
+    counts = tokens_per_expert.to(torch.int64)
     num_experts = counts.shape[0]
     padded = (counts + align - 1) // align * align
     pad_ends = padded.cumsum(0)
@@ -152,6 +152,17 @@ def _gather_rows(src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> to
     return out
 
 
+def _padded_inputs(
+    deep_gemm: ModuleType, a: torch.Tensor, a_scale: torch.Tensor, tokens_per_expert: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert-grouped FP8 rows and their scales scattered into DeepGEMM's padded layout:
+    (a_pad, a_scale_pad, grouped_layout, dst) with ``dst[r]`` the padded row of row ``r``."""
+    align = int(deep_gemm.get_mk_alignment_for_contiguous_layout())
+    dst, layout = padded_layout(tokens_per_expert, a.shape[0], align)
+    m_max = layout.shape[0]
+    return _scatter_rows(a, dst, m_max), _scatter_rows(a_scale, dst, m_max), layout, dst
+
+
 def _grouped(deep_gemm: ModuleType, a, a_scale, w, w_scale, layout, out_dtype) -> torch.Tensor:
     """DeepGEMM's M-grouped contiguous GEMM on rows already in its padded layout."""
     d = torch.empty((a.shape[0], w.shape[1]), dtype=out_dtype, device=a.device)
@@ -184,18 +195,8 @@ def deepgemm_fp8_grouped_gemm(
     out = torch.empty((m, w.shape[1]), dtype=out_dtype, device=a.device)
     if m == 0:
         return out
-    align = int(deep_gemm.get_mk_alignment_for_contiguous_layout())
-    dst, layout = padded_layout(tokens_per_expert, m, align)
-    m_max = layout.shape[0]
-    d = _grouped(
-        deep_gemm,
-        _scatter_rows(a, dst, m_max),
-        _scatter_rows(a_scale, dst, m_max),
-        w,
-        w_scale,
-        layout,
-        out_dtype,
-    )
+    a_pad, scale_pad, layout, dst = _padded_inputs(deep_gemm, a, a_scale, tokens_per_expert)
+    d = _grouped(deep_gemm, a_pad, scale_pad, w, w_scale, layout, out_dtype)
     return _gather_rows(d, dst, out)
 
 
@@ -213,18 +214,10 @@ def deepgemm_expert_ffn_fp8(
     out = torch.empty_like(hidden)
     if m == 0:
         return out
-    align = int(deep_gemm.get_mk_alignment_for_contiguous_layout())
-    dst, layout = padded_layout(tokens_per_expert, m, align)
-    m_max = layout.shape[0]
     a, a_scale = per_token_group_quant_fp8(hidden, BLOCK)
+    a_pad, scale_pad, layout, dst = _padded_inputs(deep_gemm, a, a_scale, tokens_per_expert)
     gate_up = _grouped(
-        deep_gemm,
-        _scatter_rows(a, dst, m_max),
-        _scatter_rows(a_scale, dst, m_max),
-        weights.w13,
-        weights.w13_scale,
-        layout,
-        hidden.dtype,
+        deep_gemm, a_pad, scale_pad, weights.w13, weights.w13_scale, layout, hidden.dtype
     )
     h, h_scale = silu_mul_quant_fp8(gate_up, BLOCK)
     down = _grouped(deep_gemm, h, h_scale, weights.w2, weights.w2_scale, layout, hidden.dtype)
