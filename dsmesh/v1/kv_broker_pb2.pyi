@@ -12,6 +12,7 @@ class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLE_UNSPECIFIED: _ClassVar[Role]
     ROLE_PREFILL: _ClassVar[Role]
     ROLE_DECODE: _ClassVar[Role]
+    ROLE_UNIFIED: _ClassVar[Role]
 
 class HandoffState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -25,6 +26,7 @@ class HandoffState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 ROLE_UNSPECIFIED: Role
 ROLE_PREFILL: Role
 ROLE_DECODE: Role
+ROLE_UNIFIED: Role
 HANDOFF_STATE_UNSPECIFIED: HandoffState
 HANDOFF_RESERVED: HandoffState
 HANDOFF_TRANSFERRING: HandoffState
@@ -34,18 +36,20 @@ HANDOFF_ABORTED: HandoffState
 HANDOFF_TIMED_OUT: HandoffState
 
 class KVLayout(_message.Message):
-    __slots__ = ("dtype", "page_size", "kv_dim", "num_layers", "model")
+    __slots__ = ("dtype", "page_size", "kv_dim", "num_layers", "model", "transport")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_DIM_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     page_size: int
     kv_dim: int
     num_layers: int
     model: str
-    def __init__(self, dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., kv_dim: _Optional[int] = ..., num_layers: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    transport: str
+    def __init__(self, dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., kv_dim: _Optional[int] = ..., num_layers: _Optional[int] = ..., model: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class RemotePool(_message.Message):
     __slots__ = ("transfer_session", "base_ptr", "num_pages", "page_bytes")
@@ -116,16 +120,18 @@ class ReserveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ResolveRequest(_message.Message):
-    __slots__ = ("request_id", "prefill_instance_id", "layout", "wait_ms")
+    __slots__ = ("request_id", "prefill_instance_id", "layout", "wait_ms", "expected_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefill_instance_id: str
     layout: KVLayout
     wait_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    expected_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., wait_ms: _Optional[int] = ..., expected_ms: _Optional[int] = ...) -> None: ...
 
 class ResolveResponse(_message.Message):
     __slots__ = ("decode_instance_id", "pool", "page_ids", "num_tokens")
@@ -140,14 +146,16 @@ class ResolveResponse(_message.Message):
     def __init__(self, decode_instance_id: _Optional[str] = ..., pool: _Optional[_Union[RemotePool, _Mapping]] = ..., page_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class ProgressRequest(_message.Message):
-    __slots__ = ("request_id", "tokens_written", "bytes_written")
+    __slots__ = ("request_id", "tokens_written", "bytes_written", "expected_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens_written: int
     bytes_written: int
-    def __init__(self, request_id: _Optional[str] = ..., tokens_written: _Optional[int] = ..., bytes_written: _Optional[int] = ...) -> None: ...
+    expected_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., tokens_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., expected_ms: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("request_id", "first_token_id", "bytes_written")

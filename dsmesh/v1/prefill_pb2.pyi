@@ -36,15 +36,17 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefillLoad(_message.Message):
-    __slots__ = ("instance_id", "waiting_tokens", "running_requests", "free_pages", "total_pages")
+    __slots__ = ("instance_id", "waiting_tokens", "running_requests", "free_pages", "total_pages", "max_queued_tokens")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     waiting_tokens: int
     running_requests: int
     free_pages: int
     total_pages: int
-    def __init__(self, instance_id: _Optional[str] = ..., waiting_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ...) -> None: ...
+    max_queued_tokens: int
+    def __init__(self, instance_id: _Optional[str] = ..., waiting_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., max_queued_tokens: _Optional[int] = ...) -> None: ...
