@@ -63,7 +63,9 @@ async def _serve(
         instance_id=instance_id, role=kb.ROLE_DECODE, transfer_session=parts.pool.session
     )
     broker = BrokerLink(config.broker_address, instance)
-    servicer = DecodeServicer(parts.worker, broker, layout_of(parts.engine), parts.pool, limits)
+    servicer = DecodeServicer(
+        parts.worker, broker, layout_of(parts.engine, parts.transport.signature), parts.pool, limits
+    )
     server = await start_server(
         lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, s),
         [SERVICE],

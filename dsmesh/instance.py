@@ -15,14 +15,16 @@ from dsmesh.broker_link import BrokerLink
 from dsmesh.engine_worker import EngineWorker
 from dsmesh.ep_group import RankSpec
 from dsmesh.grpc_server import RunningServer
-from dsmesh.transfer import KVTransport, RemotePool, make_transport
+from dsmesh.transfer import KVTransport, RemotePool, make_transport, rdma_devices, resolve_protocol
 from engine.llm_engine import EngineConfig, LLMEngine
 
 
 @dataclass(frozen=True)
 class TransferConfig:
     backend: str = "mooncake"
-    protocol: str = "tcp"  # "tcp" or "rdma"
+    # "auto" (tcp for a host pool; nvlink_intra for a GPU pool reached on loopback, else
+    # rdma), "tcp", "nvlink_intra" or "rdma": dsmesh/transfer/protocol.py
+    protocol: str = "auto"
     hostname: str = "127.0.0.1"  # address peers use to reach this process's transfer engine
     device_name: str = ""  # RDMA devices, e.g. "mlx5_0,mlx5_1"
 
@@ -75,10 +77,17 @@ async def build_instance(
             on_fatal=fatal_exit,
             group_hook=hook,
         )
+    protocol = resolve_protocol(
+        transfer.protocol,
+        engine.kv_pool.buffer.is_cuda,
+        transfer.hostname,
+        rdma_devices(),
+        transfer.device_name,
+    )
     transport = make_transport(
         transfer.backend,
         hostname=transfer.hostname,
-        protocol=transfer.protocol,
+        protocol=protocol,
         device_name=transfer.device_name,
     )
     pool = transport.register_pool(engine.kv_pool)

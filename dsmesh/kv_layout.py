@@ -21,7 +21,9 @@ def model_fingerprint(engine: LLMEngine) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def layout_of(engine: LLMEngine) -> kb.KVLayout:
+def layout_of(engine: LLMEngine, transport: str = "") -> kb.KVLayout:
+    """The layout of ``engine``'s pool, moved by ``transport`` (its signature, e.g.
+    "mooncake/nvlink_intra")."""
     pool = engine.kv_pool
     dtype = str(pool.buffer.dtype)
     return kb.KVLayout(
@@ -30,4 +32,5 @@ def layout_of(engine: LLMEngine) -> kb.KVLayout:
         kv_dim=pool.kv_dim,
         num_layers=pool.num_layers,
         model=model_fingerprint(engine),
+        transport=transport,
     )

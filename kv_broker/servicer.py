@@ -85,7 +85,7 @@ def _unary(method: Handler[Req, Resp]) -> Handler[Req, Resp]:
 
 
 def _layout(msg: pb.KVLayout) -> KVLayout:
-    return KVLayout(msg.dtype, msg.page_size, msg.kv_dim, msg.num_layers, msg.model)
+    return KVLayout(msg.dtype, msg.page_size, msg.kv_dim, msg.num_layers, msg.model, msg.transport)
 
 
 def _pool(msg: pb.RemotePool) -> RemotePool:

@@ -78,6 +78,7 @@ class KVLayout:
     kv_dim: int  # kv_lora_rank + qk_rope_head_dim
     num_layers: int
     model: str = ""  # fingerprint of the model config; may be empty, but must then match
+    transport: str = ""  # transfer engine and protocol, e.g. "mooncake/nvlink_intra"
 
     def validate(self, name: str = "layout") -> None:
         if not self.dtype:

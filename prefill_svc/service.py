@@ -62,7 +62,7 @@ async def _serve(
     servicer = PrefillServicer(
         parts.worker,
         broker,
-        layout=layout_of(parts.engine),
+        layout=layout_of(parts.engine, parts.transport.signature),
         transfers=None,
         limits=PrefillLimits(
             instance_id,

@@ -15,20 +15,25 @@ from dsmesh.transfer.base import (
     page_segments,
     pool_segments,
 )
+from dsmesh.transfer.protocol import PROTOCOLS, rdma_devices, resolve_protocol
 
 __all__ = [
+    "PROTOCOLS",
     "KVTransport",
     "RemotePool",
     "TransferError",
     "make_transport",
     "page_segments",
     "pool_segments",
+    "rdma_devices",
+    "resolve_protocol",
 ]
 
 
 def _mooncake(**kwargs: object) -> KVTransport:
-    from dsmesh.transfer.mooncake import MooncakeTransport
+    from dsmesh.transfer.mooncake import MooncakeTransport, check_build
 
+    check_build(str(kwargs.get("protocol", "tcp")))
     return MooncakeTransport(**kwargs)  # type: ignore[arg-type]
 
 
@@ -37,8 +42,10 @@ _TRANSPORTS: dict[str, Callable[..., KVTransport]] = {"mooncake": _mooncake}
 
 
 def make_transport(kind: str = "mooncake", **kwargs: object) -> KVTransport:
-    """Build the KV transport named ``kind`` with its keyword arguments
-    (for "mooncake": ``hostname``, ``protocol``, ``device_name``, see MooncakeTransport)."""
+    """Build the KV transport named ``kind`` with its keyword arguments (for "mooncake":
+    ``hostname``, ``protocol`` as :func:`resolve_protocol` chose it, ``device_name``; see
+    MooncakeTransport). A Mooncake build that cannot serve the protocol (e.g. the non-CUDA
+    build for ``nvlink_intra``) is refused with the extra to install."""
     factory = _TRANSPORTS.get(kind)
     if factory is None:
         raise ValueError(f"unknown KV transport {kind!r}; known: {', '.join(_TRANSPORTS)}")

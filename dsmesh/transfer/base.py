@@ -137,6 +137,13 @@ class KVTransport(ABC):
     def session_id(self) -> str:
         """The "host:port" that peers use to reach this transport."""
 
+    @property
+    @abstractmethod
+    def signature(self) -> str:
+        """Engine and protocol, e.g. "mooncake/nvlink_intra": two transports move bytes
+        between each other only when their signatures are equal (part of the KV layout
+        signature that kv_broker compares at the handshake)."""
+
     @abstractmethod
     def register_pool(self, pool: MLAKVPool) -> RemotePool:
         """Register ``pool.buffer`` (the whole tensor) with the engine so peers can write into

@@ -1,4 +1,5 @@
-"""KV transport over the Mooncake Transfer Engine (TCP on a laptop/CI, RDMA in a cluster).
+"""KV transport over the Mooncake Transfer Engine: TCP on a laptop/CI, CUDA IPC between the
+GPUs of one host (``nvlink_intra``), GPUDirect RDMA across hosts (``rdma``).
 
 The engine runs in P2P-handshake mode: no metadata server; a peer is addressed by the
 "host:port" of its engine's RPC listener, which is our :attr:`session_id`.
@@ -15,19 +16,43 @@ Engine facts this module relies on (mooncake-transfer-engine 0.3.13):
 - A blocked peer is given up on after the engine's own timeouts: about 60 s for a
   handshake that gets no answer, ``MC_TRANSFER_TIMEOUT`` (default 30 s, + 1 s per GiB) for
   a transfer. Callers that need a tighter bound wrap the call in their own deadline.
+- ``nvlink_intra`` (0.3.14, CUDA builds) is installed by ``MC_INTRANODE_NVLINK`` at
+  initialize. Registering a GPU buffer calls the CUDA driver (``cuMemGetAddressRange``,
+  ``cudaIpcGetMemHandle`` on the buffer's whole ``cudaMalloc`` segment), so the calling
+  thread needs the device's context current: we bind it on every thread that registers or
+  writes. Peers open that IPC handle at their first write. A write copies on the engine's
+  own stream after syncing the calling thread's per-thread stream only, so it does NOT wait
+  for our forward: callers order writes after the forward themselves (a CUDA event).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import TYPE_CHECKING, Any
 
 from dsmesh.transfer.base import KVTransport, RemotePool, TransferError, pool_segments
+from dsmesh.transfer.protocol import intranode_env
 
 if TYPE_CHECKING:
     from engine.kv_cache import MLAKVPool
 
 P2P_HANDSHAKE = "P2PHANDSHAKE"
+_bound = threading.local()  # the CUDA device this thread has made current for the engine
+
+
+def bind_cuda_device(device: Any) -> None:
+    """Make ``device``'s primary context current on the calling thread (once per thread):
+    the engine's driver calls fail with CUDA_ERROR_INVALID_CONTEXT (201) without one, and
+    ``torch.cuda.set_device`` alone skips the runtime call when the index already matches."""
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if getattr(_bound, "index", None) == index:
+        return
+    torch.cuda.set_device(index)
+    torch.cuda.synchronize(index)  # any runtime call binds the primary context
+    _bound.index = index
 
 
 def _import_transfer_engine() -> Any:
@@ -45,13 +70,27 @@ def _import_transfer_engine() -> Any:
     return TransferEngine
 
 
+def check_build(protocol: str) -> None:
+    """Refuse a Mooncake build that cannot move GPU memory for ``protocol`` (ImportError
+    naming the extra to install), before the engine fails in some less clear way."""
+    import torch
+
+    from dsmesh.transfer.protocol import cuda_build_problem, installed_mooncake_builds
+
+    problem = cuda_build_problem(installed_mooncake_builds(), torch.version.cuda, protocol)
+    if problem is not None:
+        raise ImportError(problem)
+
+
 class MooncakeTransport(KVTransport):
     """:class:`KVTransport` on one Mooncake ``TransferEngine``.
 
     ``hostname`` is the address peers reach this process at (also the local bind address);
-    ``protocol`` is "tcp" or "rdma"; ``device_name`` lists RDMA devices ("mlx5_0,mlx5_1"),
-    empty for TCP. Thread-safe: any number of threads may call :meth:`write_pages` at once.
-    A registered pool is referenced by the transport until :meth:`close`.
+    ``protocol`` is "tcp", "nvlink_intra" or "rdma" (resolved already:
+    :func:`dsmesh.transfer.protocol.resolve_protocol`); ``device_name`` lists RDMA devices
+    ("mlx5_0,mlx5_1"), empty otherwise. Thread-safe: any number of threads may call
+    :meth:`write_pages` at once. A registered pool is referenced by the transport until
+    :meth:`close`.
     """
 
     def __init__(
@@ -69,6 +108,8 @@ class MooncakeTransport(KVTransport):
                 f"{max_segments_per_batch} and {max_batches_per_peer}"
             )
         engine_cls = _import_transfer_engine()
+        if protocol == "nvlink_intra":
+            os.environ.update(intranode_env())  # read by initialize, once per process
         engine = engine_cls()
         rc = engine.initialize(hostname, P2P_HANDSHAKE, protocol, device_name)
         if rc != 0:
@@ -78,6 +119,7 @@ class MooncakeTransport(KVTransport):
             )
         self._engine: Any = engine
         self._session_id = f"{hostname}:{engine.get_rpc_port()}"
+        self._protocol = protocol
         self._max_segments_per_batch = max_segments_per_batch
         self._max_batches_per_peer = max_batches_per_peer
         # Guards the dicts below and the open/closed state; never held during a transfer.
@@ -92,6 +134,10 @@ class MooncakeTransport(KVTransport):
         return self._session_id
 
     @property
+    def signature(self) -> str:
+        return f"mooncake/{self._protocol}"
+
+    @property
     def engine(self) -> Any:
         """The underlying ``mooncake.engine.TransferEngine`` (benchmarks, diagnostics)."""
         return self._open_engine()
@@ -101,6 +147,8 @@ class MooncakeTransport(KVTransport):
         if not buffer.is_contiguous():
             raise ValueError("the pool buffer must be contiguous")
         ptr, nbytes = buffer.data_ptr(), buffer.numel() * buffer.element_size()
+        if buffer.is_cuda:
+            bind_cuda_device(buffer.device)
         with self._lock:
             engine = self._open_engine()
             if ptr in self._pools:
@@ -131,6 +179,8 @@ class MooncakeTransport(KVTransport):
         remote_pages: list[int],
     ) -> int:
         segments = pool_segments(pool, remote, local_pages, remote_pages)
+        if pool.buffer.is_cuda:
+            bind_cuda_device(pool.buffer.device)
         with self._lock:
             engine = self._open_engine()
             registered = self._pools.get(pool.buffer.data_ptr())
