@@ -196,9 +196,18 @@ def add_server_args(p: argparse.ArgumentParser, default_port: int = 0) -> None:
 
 
 def add_transfer_args(p: argparse.ArgumentParser) -> None:
+    from dsmesh.transfer.protocol import PROTOCOLS
+
     g = p.add_argument_group("KV transfer (Mooncake Transfer Engine)")
     g.add_argument("--broker", required=True, help="kv_broker address HOST:PORT")
-    g.add_argument("--transfer-protocol", default="tcp", choices=("tcp", "rdma"))
+    g.add_argument(
+        "--transfer-protocol",
+        default="auto",
+        choices=PROTOCOLS,
+        help="how KV bytes move: auto = tcp for a CPU pool, nvlink_intra (CUDA IPC) for a "
+        "GPU pool whose peers are on this host (--transfer-hostname on loopback), else rdma "
+        "(GPUDirect RDMA, needs an RDMA NIC); tcp refuses a GPU pool (docs/PD.md)",
+    )
     g.add_argument(
         "--transfer-hostname",
         default="127.0.0.1",
