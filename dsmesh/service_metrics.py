@@ -69,6 +69,12 @@ class InstanceMetrics:
             buckets=TRANSFER_BUCKETS,
             registry=r,
         )
+        self.handoff_seconds = Histogram(
+            "dsmesh_kv_handoff_seconds",
+            "end of a request's last forward to its commit: what the KV handoff adds to TTFT",
+            buckets=TRANSFER_BUCKETS,
+            registry=r,
+        )
         self.handoffs = Counter(
             "dsmesh_kv_handoffs_seen", "KV handoffs ended, by final state", ["state"], registry=r
         )

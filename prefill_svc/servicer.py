@@ -4,12 +4,14 @@ commit the first token through kv_broker."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import time
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 from opentelemetry.context import Context
 
 from dsmesh import telemetry
@@ -23,6 +25,7 @@ from dsmesh.v1 import kv_broker_pb2 as kb
 from engine.errors import InvalidRequestError
 from engine.kv_cache import pages_for
 from engine.llm_engine import LLMEngine, StepOutput
+from prefill_svc.estimate import Backlog, StepRate
 from prefill_svc.transfer_queue import ChunkJob, FinalJob, TransferCallbacks, TransferQueue
 
 log = logging.getLogger(__name__)
@@ -42,6 +45,8 @@ class PrefillLimits:
     resolve_wait_s: float = 30.0  # how long to wait for decode's reservation
     max_queued_tokens: int = 262144  # prompt tokens admitted and not finished, at most
     broker_rpc_timeout_s: float = 5.0
+    # new prompts wait while the KV writes queued would take longer than this to drain
+    max_transfer_backlog_s: float = 1.0
 
 
 @dataclass
@@ -55,6 +60,8 @@ class _Job:
     aborted: bool = False
     cached_tokens: int = 0
     trace_context: Context | None = None  # the Prefill RPC's, for spans made on other threads
+    last_forward_ns: int = 0  # monotonic end of the forward that sampled the first token
+    write_s: float = 0.0  # time the transfer lane spent writing this request's KV
     # Engine thread only: when the request was queued, the end of its last traced interval
     # (submit, then each chunk), and whether its prefill.queue span is still due.
     submit_ns: int = 0
@@ -106,6 +113,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.transfers = transfers
         self._background = BackgroundTasks()
         self._steps = _StepClock(worker)
+        self._token_rate = StepRate()  # prompt tokens per second of the forwards
+        self._drained = asyncio.Event()  # a KV write finished: the backlog shrank
+        # Engine thread: one CUDA event per step, recorded after its forward (GPU pools)
+        self._fence: tuple[int, torch.cuda.Event] | None = None
+        self._on_gpu = worker.engine.kv_pool.buffer.is_cuda
         broker.on_lost.append(self.on_broker_lost)
 
     def callbacks(self) -> TransferCallbacks:
@@ -118,7 +130,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
         return TransferCallbacks(
             on_chunk=lambda rid, tokens, nbytes: hop(self._on_chunk, rid, tokens, nbytes),
-            on_final=lambda rid, tok, nbytes: hop(self._on_final, rid, tok, nbytes),
+            on_final=lambda rid, tok, nbytes, secs: hop(self._on_final, rid, tok, nbytes, secs),
             on_error=lambda rid, msg: hop(self._on_transfer_error, rid, msg),
             on_release=lambda rid: hop(self._on_release, rid),
         )
@@ -151,6 +163,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.jobs[rid] = job
         try:
             await self._resolve(job)
+            await self._transfer_room()
             cached_pages = await self.worker.call(lambda e: self._submit(e, job, prompt, params))
             job.cached_tokens = cached_pages * self.page_size
             first_token, nbytes = await job.done
@@ -161,12 +174,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 "kv.commit", attributes={"dsmesh.request_id": rid, "dsmesh.kv.bytes": nbytes}
             ):
                 await self._commit(job, first_token, nbytes)
+            handoff_s = max(0, time.monotonic_ns() - job.last_forward_ns) / 1e9
+            if self.metrics is not None:
+                self.metrics.handoff_seconds.observe(handoff_s)
             return prefill_pb2.PrefillResponse(
                 request_id=rid,
                 first_token_id=first_token,
                 prompt_tokens=len(prompt),
                 cached_tokens=job.cached_tokens,
                 kv_bytes=nbytes,
+                kv_write_us=int(job.write_s * 1e6),
+                handoff_us=int(handoff_s * 1e6),
             )
         except InvalidRequestError as exc:
             await self._fail(job, str(exc))
@@ -186,6 +204,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             prefill_instance_id=self.limits.instance_id,
             layout=self.layout,
             wait_ms=int(self.limits.resolve_wait_s * 1000),
+            expected_ms=self._expected_ms(job),
         )
         try:
             res = await self.broker.stub.Resolve(
@@ -218,6 +237,29 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         )
         job.remote_pages = list(res.page_ids[:needed])
 
+    def _expected_ms(self, job: _Job) -> int:
+        """Time until ``job`` commits, at the measured rates: every prompt token admitted
+        here (``job``'s included) still to compute, and every KV byte queued plus its own
+        still to write (an over-estimate: kv_broker's deadline keeps ahead of it)."""
+        queued = sum(j.prompt_len for j in self.jobs.values())
+        pending = own = 0
+        rate = 0.0
+        if self.transfers is not None:
+            pool = self.transfers.pool
+            own = pages_for(job.prompt_len, self.page_size) * pool.page_bytes * pool.num_layers
+            pending, rate = self.transfers.pending_bytes, self.transfers.write_rate.rate
+        backlog = Backlog(queued, self._token_rate.rate, pending + own, rate)
+        return int(backlog.seconds() * 1000)
+
+    async def _transfer_room(self) -> None:
+        """Hold a new prompt while the transfer lanes are more than
+        ``max_transfer_backlog_s`` behind: prefill computes no more KV than they drain."""
+        limit = self.limits.max_transfer_backlog_s
+        while self.transfers is not None and self.transfers.backlog_s() > limit:
+            self._drained.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._drained.wait(), 0.1)
+
     async def _resolved_before(self, job: _Job) -> bool:
         """Whether the handoff was already taken by a prefill (TRANSFERRING or DONE): the
         request id is then a duplicate, and the request must not run again."""
@@ -247,7 +289,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             return
         if telemetry.enabled():
             self._trace_chunk(job, out)
-        _, end = out.computed
+        start, end = out.computed
+        self._token_rate.add(self.worker.num_steps, end - start, time.monotonic())
+        if out.finished:
+            job.last_forward_ns = time.monotonic_ns()
         last_page = pages_for(end, self.page_size)
         if last_page > job.next_page:
             assert job.remote is not None
@@ -260,11 +305,24 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     job.remote,
                     end,
                     job.trace_context,
+                    self._step_fence(),
                 )
             )
             job.next_page = end // self.page_size  # a partial last page is re-sent later
         if out.finished:
             self.transfers.put(FinalJob(job.request_id, out.new_token_ids[0], job.trace_context))
+
+    def _step_fence(self) -> torch.cuda.Event | None:
+        """Engine thread: an event recorded after the current step's forward (one per step,
+        shared by its chunks); None for a host pool, whose forward is done when it returns."""
+        if not self._on_gpu:
+            return None
+        step = self.worker.num_steps
+        if self._fence is None or self._fence[0] != step:
+            event = torch.cuda.Event()
+            event.record()
+            self._fence = (step, event)
+        return self._fence[1]
 
     def _trace_chunk(self, job: _Job, out: StepOutput) -> None:
         """Engine thread: record the forward that computed ``out`` as a ``prefill.chunk`` span,
@@ -388,19 +446,25 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             job.done.exception()  # retrieved: the Prefill call may be gone already
 
     def _on_chunk(self, rid: str, tokens: int, nbytes: int) -> None:
-        if rid in self.jobs and not self.jobs[rid].aborted:
-            self._spawn(self._progress(rid, tokens, nbytes))
+        self._drained.set()
+        job = self.jobs.get(rid)
+        if job is not None and not job.aborted:
+            self._spawn(self._progress(rid, tokens, nbytes, self._expected_ms(job)))
 
-    async def _progress(self, rid: str, tokens: int, nbytes: int) -> None:
-        req = kb.ProgressRequest(request_id=rid, tokens_written=tokens, bytes_written=nbytes)
+    async def _progress(self, rid: str, tokens: int, nbytes: int, expected_ms: int) -> None:
+        req = kb.ProgressRequest(
+            request_id=rid, tokens_written=tokens, bytes_written=nbytes, expected_ms=expected_ms
+        )
         status = await self._broker_call("Progress", req)
         if status is not None and status.state in _TERMINAL:
             event = kb.BrokerEvent(request_id=rid, state=status.state, message=status.message)
             self.on_broker_event(event)
 
-    def _on_final(self, rid: str, first_token: int, nbytes: int) -> None:
+    def _on_final(self, rid: str, first_token: int, nbytes: int, write_s: float) -> None:
+        self._drained.set()
         job = self.jobs.get(rid)
         if job is not None and not job.done.done():
+            job.write_s = write_s
             job.done.set_result((first_token, nbytes))
 
     def _on_transfer_error(self, rid: str, message: str) -> None:
@@ -460,4 +524,5 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             running_requests=running,
             free_pages=free,
             total_pages=total,
+            max_queued_tokens=self.limits.max_queued_tokens,
         )

@@ -9,6 +9,14 @@ A request's jobs end with either a *final* job (all its KV was written) or
 a *release* job (it was aborted: nothing of it is in flight any more), after which its
 local pages may be reused and the broker is told.
 
+Ordering with the GPU: a chunk job carries an event recorded after the forward that wrote its
+pages (``ready``); the lane waits on it before the write, since the transfer engine copies on
+its own stream and would otherwise read pages the forward is still writing.
+
+Backpressure: the queue counts the bytes queued and not yet written (:attr:`pending_bytes`)
+and measures the write rate, so prefill can hold new prompts while the lanes are behind
+(:meth:`backlog_s`).
+
 Each job carries its request's trace context: the job runs (and calls back) inside it, and a
 chunk's write is recorded as a ``kv.transfer`` span.
 """
@@ -22,15 +30,23 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from opentelemetry.context import Context
 
 from dsmesh import telemetry
 from dsmesh.transfer import KVTransport, RemotePool, TransferError
 from engine.kv_cache import MLAKVPool
+from prefill_svc.estimate import RateMeter
 
 log = logging.getLogger(__name__)
 _DEAD_CAP = 100_000
+
+
+class Fence(Protocol):
+    """Passes once the forward that wrote a chunk's pages has finished (torch.cuda.Event)."""
+
+    def synchronize(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -41,6 +57,7 @@ class ChunkJob:
     remote: RemotePool
     tokens_done: int
     trace_context: Context | None = None
+    ready: Fence | None = None  # None: the pages are already written (host pools)
 
 
 @dataclass(frozen=True)
@@ -64,7 +81,8 @@ class TransferCallbacks:
     """Called on the transfer thread; implementations hop to the event loop themselves."""
 
     on_chunk: Callable[[str, int, int], None]  # request_id, tokens_done, bytes so far
-    on_final: Callable[[str, int, int], None]  # request_id, first_token, total bytes
+    # request_id, first_token, total bytes, seconds spent writing them
+    on_final: Callable[[str, int, int, float], None]
     on_error: Callable[[str, str], None]  # request_id, message
     on_release: Callable[[str], None]  # request_id
 
@@ -92,11 +110,14 @@ class TransferQueue:
         # release (a race the lock cannot close); oldest entries are forgotten past the cap
         self._dead: OrderedDict[str, None] = OrderedDict()
         self._bytes: dict[str, int] = {}
+        self._write_s: dict[str, float] = {}
         self._lock = threading.Lock()
         self._lanes: dict[str, tuple[queue.SimpleQueue[Job | None], threading.Thread]] = {}
         self._lane_of: dict[str, str] = {}  # request id -> its peer's lane
         self._stopped = False
         self.total_bytes = 0
+        self.pending_bytes = 0  # queued or in flight, not yet written
+        self.write_rate = RateMeter()  # bytes per second of the writes
         self.metrics = None  # dsmesh.service_metrics.InstanceMetrics, when served
 
     def start(self) -> None:
@@ -123,11 +144,20 @@ class TransferQueue:
                 thread.start()
             return lane[0]
 
+    def job_bytes(self, job: ChunkJob) -> int:
+        return len(job.local_pages) * self.pool.page_bytes * self.pool.num_layers
+
+    def backlog_s(self) -> float:
+        """Seconds of writes queued at the measured rate (0 while nothing was timed yet)."""
+        rate = self.write_rate.rate
+        return self.pending_bytes / rate if rate > 0 else 0.0
+
     def put(self, job: Job) -> None:
         rid = job.request_id
         with self._lock:
             if isinstance(job, ChunkJob):
                 key = self._lane_of.setdefault(rid, job.remote.session)
+                self.pending_bytes += self.job_bytes(job)
             else:  # the request's last job: after its chunks, on the same lane
                 key = self._lane_of.pop(rid, "")
         self._lane(key).put(job)
@@ -157,9 +187,12 @@ class TransferQueue:
         rid = job.request_id
         with self._lock:
             dead = rid in self._dead
+            if dead and isinstance(job, ChunkJob):
+                self.pending_bytes -= self.job_bytes(job)
         if isinstance(job, ReleaseJob):
             with self._lock:
                 self._bytes.pop(rid, None)
+                self._write_s.pop(rid, None)
             self.callbacks.on_release(rid)
         elif dead:
             return
@@ -168,10 +201,13 @@ class TransferQueue:
         else:
             with self._lock:
                 nbytes = self._bytes.pop(rid, 0)
-            self.callbacks.on_final(rid, job.first_token, nbytes)
+                write_s = self._write_s.pop(rid, 0.0)
+            self.callbacks.on_final(rid, job.first_token, nbytes, write_s)
 
     def _write(self, job: ChunkJob) -> None:
         rid = job.request_id
+        if job.ready is not None:
+            job.ready.synchronize()  # the forward that wrote these pages has finished
         start_ns = time.time_ns()
         try:
             n = self.transport.write_pages(self.pool, job.remote, job.local_pages, job.remote_pages)
@@ -179,16 +215,21 @@ class TransferQueue:
             self._trace_write(job, start_ns, 0, error=str(exc))
             with self._lock:
                 self._dead[rid] = None
+                self.pending_bytes -= self.job_bytes(job)
             log.warning("KV transfer for %s failed: %s", rid, exc)
             self.callbacks.on_error(rid, f"KV transfer failed: {exc}")
             return
+        seconds = (time.time_ns() - start_ns) / 1e9
         self._trace_write(job, start_ns, n)
         if self.metrics is not None:
             self.metrics.transfer_bytes.inc(n)
-            self.metrics.transfer_seconds.observe((time.time_ns() - start_ns) / 1e9)
+            self.metrics.transfer_seconds.observe(seconds)
         with self._lock:
             self.total_bytes += n
+            self.pending_bytes -= self.job_bytes(job)
+            self.write_rate.observe(n, seconds)
             self._bytes[rid] = sent = self._bytes.get(rid, 0) + n
+            self._write_s[rid] = self._write_s.get(rid, 0.0) + seconds
         self.callbacks.on_chunk(rid, job.tokens_done, sent)
 
     def _trace_write(

@@ -64,7 +64,7 @@ def test_pages_received_by_decode_equal_a_prefill_side_recompute(mesh) -> None:
                 kb.ReserveRequest(
                     request_id="intact",
                     decode_instance_id=instance.instance_id,
-                    layout=layout_of(decode_engine),
+                    layout=layout_of(decode_engine, transport.signature),
                     pool=kb.RemotePool(
                         transfer_session=pool.session,
                         base_ptr=pool.base_ptr,
