@@ -10,10 +10,31 @@ from dsmesh.security import (
     api_keys_from_env_and_args,
 )
 from engine.decode_attention import ATTENTION_BACKENDS
+from engine.kv_budget import CPU_MAX_TOTAL_TOKENS, DEFAULT_MEM_FRACTION
 from engine.llm_engine import EngineConfig
 
+MEM_FRACTION_HELP = (
+    "fraction of the GPU's memory this process may use for weights + KV pool; the pool "
+    f"gets what the loaded weights leave (default {DEFAULT_MEM_FRACTION}; CUDA only, unused "
+    "when --max-total-tokens is given)"
+)
 
-def add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool = False) -> None:
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def add_engine_args(
+    p: argparse.ArgumentParser,
+    prefix_cache_default: bool = False,
+    mem_fraction_help: str = MEM_FRACTION_HELP,
+) -> None:
     d = EngineConfig()
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="checkpoint folder (default: tiny built-in model)")
@@ -21,7 +42,18 @@ def add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool = Fal
     g.add_argument("--dtype", default=d.dtype, help="auto, float32, bfloat16, float16")
     g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
     g.add_argument(
-        "--max-total-tokens", type=int, default=d.max_total_tokens, help="KV pool size in tokens"
+        "--max-total-tokens",
+        type=int,
+        default=d.max_total_tokens,
+        help=f"KV pool size in tokens (default: from --mem-fraction on CUDA, "
+        f"{CPU_MAX_TOTAL_TOKENS} on CPU)",
+    )
+    g.add_argument(
+        "--mem-fraction",
+        type=_fraction,
+        default=d.mem_fraction,
+        metavar="F",
+        help=mem_fraction_help,
     )
     g.add_argument(
         "--max-running-requests",
@@ -84,6 +116,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         page_size=args.page_size,
         max_total_tokens=args.max_total_tokens,
+        mem_fraction=args.mem_fraction,
         max_running_requests=args.max_running_requests,
         max_batch_tokens=args.max_batch_tokens,
         attention_mode=args.attention_mode,

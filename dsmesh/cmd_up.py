@@ -5,15 +5,21 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dsmesh.cli_common import add_engine_args, add_security_args, api_keys_from, tls_config_from
+from dsmesh.placement import parse_gpu_list
 from dsmesh.security import ENV_API_KEYS
+from engine.kv_budget import DEFAULT_MEM_FRACTION
 
-# Engine flags ``up`` forwards to every prefill and decode instance (``--model`` goes to every
-# service). Only flags given on the command line are forwarded, so that each service keeps
-# its own defaults (prefill caches prefixes by default, decode does not).
+if TYPE_CHECKING:
+    from dsmesh.supervisor import MeshConfig
+
+# Engine flags ``up`` forwards to every engine instance (``--model`` goes to every service).
+# Only flags given on the command line are forwarded, so that each service keeps its own
+# defaults (prefill caches prefixes by default, decode does not). ``--device``, ``--ep-size``
+# and ``--mem-fraction`` go through the supervisor, which places instances on GPUs.
 FORWARDED_ENGINE_FLAGS = (
-    "device",
     "dtype",
     "page_size",
     "max_total_tokens",
@@ -31,9 +37,16 @@ def _count(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
     return value
+
+
+def _gpu_list(text: str):
+    try:
+        return parse_gpu_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _seconds(text: str) -> float:
@@ -53,9 +66,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "up",
         help="run a whole mesh locally (broker, prefill, decode, gateway), supervised",
-        description="Start kv_broker, the prefill and decode instances and the gateway as "
-        "separate processes, wait until all are healthy, print where to reach the mesh, "
-        "restart any that dies (with backoff) and stop them all on Ctrl-C or SIGTERM.",
+        description="Start kv_broker, the prefill, decode and unified instances and the "
+        "gateway as separate processes, wait until all are healthy, print where to reach the "
+        "mesh, restart any that dies (with backoff) and stop them all on Ctrl-C or SIGTERM. "
+        "On GPUs each instance gets its own GPUs and its share of their memory (docs/DEPLOY.md).",
     )
     p.add_argument("--host", default=d.host, help=f"address the gateway binds (default {d.host})")
     p.add_argument(
@@ -72,7 +86,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=_count,
         default=d.num_prefill,
         metavar="N",
-        help=f"prefill instances (default {d.num_prefill})",
+        help=f"prefill instances (default {d.num_prefill}; 0 with --decode 0 and --unified N)",
     )
     p.add_argument(
         "--decode",
@@ -80,6 +94,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=d.num_decode,
         metavar="N",
         help=f"decode instances (default {d.num_decode})",
+    )
+    p.add_argument(
+        "--unified",
+        type=_count,
+        default=d.num_unified,
+        metavar="N",
+        help="unified instances, each prefilling and decoding in one engine, beside or "
+        f"instead of the prefill/decode pairs (default {d.num_unified})",
     )
     p.add_argument(
         "--gateway",
@@ -131,10 +153,37 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--eplb-threshold", type=float, default=None, help="balancedness gain that applies one"
     )
+    g = p.add_argument_group(
+        "GPUs (CUDA meshes: --device cuda, or auto with GPUs visible; docs/DEPLOY.md)"
+    )
+    g.add_argument(
+        "--prefill-gpus",
+        type=_gpu_list,
+        default=None,
+        metavar="LIST",
+        help="GPU ids of the prefill instances, one entry per instance, comma-separated; an "
+        "EP instance's GPUs joined by '+' (0+1,2+3); ids as CUDA_VISIBLE_DEVICES lists them. "
+        "Default: instances spread over the visible GPUs, one process per GPU while there "
+        "are enough, else sharing them",
+    )
+    for role in ("decode", "unified"):
+        g.add_argument(
+            f"--{role}-gpus",
+            type=_gpu_list,
+            default=None,
+            metavar="LIST",
+            help=f"as --prefill-gpus, for the {role} instances",
+        )
     add_security_args(p, api_keys=True)
-    add_engine_args(p)
+    add_engine_args(
+        p,
+        mem_fraction_help="fraction of each GPU's memory for the weights + KV pools of the "
+        "processes on it, split evenly between them (each gets --mem-fraction F/k); the rest "
+        f"is left for activations and CUDA graphs (default {DEFAULT_MEM_FRACTION})",
+    )
     # None = not given: the service's own default applies.
-    p.set_defaults(**dict.fromkeys((*FORWARDED_ENGINE_FLAGS, *FORWARDED_ENGINE_SWITCHES)))
+    given = (*FORWARDED_ENGINE_FLAGS, *FORWARDED_ENGINE_SWITCHES, "device", "mem_fraction")
+    p.set_defaults(**dict.fromkeys(given))
     p.set_defaults(func=run)
 
 
@@ -185,9 +234,8 @@ def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
         if value is not None:
             name = dest.replace("_", "-")
             flags.append(f"--{name}" if value else f"--no-{name}")
-    for dest in ("ep_size", "num_redundant_experts"):
-        if getattr(args, dest) is not None:
-            flags += [f"--{dest.replace('_', '-')}", str(getattr(args, dest))]
+    if args.num_redundant_experts is not None:
+        flags += ["--num-redundant-experts", str(args.num_redundant_experts)]
     if args.tbo is not None:
         flags.append("--tbo" if args.tbo else "--no-tbo")
     return tuple(flags)
@@ -203,25 +251,42 @@ def eplb_flags(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsmesh.supervisor import MeshConfig, run_mesh
+    from dsmesh.supervisor import run_mesh
 
     api_keys = api_keys_from(args)
     if api_keys:
         # to the gateway through the environment children inherit, not its command line
         # (which every local user can read in the process list)
         os.environ[ENV_API_KEYS] = ",".join(api_keys)
-    config = MeshConfig(
+    return run_mesh(mesh_config_from(args))
+
+
+def mesh_config_from(args: argparse.Namespace) -> MeshConfig:
+    """``up``'s flags as the supervisor's config (the one place they map onto it)."""
+    from dsmesh.supervisor import MeshConfig
+
+    log_level = getattr(args, "log_level", "WARNING")
+    return MeshConfig(
         model=args.model,
         host=args.host,
         http_port=args.http_port,
         grpc_port=args.grpc_port,
         num_prefill=args.prefill,
         num_decode=args.decode,
+        num_unified=args.unified,
         engine_args=engine_flags(args),
+        device=args.device,
+        ep_size=args.ep_size,
+        prefill_gpus=args.prefill_gpus,
+        decode_gpus=args.decode_gpus,
+        unified_gpus=args.unified_gpus,
+        mem_fraction=args.mem_fraction if args.mem_fraction is not None else DEFAULT_MEM_FRACTION,
         broker_args=role_flags(args, "broker"),
         prefill_args=role_flags(args, "prefill"),
         decode_args=role_flags(args, "decode"),
+        unified_args=role_flags(args, "unified"),
         gateway_args=role_flags(args, "gateway"),
+        log_level=None if log_level.upper() == "WARNING" else log_level,
         gateway=args.gateway,
         eplb=args.eplb,
         eplb_args=eplb_flags(args),
@@ -231,4 +296,3 @@ def run(args: argparse.Namespace) -> int:
         tls=tls_config_from(args),
         max_message_bytes=args.max_message_bytes,
     )
-    return run_mesh(config)

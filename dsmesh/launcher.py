@@ -20,7 +20,7 @@ from pathlib import Path
 # "<role> [<instance>] listening on HOST:PORT", at the start of a line (libraries log their
 # own "listening on" lines, e.g. the transfer engine's).
 _READY = re.compile(
-    r"^(kv-broker|prefill|decode|gateway|eplb)\b[^\n]* listening on (\S+):(\d+)\s*$"
+    r"^(kv-broker|prefill|decode|unified|gateway|eplb)\b[^\n]* listening on (\S+):(\d+)\s*$"
 )
 
 

@@ -1,20 +1,25 @@
 """``dsmesh up``: start a whole mesh as child processes, keep it running, stop it cleanly.
 
 Stages start in order, each once the one before is healthy, and stop in reverse order:
-kv_broker, (eplb_svc), prefill + decode, gateway. Every service instance is a :class:`Slot`
-owned by one keeper thread, which starts the process, waits until it is healthy (gRPC health
-SERVING, or HTTP 200 from the gateway's ``/health``), restarts it with exponential backoff
-when it dies, and stops it (SIGTERM, then SIGKILL) when asked.
+kv_broker, (eplb_svc), prefill + decode + unified, gateway. Every service instance is a
+:class:`Slot` owned by one keeper thread, which starts the process, waits until it is healthy
+(gRPC health SERVING, or HTTP 200 from the gateway's ``/health``), restarts it with
+exponential backoff when it dies, and stops it (SIGTERM, then SIGKILL) when asked.
 
-A restarted prefill/decode may come back on a new port (the broker lists it); the broker and
+A restarted engine instance may come back on a new port (the broker lists it); the broker and
 the gateway come back on the same ports, which other processes and clients hold. On Linux every
 child runs with ``PR_SET_PDEATHSIG``, so even a SIGKILLed ``dsmesh up`` leaves no orphans.
+
+On a CUDA mesh every engine instance gets its GPUs through ``CUDA_VISIBLE_DEVICES``
+(dsmesh/placement.py) and its share of each GPU's memory through ``--mem-fraction``; the other
+services see no GPU.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import os
 import signal
 import sys
@@ -34,7 +39,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dsmesh.grpc_server import sync_channel
 from dsmesh.launcher import LaunchError, ServiceProcess, dsmesh_command, start_service
+from dsmesh.placement import (
+    EngineInstance,
+    GpuList,
+    Placement,
+    PlacementError,
+    place,
+    visible_gpu_ids,
+)
 from dsmesh.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
+from engine.kv_budget import DEFAULT_MEM_FRACTION
 
 # Run in front of every child on Linux, then exec'd away (same pid): the kernel SIGKILLs the
 # child when the thread that started it ends, which includes the supervisor being SIGKILLed.
@@ -94,14 +108,29 @@ class MeshConfig:
     host: str = "127.0.0.1"  # where the gateway binds; internal services stay on loopback
     http_port: int = 8000
     grpc_port: int = 50051  # 0 = any free port, kept across gateway restarts
-    num_prefill: int = 1
+    num_prefill: int = 1  # prefill and decode: both 0 (unified only) or both >= 1
     num_decode: int = 1
-    engine_args: tuple[str, ...] = ()  # dsmesh flags forwarded to every prefill and decode
+    num_unified: int = 0
+    # engine flags forwarded to every engine instance (not --device, --ep-size,
+    # --mem-fraction: below)
+    engine_args: tuple[str, ...] = ()
+    device: str | None = None  # --device; None = the services' default ("auto")
+    ep_size: int | None = None  # processes per instance (--ep-size); None = 1, not forwarded
+    # GPUs (CUDA meshes only; dsmesh/placement.py): explicit lists per role, the total
+    # memory fraction the processes of one GPU split, and the GPU ids children may be given
+    # (None = found at start from CUDA_VISIBLE_DEVICES and torch)
+    prefill_gpus: GpuList | None = None
+    decode_gpus: GpuList | None = None
+    unified_gpus: GpuList | None = None
+    mem_fraction: float = DEFAULT_MEM_FRACTION
+    visible_gpus: tuple[str, ...] | None = None
     # role-specific flags (reliability bounds, admission limits), forwarded as given
     broker_args: tuple[str, ...] = ()
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
+    unified_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
+    log_level: str | None = None  # every child's --log-level; None = theirs
     gateway: bool = True
     eplb: bool = False  # run eplb_svc; prefill and decode report to it (needs an EP group)
     eplb_args: tuple[str, ...] = ()  # flags for ``dsmesh eplb serve``
@@ -114,18 +143,82 @@ class MeshConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
     def validate(self) -> None:
-        if self.num_prefill < 1 or self.num_decode < 1:
-            raise ValueError("need at least one prefill and one decode instance")
+        """Refuse what cannot run; with ``visible_gpus`` known, the placement too."""
+        counts = {"--prefill": self.num_prefill, "--decode": self.num_decode}
+        counts["--unified"] = self.num_unified
+        for flag, count in counts.items():
+            if count < 0:
+                raise ValueError(f"{flag} must be at least 0, got {count}")
+        if (self.num_prefill == 0) != (self.num_decode == 0):
+            raise ValueError(
+                "--prefill and --decode go together: both at least 1, or both 0 for a mesh "
+                f"of --unified instances only (got --prefill {self.num_prefill} "
+                f"--decode {self.num_decode})"
+            )
+        if self.num_prefill == 0 and self.num_unified == 0:
+            raise ValueError("nothing to serve: --prefill 0 --decode 0 needs --unified N (N >= 1)")
+        if self.ep_size is not None and self.ep_size < 1:
+            raise ValueError(f"--ep-size must be at least 1, got {self.ep_size}")
+        if not 0 < self.mem_fraction <= 1:
+            raise ValueError(f"--mem-fraction must be in (0, 1], got {self.mem_fraction}")
         if not 0 < self.http_port <= 65535:
             raise ValueError(f"--http-port must be in 1..65535, got {self.http_port}")
         if not 0 <= self.grpc_port <= 65535:
             raise ValueError(f"--grpc-port must be in 0..65535, got {self.grpc_port}")
         if self.max_message_bytes < 1:
             raise ValueError(f"--max-message-bytes must be positive, got {self.max_message_bytes}")
-        if self.eplb and not any(
-            a in ("--ep-size", "--num-redundant-experts") for a in self.engine_args
-        ):
+        if self.eplb and self.ep_size is None and "--num-redundant-experts" not in self.engine_args:
             raise ValueError("--eplb needs expert-parallel instances: give --ep-size N")
+        mesh_placement(self)
+
+
+def engine_instances(config: MeshConfig) -> list[EngineInstance]:
+    """Every engine instance of the mesh, in start order: prefill, decode, unified."""
+    ranks = config.ep_size or 1
+    counts = (
+        ("prefill", config.num_prefill),
+        ("decode", config.num_decode),
+        ("unified", config.num_unified),
+    )
+    return [EngineInstance(role, i, ranks) for role, count in counts for i in range(count)]
+
+
+def mesh_placement(config: MeshConfig) -> Placement | None:
+    """Each engine instance's GPUs on a CUDA mesh (``--device cuda``/``cuda:N``, or ``auto``
+    with GPUs visible); None on CPU. Raises :class:`PlacementError` naming the flag."""
+    lists = {
+        role: gpus
+        for role, gpus in (
+            ("prefill", config.prefill_gpus),
+            ("decode", config.decode_gpus),
+            ("unified", config.unified_gpus),
+        )
+        if gpus is not None
+    }
+    visible = config.visible_gpus or ()
+    device = config.device or "auto"
+    flags = ", ".join(f"--{role}-gpus" for role in lists)
+    if device != "auto" and device.split(":")[0] != "cuda":
+        if lists:
+            raise PlacementError(f"{flags} place instances on GPUs, but --device is {device}")
+        return None
+    if device == "auto" and not visible:
+        if lists:
+            raise PlacementError(f"{flags}: no GPU is visible")
+        return None
+    if not visible:
+        raise PlacementError(f"--device {device}: no GPU is visible")
+    if ":" in device:
+        if lists:
+            raise PlacementError(
+                f"--device {device} puts every instance on one GPU; to place them, give "
+                f"--device cuda with {flags}"
+            )
+        index = int(device.split(":", 1)[1])
+        if not 0 <= index < len(visible):
+            raise PlacementError(f"--device {device}: {len(visible)} GPU(s) visible")
+        visible = (visible[index],)
+    return place(visible, engine_instances(config), lists)
 
 
 @dataclass(frozen=True)
@@ -134,6 +227,7 @@ class ServiceSpec:
     args: tuple[str, ...]  # dsmesh sub-command and flags
     pinned_port_flag: str | None = None  # after the first start, restarts reuse the port
     health_url: str | None = None  # HTTP health; None = gRPC health at the reported address
+    env: dict[str, str] = field(default_factory=dict)  # over the supervisor's environment
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,30 +246,56 @@ def security_flags(config: MeshConfig) -> tuple[str, ...]:
     return (*config.tls.to_args(), *limit)
 
 
+def fraction_arg(fraction: float) -> str:
+    """``fraction`` rounded down to 4 decimals: the shares of one GPU never add up to more
+    than its total."""
+    return f"{math.floor(fraction * 10_000) / 10_000:g}"
+
+
+def no_gpu_env(config: MeshConfig) -> dict[str, str]:
+    """The environment of a service that runs no engine: on a CUDA mesh it sees no GPU, so
+    that it cannot take memory on one by accident."""
+    return {"CUDA_VISIBLE_DEVICES": ""} if mesh_placement(config) is not None else {}
+
+
 def broker_stage(config: MeshConfig, addresses: dict[str, str]) -> list[ServiceSpec]:
     args = ("kv-broker", "--host", LOOPBACK, "--port", "0", *security_flags(config))
     args += config.broker_args
-    return [ServiceSpec("kv-broker", args, pinned_port_flag="--port")]
+    return [ServiceSpec("kv-broker", args, pinned_port_flag="--port", env=no_gpu_env(config))]
 
 
 def eplb_stage(config: MeshConfig, addresses: dict[str, str]) -> list[ServiceSpec]:
     if not config.eplb:
         return []
     args = ("eplb", "serve", "--host", LOOPBACK, "--port", "0", *security_flags(config))
-    return [ServiceSpec("eplb", (*args, *config.eplb_args), pinned_port_flag="--port")]
+    args += config.eplb_args
+    return [ServiceSpec("eplb", args, pinned_port_flag="--port", env=no_gpu_env(config))]
 
 
 def instance_stage(config: MeshConfig, addresses: dict[str, str]) -> list[ServiceSpec]:
-    specs = []
-    broker_address = addresses["kv-broker"]
+    """Every prefill, decode and unified instance: the forwarded engine flags, and on a CUDA
+    mesh ``--device cuda``, its GPUs as ``CUDA_VISIBLE_DEVICES`` and its ``--mem-fraction``."""
+    placement = mesh_placement(config)
     eplb = ("--eplb", addresses["eplb"]) if "eplb" in addresses else ()
-    for role, count in (("prefill", config.num_prefill), ("decode", config.num_decode)):
-        for index in range(count):
-            args = (role, "--broker", broker_address, "--host", LOOPBACK, "--port", "0")
-            args += (*security_flags(config), *eplb)
-            model = ("--model", config.model) if config.model else ()
-            own = config.prefill_args if role == "prefill" else config.decode_args
-            specs.append(ServiceSpec(f"{role}-{index}", (*args, *model, *config.engine_args, *own)))
+    model = ("--model", config.model) if config.model else ()
+    ep = ("--ep-size", str(config.ep_size)) if config.ep_size is not None else ()
+    own = {
+        "prefill": config.prefill_args,
+        "decode": config.decode_args,
+        "unified": config.unified_args,
+    }
+    specs = []
+    for inst in engine_instances(config):
+        args = (inst.role, "--broker", addresses["kv-broker"], "--host", LOOPBACK, "--port", "0")
+        args += (*security_flags(config), *eplb, *model, *config.engine_args, *ep)
+        env: dict[str, str] = {}
+        if placement is not None:
+            fraction = placement.mem_fraction(inst.name, config.mem_fraction)
+            args += ("--device", "cuda", "--mem-fraction", fraction_arg(fraction))
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(placement.gpu_ids[inst.name])
+        elif config.device is not None:
+            args += ("--device", config.device)
+        specs.append(ServiceSpec(inst.name, (*args, *own[inst.role]), env=env))
     return specs
 
 
@@ -197,7 +317,8 @@ def gateway_stage(config: MeshConfig, addresses: dict[str, str]) -> list[Service
         *config.gateway_args,
     )
     health = f"http://{_probe_host(config.host)}:{config.http_port}/health"
-    return [ServiceSpec("gateway", args, pinned_port_flag="--grpc-port", health_url=health)]
+    env = no_gpu_env(config)
+    return [ServiceSpec("gateway", args, "--grpc-port", health_url=health, env=env)]
 
 
 def _url_host(host: str) -> str:
@@ -354,11 +475,13 @@ class Slot:
         return True
 
     def _launch(self) -> None:
-        command = orphan_proof(dsmesh_command(*self._args), os.getpid())
+        level = ("--log-level", self.config.log_level) if self.config.log_level else ()
+        command = orphan_proof(dsmesh_command(*level, *self._args), os.getpid())
         try:
             self.process = start_service(
                 self.spec.name,
                 command,
+                env=self.spec.env,
                 log_dir=self._log_dir,
                 timeout=self.config.start_timeout_s,
             )
@@ -525,8 +648,22 @@ class Supervisor:
                 f"  gRPC     {gateway.address}",
                 f"  metrics  {base}/metrics",
             ]
-        lines += [f"  broker   {broker}", f"  logs     {self.log_dir}", "Ctrl-C to stop."]
+        lines += [f"  broker   {broker}", *placement_lines(c)]
+        lines += [f"  logs     {self.log_dir}", "Ctrl-C to stop."]
         return "\n".join(lines)
+
+
+def placement_lines(config: MeshConfig) -> list[str]:
+    """The summary's lines for a CUDA mesh: each engine instance's GPUs and memory share."""
+    placement = mesh_placement(config)
+    if placement is None:
+        return []
+    lines = []
+    for i, (name, gpu_ids) in enumerate(placement.gpu_ids.items()):
+        fraction = fraction_arg(placement.mem_fraction(name, config.mem_fraction))
+        label = "gpus" if i == 0 else ""
+        lines.append(f"  {label:<8} {name:<12} GPU {'+'.join(gpu_ids):<8} mem-fraction {fraction}")
+    return lines
 
 
 def default_log_dir() -> Path:
@@ -550,6 +687,20 @@ def resolve_model(model: str | None) -> str:
     return str(folder)
 
 
+def resolve_visible_gpus(config: MeshConfig) -> tuple[str, ...]:
+    """The GPU ids children may be given: ``config.visible_gpus`` when set; none for a CPU
+    mesh; else this process's ``CUDA_VISIBLE_DEVICES`` entries, or all GPUs torch sees."""
+    if config.visible_gpus is not None:
+        return config.visible_gpus
+    device = config.device or "auto"
+    if device != "auto" and device.split(":")[0] != "cuda":
+        return ()
+    import torch
+
+    count = torch.cuda.device_count()
+    return visible_gpu_ids(os.environ.get("CUDA_VISIBLE_DEVICES"), count)
+
+
 @contextmanager
 def stop_on_signals(on_signal: Callable[[], None]) -> Iterator[None]:
     """SIGINT/SIGTERM/SIGHUP call ``on_signal`` (in the main thread only) instead of raising."""
@@ -568,6 +719,7 @@ def stop_on_signals(on_signal: Callable[[], None]) -> Iterator[None]:
 def run_mesh(config: MeshConfig, console: Console | None = None) -> int:
     """Run the mesh until SIGINT/SIGTERM (exit 0); 1 if it could not be started."""
     console = console or Console()
+    config = dataclasses.replace(config, visible_gpus=resolve_visible_gpus(config))
     config.validate()
     config = dataclasses.replace(config, model=resolve_model(config.model))
     log_dir = Path(config.log_dir) if config.log_dir is not None else default_log_dir()

@@ -20,6 +20,13 @@ from engine.cuda_graph import CudaGraphRunner, GraphCaptureError, graph_support_
 from engine.decode_attention import ATTENTION_BACKENDS, make_flashinfer
 from engine.errors import InvalidRequestError, check_prompt
 from engine.forward_batch import ForwardBatch, SequenceChunk
+from engine.kv_budget import (
+    CPU_MAX_TOTAL_TOKENS,
+    DEFAULT_MEM_FRACTION,
+    GIB,
+    KVBudget,
+    kv_pool_tokens,
+)
 from engine.kv_cache import MLAKVPool, pages_for
 from engine.loader import load_model
 from engine.mla import ATTENTION_MODES
@@ -43,7 +50,14 @@ class EngineConfig:
     device: str = "auto"  # "auto" = cuda when available, else cpu
     dtype: str = "auto"  # "auto" = bfloat16 on cuda, float32 on cpu
     page_size: int = 16
-    max_total_tokens: int = 65536  # KV pool capacity in tokens (rounded up to pages)
+    # KV pool capacity in tokens (rounded up to pages). None = not given: on CUDA sized from
+    # ``mem_fraction`` once the weights are loaded, on CPU 65536 (engine/kv_budget.py).
+    max_total_tokens: int | None = None
+    # Fraction of the GPU's total memory this process may use for weights + KV pool; the
+    # rest is left for activations, CUDA graphs and other processes. None = 0.85. Used only
+    # on CUDA when max_total_tokens is None (``dsmesh up`` splits it between the processes
+    # that share a GPU).
+    mem_fraction: float | None = None
     max_running_requests: int = 64
     max_batch_tokens: int = 2048
     attention_mode: str = "auto"  # "auto" (naive prefill, absorbed decode) | "naive" | "absorbed"
@@ -86,9 +100,12 @@ class EngineConfig:
                 f"decode_attention must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.decode_attention!r}"
             )
+        if self.max_total_tokens is not None and self.max_total_tokens <= 0:
+            raise ValueError(f"max_total_tokens must be > 0, got {self.max_total_tokens}")
+        if self.mem_fraction is not None and not 0 < self.mem_fraction <= 1:
+            raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
         names = (
             "page_size",
-            "max_total_tokens",
             "max_running_requests",
             "max_batch_tokens",
             "cuda_graph_max_batch",
@@ -159,13 +176,21 @@ class LLMEngine:
         self.model = model
         self.model_config: ModelConfig = model.config
         mc = self.model_config
-        num_pages = pages_for(config.max_total_tokens, config.page_size)
         self.kv_pool = MLAKVPool(
             mc.num_hidden_layers,
-            num_pages,
+            self._kv_pool_pages(next(model.parameters()).dtype),
             config.page_size,
             mc.mla.kv_cache_dim,
             next(model.parameters()).dtype,
+            self.device,
+        )
+        pool_gib = self.kv_pool.buffer.numel() * self.kv_pool.buffer.element_size() / GIB
+        log.info(
+            "KV pool: %d tokens (%d pages of %d), %.2f GiB on %s",
+            self.kv_pool.num_pages * config.page_size,
+            self.kv_pool.num_pages,
+            config.page_size,
+            pool_gib,
             self.device,
         )
         self.scheduler = Scheduler(
@@ -187,6 +212,42 @@ class LLMEngine:
         self.eager_decode_attention = self._make_eager_decode_attention()
         self._inflight: _Inflight | None = None  # a decode step launched ahead (overlap)
         self.num_launched_ahead = 0  # decode steps launched before the previous one's end
+
+    def _kv_pool_pages(self, dtype: torch.dtype) -> int:
+        """Pages of the KV pool: ``max_total_tokens`` when given; on CPU 65536 tokens; on
+        CUDA what ``mem_fraction`` of the GPU leaves after what this process's allocator
+        already holds (``torch.cuda.memory_reserved`` once its cache is emptied: the weights,
+        and other engines of this process). The CUDA context and NCCL's buffers live outside
+        the allocator and come out of the ``1 - mem_fraction`` headroom."""
+        cfg = self.config
+        if cfg.max_total_tokens is not None:
+            return pages_for(cfg.max_total_tokens, cfg.page_size)
+        if self.device.type != "cuda":
+            return pages_for(CPU_MAX_TOTAL_TOKENS, cfg.page_size)
+        mc = self.model_config
+        fraction = cfg.mem_fraction if cfg.mem_fraction is not None else DEFAULT_MEM_FRACTION
+        torch.cuda.empty_cache()
+        budget = KVBudget(
+            total_bytes=torch.cuda.get_device_properties(self.device).total_memory,
+            mem_fraction=fraction,
+            used_bytes=torch.cuda.memory_reserved(self.device),
+            bytes_per_token=mc.num_hidden_layers * mc.mla.kv_cache_dim * dtype.itemsize,
+            page_size=cfg.page_size,
+        )
+        # A pool beyond every running request at full context could only idle.
+        tokens = kv_pool_tokens(
+            budget, self.max_context, cfg.max_running_requests * self.max_context
+        )
+        log.info(
+            "KV pool sized from mem_fraction %.3f of %.1f GiB: %.2f GiB held after load, "
+            "%.2f GiB left for %d tokens",
+            fraction,
+            budget.total_bytes / GIB,
+            budget.used_bytes / GIB,
+            budget.budget_bytes / GIB,
+            tokens,
+        )
+        return tokens // cfg.page_size
 
     def _make_graph_runner(self) -> CudaGraphRunner | None:
         cfg = self.config

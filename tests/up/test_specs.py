@@ -1,0 +1,174 @@
+"""``dsmesh up``'s child processes for a given command line: their arguments and environment
+(no process is started)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dsmesh.cli import build_parser
+from dsmesh.cmd_up import mesh_config_from
+from dsmesh.launcher import _READY
+from dsmesh.supervisor import (
+    MeshConfig,
+    ServiceSpec,
+    broker_stage,
+    gateway_stage,
+    instance_stage,
+    placement_lines,
+)
+
+BROKER = "127.0.0.1:7"
+NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def config(*argv: str, gpus: tuple[str, ...] | None = ()) -> MeshConfig:
+    """``up``'s config for ``argv`` on a machine whose visible GPUs are ``gpus``."""
+    c = mesh_config_from(build_parser().parse_args(["up", "--model", "/m", *argv]))
+    c = dataclasses.replace(c, visible_gpus=gpus)
+    c.validate()
+    return c
+
+
+def instances(c: MeshConfig) -> dict[str, ServiceSpec]:
+    return {s.name: s for s in instance_stage(c, {"kv-broker": BROKER})}
+
+
+def flag(spec: ServiceSpec, name: str) -> str | None:
+    args = list(spec.args)
+    return args[args.index(name) + 1] if name in args else None
+
+
+def test_cpu_mesh_forwards_only_given_flags_and_no_gpu_environment() -> None:
+    specs = instances(config("--page-size", "4"))
+    assert list(specs) == ["prefill-0", "decode-0"]
+    prefill = specs["prefill-0"]
+    assert prefill.args == (
+        "prefill",
+        "--broker",
+        BROKER,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--model",
+        "/m",
+        "--page-size",
+        "4",
+    )
+    assert prefill.env == {} and specs["decode-0"].env == {}
+    c = config("--device", "cpu", "--ep-size", "2", gpus=("0",))  # GPUs there, but cpu asked
+    specs = instances(c)
+    assert flag(specs["decode-0"], "--device") == "cpu"
+    assert flag(specs["decode-0"], "--ep-size") == "2"
+    assert "--mem-fraction" not in specs["decode-0"].args and specs["decode-0"].env == {}
+    assert broker_stage(c, {})[0].env == {} and placement_lines(c) == []
+
+
+def test_unified_instances_beside_pairs_and_alone() -> None:
+    specs = instances(config("--unified", "1", "--dtype", "float32", "--max-queued-tokens", "9"))
+    assert list(specs) == ["prefill-0", "decode-0", "unified-0"]
+    unified = specs["unified-0"]
+    assert unified.args[:3] == ("unified", "--broker", BROKER)
+    assert flag(unified, "--dtype") == "float32" and flag(unified, "--model") == "/m"
+    specs = instances(config("--prefill", "0", "--decode", "0", "--unified", "2"))
+    assert list(specs) == ["unified-0", "unified-1"]
+    assert all(s.args[0] == "unified" for s in specs.values())
+
+
+def test_unified_ready_line_is_recognised() -> None:
+    m = _READY.search("unified unified-x1 listening on 127.0.0.1:5051\n")
+    assert m is not None and m.group(2, 3) == ("127.0.0.1", "5051")
+
+
+def test_one_gpu_shared_by_prefill_and_decode() -> None:
+    c = config(gpus=("0",))  # --device auto with one GPU visible
+    specs = instances(c)
+    for spec in specs.values():
+        assert spec.env == {"CUDA_VISIBLE_DEVICES": "0"}
+        assert flag(spec, "--device") == "cuda"
+        assert flag(spec, "--mem-fraction") == "0.425"  # 0.85 split by two processes
+    assert broker_stage(c, {})[0].env == NO_GPU
+    assert gateway_stage(c, {"kv-broker": BROKER})[0].env == NO_GPU
+    assert placement_lines(c) == [
+        "  gpus     prefill-0    GPU 0        mem-fraction 0.425",
+        "           decode-0     GPU 0        mem-fraction 0.425",
+    ]
+
+
+def test_two_gpus_one_each_with_the_given_total_fraction() -> None:
+    specs = instances(config("--device", "cuda", "--mem-fraction", "0.9", gpus=("0", "1")))
+    assert specs["prefill-0"].env == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert specs["decode-0"].env == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert {flag(s, "--mem-fraction") for s in specs.values()} == {"0.9"}
+    # three processes on one GPU: shares rounded down, never above the total
+    specs = instances(config("--unified", "1", gpus=("0",)))
+    assert {flag(s, "--mem-fraction") for s in specs.values()} == {"0.2833"}
+
+
+def test_ep_groups_on_listed_gpus() -> None:
+    c = config(
+        "--ep-size",
+        "2",
+        "--prefill",
+        "2",
+        "--decode",
+        "2",
+        "--prefill-gpus",
+        "0+1,2+3",
+        "--decode-gpus",
+        "4+5,6+7",
+        gpus=tuple(str(i) for i in range(8)),
+    )
+    specs = instances(c)
+    assert {name: s.env["CUDA_VISIBLE_DEVICES"] for name, s in specs.items()} == {
+        "prefill-0": "0,1",
+        "prefill-1": "2,3",
+        "decode-0": "4,5",
+        "decode-1": "6,7",
+    }
+    assert all(flag(s, "--ep-size") == "2" for s in specs.values())
+    assert all(flag(s, "--mem-fraction") == "0.85" for s in specs.values())
+    assert placement_lines(c)[0] == "  gpus     prefill-0    GPU 0+1      mem-fraction 0.85"
+
+
+def test_device_cuda_n_puts_every_instance_on_that_gpu() -> None:
+    specs = instances(config("--device", "cuda:1", gpus=("4", "5")))
+    for spec in specs.values():
+        assert spec.env == {"CUDA_VISIBLE_DEVICES": "5"}
+        assert flag(spec, "--device") == "cuda"  # cuda:0 of what it sees
+        assert flag(spec, "--mem-fraction") == "0.425"
+
+
+@pytest.mark.parametrize(
+    ("argv", "gpus", "message"),
+    [
+        (["--prefill", "1", "--decode", "0"], (), "--prefill and --decode go together"),
+        (["--prefill", "0", "--decode", "2"], (), "--prefill and --decode go together"),
+        (["--prefill", "0", "--decode", "0"], (), "nothing to serve: .* needs --unified N"),
+        (["--decode-gpus", "0"], (), "--decode-gpus: no GPU is visible"),
+        (["--device", "cpu", "--prefill-gpus", "0"], ("0",), "but --device is cpu"),
+        (["--device", "cuda"], (), "--device cuda: no GPU is visible"),
+        (["--device", "cuda:2"], ("0", "1"), r"--device cuda:2: 2 GPU\(s\) visible"),
+        (["--device", "cuda:0", "--prefill-gpus", "0"], ("0",), "give --device cuda with"),
+        (["--prefill-gpus", "3"], ("0", "1"), "--prefill-gpus: GPU 3 is not visible"),
+        (["--decode-gpus", "0,1"], ("0", "1"), "--decode-gpus lists 2 instance"),
+        (["--mem-fraction", "0"], ("0",), None),  # refused by the parser
+    ],
+)
+def test_refused_configurations_name_the_flag(
+    argv: list[str], gpus: tuple[str, ...], message: str | None
+) -> None:
+    if message is None:
+        with pytest.raises(SystemExit):
+            config(*argv, gpus=gpus)
+        return
+    with pytest.raises(ValueError, match=message):
+        config(*argv, gpus=gpus)
+
+
+def test_log_level_reaches_the_children() -> None:
+    args = build_parser().parse_args(["--log-level", "INFO", "up"])
+    assert mesh_config_from(args).log_level == "INFO"
+    assert mesh_config_from(build_parser().parse_args(["up"])).log_level is None
