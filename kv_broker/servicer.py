@@ -52,7 +52,7 @@ GRPC_CODES: dict[ErrorCode, grpc.StatusCode] = {
     ErrorCode.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
     ErrorCode.ABORTED: grpc.StatusCode.ABORTED,
 }
-ROLE_NAMES = {pb.ROLE_PREFILL: "prefill", pb.ROLE_DECODE: "decode"}
+ROLE_NAMES = {pb.ROLE_PREFILL: "prefill", pb.ROLE_DECODE: "decode", pb.ROLE_UNIFIED: "unified"}
 HEARTBEAT = pb.BrokerEvent(heartbeat=True)
 
 Req = TypeVar("Req")
@@ -124,6 +124,12 @@ def _event(h: Handoff) -> pb.BrokerEvent:
         message=h.message,
         prefill_released=h.prefill_released,
     )
+
+
+def _expected_s(expected_ms: int) -> float:
+    if expected_ms < 0:
+        raise _invalid(f"expected_ms must not be negative, got {expected_ms}")
+    return expected_ms / 1000.0
 
 
 def _wait_s(wait_ms: int) -> float:
@@ -370,7 +376,7 @@ class KVBrokerServicer(kv_broker_pb2_grpc.KVBrokerServicer):
         if info.role not in ROLE_NAMES:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                "instance.role must be ROLE_PREFILL or ROLE_DECODE",
+                "instance.role must be ROLE_PREFILL, ROLE_DECODE or ROLE_UNIFIED",
             )
         stream = _Stream()
         own = pb.Instance()
@@ -438,7 +444,11 @@ class KVBrokerServicer(kv_broker_pb2_grpc.KVBrokerServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "kv_broker is shutting down")
             try:
                 t = self._table.resolve(
-                    request.request_id, request.prefill_instance_id, layout, self._clock()
+                    request.request_id,
+                    request.prefill_instance_id,
+                    layout,
+                    self._clock(),
+                    _expected_s(request.expected_ms),
                 )
                 break
             except HandoffError as exc:
@@ -465,7 +475,13 @@ class KVBrokerServicer(kv_broker_pb2_grpc.KVBrokerServicer):
     async def Progress(
         self, request: pb.ProgressRequest, context: grpc.aio.ServicerContext
     ) -> pb.HandoffStatus:
-        h = self._table.progress(request.request_id, request.tokens_written, request.bytes_written)
+        h = self._table.progress(
+            request.request_id,
+            request.tokens_written,
+            request.bytes_written,
+            now=self._clock(),
+            expected_s=_expected_s(request.expected_ms),
+        )
         return _status(h)
 
     @_unary

@@ -8,6 +8,12 @@ Beside the state, each record tracks ``prefill_released``: whether prefill can s
 into decode's pages. Decode must not reuse its pages before that is true, whatever the state:
 a handoff can be ABORTED while prefill's writes are still in flight.
 
+Deadlines follow the work: a reservation must be picked up by a prefill within the handoff's
+timeout; from then on, each Resolve and Progress moves the deadline to at least the timeout
+plus twice what prefill expects the rest to take (its queue, the compute, the KV bytes over
+its measured bandwidth), so a long queue or a large prompt is not timed out while it moves,
+and a prefill that stops reporting is.
+
 No gRPC, no asyncio, no clock: every method that needs the time takes ``now`` (seconds,
 any monotonic origin). Mutating methods return a :class:`Transition` (or a list of them)
 saying what changed and whom to tell; refusals raise :class:`HandoffError` with an
@@ -23,6 +29,7 @@ from dataclasses import dataclass
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_TERMINAL_TTL_S = 60.0
+EXPECTED_SLACK = 2.0  # the deadline keeps this many times prefill's estimate ahead
 
 
 class HandoffState(enum.IntEnum):
@@ -133,6 +140,8 @@ class Handoff:
     timeout_s: float
     deadline: float
     prefill_instance_id: str = ""
+    allowed_s: float = 0.0  # deadline minus the last report that set it
+    expected_s: float = 0.0  # prefill's last estimate of the time to its commit
     first_token_id: int | None = None
     bytes_written: int = 0
     tokens_written: int = 0
@@ -287,6 +296,7 @@ class HandoffTable:
             num_tokens=num_tokens,
             timeout_s=timeout,
             deadline=now + timeout,
+            allowed_s=timeout,
         )
         self._handoffs[request_id] = h
         return Transition(h.snapshot(), None)
@@ -294,12 +304,20 @@ class HandoffTable:
     # -- prefill side ------------------------------------------------------------------
 
     def resolve(
-        self, request_id: str, prefill_instance_id: str, layout: KVLayout, now: float
+        self,
+        request_id: str,
+        prefill_instance_id: str,
+        layout: KVLayout,
+        now: float,
+        expected_s: float = 0.0,
     ) -> Transition:
         """Prefill takes the reservation: RESERVED -> TRANSFERRING, or FAILED on a layout
-        mismatch (raised as FAILED_PRECONDITION carrying that transition)."""
+        mismatch (raised as FAILED_PRECONDITION carrying that transition). ``expected_s``:
+        prefill's estimate of the time until it commits (0 = none); the deadline becomes
+        ``now + timeout + EXPECTED_SLACK * expected_s``."""
         _require_id(prefill_instance_id, "prefill_instance_id")
         layout.validate()
+        _check_expected(expected_s)
         h = self._lookup(request_id)
         if h.state is not HandoffState.RESERVED:
             aborted = h.state is HandoffState.ABORTED
@@ -313,21 +331,35 @@ class HandoffTable:
             # Refused before prefill saw any page: it cannot write, so decode may reuse them.
             t = self._finish(h, HandoffState.FAILED, message, now, released=True)
             raise HandoffError(ErrorCode.FAILED_PRECONDITION, message, [t])
+        h.deadline = now  # the reservation's wait is over: the work's own time starts now
+        _extend(h, now, expected_s)
         return self._move(h, HandoffState.TRANSFERRING)
 
-    def progress(self, request_id: str, tokens_written: int, bytes_written: int) -> Handoff:
+    def progress(
+        self,
+        request_id: str,
+        tokens_written: int,
+        bytes_written: int,
+        now: float | None = None,
+        expected_s: float = 0.0,
+    ) -> Handoff:
         """Cumulative progress while TRANSFERRING (never decreases); in any other state the
-        record is returned unchanged, so the writer learns that it should stop."""
+        record is returned unchanged, so the writer learns that it should stop. With ``now``
+        the report also keeps the deadline at least ``timeout + EXPECTED_SLACK *
+        expected_s`` ahead (it never moves it closer)."""
         h = self._lookup(request_id)
         if tokens_written < 0:
             raise _invalid(f"tokens_written must not be negative, got {tokens_written}")
         if bytes_written < 0:
             raise _invalid(f"bytes_written must not be negative, got {bytes_written}")
+        _check_expected(expected_s)
         if h.state is HandoffState.TRANSFERRING:
             if tokens_written > h.num_tokens:
                 raise _invalid(f"tokens_written={tokens_written} exceeds num_tokens={h.num_tokens}")
             h.tokens_written = max(h.tokens_written, tokens_written)
             h.bytes_written = max(h.bytes_written, bytes_written)
+            if now is not None:
+                _extend(h, now, expected_s)
         return h.snapshot()
 
     def commit(
@@ -415,7 +447,9 @@ class HandoffTable:
         out = []
         for h in self._handoffs.values():
             if not h.state.terminal and now >= h.deadline:
-                message = f"handoff timed out after {h.timeout_s:g} s in {h.state.name}"
+                message = f"handoff timed out after {h.allowed_s:g} s in {h.state.name}"
+                if h.expected_s > 0:
+                    message += f" (prefill expected to commit within {h.expected_s:g} s)"
                 out.append(self._finish(h, HandoffState.TIMED_OUT, message, now))
         return out
 
@@ -453,6 +487,20 @@ class HandoffTable:
         h.message = message
         h.terminal_at = now
         return self._move(h, state, released)
+
+
+def _check_expected(expected_s: float) -> None:
+    if not expected_s >= 0:  # NaN too
+        raise _invalid(f"expected time must not be negative, got {expected_s}")
+
+
+def _extend(h: Handoff, now: float, expected_s: float) -> None:
+    """Keep the deadline ``timeout + EXPECTED_SLACK * expected_s`` ahead of ``now``."""
+    allowed = h.timeout_s + EXPECTED_SLACK * expected_s
+    if now + allowed > h.deadline:
+        h.deadline = now + allowed
+        h.allowed_s = allowed
+        h.expected_s = expected_s
 
 
 def _unchanged(h: Handoff) -> Transition:

@@ -497,3 +497,47 @@ async def test_prometheus_metrics() -> None:
     assert m["dsmesh_kv_handoffs_active"] == 1
     assert m['dsmesh_kv_instances_attached{role="decode"}'] == 1
     assert m['dsmesh_kv_instances_attached{role="prefill"}'] == 1
+
+
+@pytest.mark.asyncio
+async def test_prefills_estimate_keeps_the_handoff_alive(broker: Broker) -> None:
+    """A 0.3 s handoff whose prefill expects 0.4 s more lives past 0.3 s; a negative
+    estimate is refused naming the field."""
+    decode, prefill = await broker.decode("d1"), await broker.prefill("p1")
+    await broker.stub.Reserve(reserve_request("r1", timeout_ms=300))
+    request = resolve_request("r1")
+    request.expected_ms = 400
+    await broker.stub.Resolve(request)
+    await asyncio.sleep(0.5)
+    status = await broker.stub.Get(pb.HandoffRequest(request_id="r1"))
+    assert status.state == S.HANDOFF_TRANSFERRING
+    err = await rpc_error(
+        broker.stub.Progress(pb.ProgressRequest(request_id="r1", tokens_written=1, expected_ms=-1))
+    )
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "expected_ms" in err.details()
+    assert await decode.states(3) == [
+        ("r1", S.HANDOFF_RESERVED),
+        ("r1", S.HANDOFF_TRANSFERRING),
+        ("r1", S.HANDOFF_TIMED_OUT),  # 0.3 + 2 x 0.4 s after the resolve
+    ]
+    status = await broker.stub.Get(pb.HandoffRequest(request_id="r1"))
+    assert status.message == (
+        "handoff timed out after 1.1 s in TRANSFERRING (prefill expected to commit within 0.4 s)"
+    )
+
+
+@pytest.mark.asyncio
+async def test_unified_instances_are_listed_but_take_no_handoff() -> None:
+    """A unified instance attaches for discovery and liveness only."""
+    port = free_port()
+    async with running_broker(dataclasses.replace(TEST_CONFIG, metrics_port=port)) as b:
+        await b.attach("u1", pb.ROLE_UNIFIED)
+        listed = await b.stub.ListInstances(pb.ListInstancesRequest())
+        m = await asyncio.to_thread(scrape, port)
+        err = await rpc_error(b.stub.Reserve(reserve_request("r1", decode="u1")))
+    assert [(i.instance_id, i.role) for i in listed.instances] == [("u1", pb.ROLE_UNIFIED)]
+    assert listed.instances[0].grpc_address == "127.0.0.1:1"
+    assert m['dsmesh_kv_instances_attached{role="unified"}'] == 1
+    assert m['dsmesh_kv_instances_attached{role="decode"}'] == 0
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "attached as unified, not decode" in err.details()

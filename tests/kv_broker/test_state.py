@@ -101,14 +101,46 @@ def test_duplicate_reserve_is_already_exists() -> None:
     assert error(reserve, table, "r2").code is ErrorCode.ALREADY_EXISTS
 
 
-def test_resolve_moves_to_transferring_and_keeps_deadline() -> None:
+def test_resolve_moves_to_transferring_and_restarts_the_deadline() -> None:
     table = HandoffTable(default_timeout_s=30.0)
     reserve(table, now=0.0)
     t = table.resolve("r1", "p1", LAYOUT, now=5.0)
     assert (t.old_state, t.new_state) == (HandoffState.RESERVED, HandoffState.TRANSFERRING)
     assert t.party_ids == ("d1", "p1")
     h = table.get("r1")
-    assert h.prefill_instance_id == "p1" and h.deadline == 30.0
+    assert h.prefill_instance_id == "p1" and h.deadline == 35.0
+
+
+def test_deadline_follows_prefills_estimate() -> None:
+    table = HandoffTable(default_timeout_s=10.0)
+    reserve(table, now=0.0)
+    table.resolve("r1", "p1", LAYOUT, now=4.0, expected_s=50.0)  # a long queue ahead
+    assert table.get("r1").deadline == 4.0 + 10.0 + 2 * 50.0
+    assert table.expire(now=100.0) == []
+    # each report keeps the deadline ahead of the rest of the work, never closer
+    table.progress("r1", 4, 100, now=60.0, expected_s=30.0)
+    assert table.get("r1").deadline == 130.0
+    table.progress("r1", 8, 200, now=61.0, expected_s=1.0)
+    assert table.get("r1").deadline == 130.0
+    table.progress("r1", 8, 200)  # without a clock: progress only
+    assert table.get("r1").deadline == 130.0
+    (t,) = table.expire(now=130.0)
+    assert t.new_state is HandoffState.TIMED_OUT
+    assert t.handoff.message == (
+        "handoff timed out after 70 s in TRANSFERRING (prefill expected to commit within 30 s)"
+    )
+
+
+def test_expected_time_must_not_be_negative() -> None:
+    table = HandoffTable()
+    reserve(table)
+    err = error(table.resolve, "r1", "p1", LAYOUT, now=0.0, expected_s=-1.0)
+    assert err.code is ErrorCode.INVALID_ARGUMENT and "expected time" in err.message
+    err = error(table.resolve, "r1", "p1", LAYOUT, now=0.0, expected_s=float("nan"))
+    assert err.code is ErrorCode.INVALID_ARGUMENT
+    table.resolve("r1", "p1", LAYOUT, now=0.0)
+    err = error(table.progress, "r1", 1, 1, now=1.0, expected_s=-0.5)
+    assert err.code is ErrorCode.INVALID_ARGUMENT
 
 
 def test_resolve_unknown_is_not_found() -> None:
@@ -311,17 +343,19 @@ def test_instance_lost_fails_live_handoffs_of_that_instance_only() -> None:
 def test_expire_times_out_live_handoffs_past_deadline() -> None:
     table = HandoffTable(default_timeout_s=10.0)
     reserve(table, "a", now=0.0)
-    transferring(table, "b")  # reserved at 0
+    transferring(table, "b")  # reserved at 0, resolved at 1
     reserve(table, "c", now=5.0)
     transferring(table, "d")
     table.commit("d", 1, 0, now=2.0)
     assert table.expire(now=9.99) == []
-    out = table.expire(now=10.0)
-    assert sorted(t.handoff.request_id for t in out) == ["a", "b"]
-    by_id = {t.handoff.request_id: t for t in out}
-    assert by_id["a"].handoff.message == "handoff timed out after 10 s in RESERVED"
-    assert by_id["b"].handoff.message == "handoff timed out after 10 s in TRANSFERRING"
-    assert by_id["b"].party_ids == ("d1", "p1")
+    (t,) = table.expire(now=10.0)
+    assert t.handoff.request_id == "a"
+    assert t.handoff.message == "handoff timed out after 10 s in RESERVED"
+    assert table.expire(now=10.99) == []
+    (t,) = table.expire(now=11.0)
+    assert t.handoff.request_id == "b"
+    assert t.handoff.message == "handoff timed out after 10 s in TRANSFERRING"
+    assert t.party_ids == ("d1", "p1")
     assert table.get("d").state is HandoffState.DONE
     assert [t.handoff.request_id for t in table.expire(now=15.0)] == ["c"]
 
