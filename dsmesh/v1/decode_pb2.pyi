@@ -35,17 +35,19 @@ class DecodeResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeLoad(_message.Message):
-    __slots__ = ("instance_id", "free_pages", "total_pages", "running_requests", "waiting_handoffs", "page_size")
+    __slots__ = ("instance_id", "free_pages", "total_pages", "running_requests", "waiting_handoffs", "page_size", "max_running_requests")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     free_pages: int
     total_pages: int
     running_requests: int
     waiting_handoffs: int
     page_size: int
-    def __init__(self, instance_id: _Optional[str] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_handoffs: _Optional[int] = ..., page_size: _Optional[int] = ...) -> None: ...
+    max_running_requests: int
+    def __init__(self, instance_id: _Optional[str] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_handoffs: _Optional[int] = ..., page_size: _Optional[int] = ..., max_running_requests: _Optional[int] = ...) -> None: ...
