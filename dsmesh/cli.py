@@ -17,6 +17,7 @@ from dsmesh import (
     cmd_kv_broker,
     cmd_prefill,
     cmd_tiny,
+    cmd_unified,
     cmd_up,
 )
 
@@ -25,6 +26,7 @@ COMMANDS: tuple[Registrar, ...] = (
     cmd_generate.register,
     cmd_prefill.register,
     cmd_decode.register,
+    cmd_unified.register,
     cmd_kv_broker.register,
     cmd_eplb.register,
     cmd_gateway.register,

@@ -148,7 +148,7 @@ class _Dispatched:
     pages: int  # on the target's decode or unified instance
     started_at: float = math.inf  # when its call to the target began; inf: not yet
     ended_at: float | None = None
-    held: bool = True  # it took its pages (a request refused for lack of pages did not)
+    held: bool = True  # it took its pages and slot (one refused for lack of them did not)
 
 
 class Ledger:
@@ -216,9 +216,8 @@ class Ledger:
             counted = e.started_at < asked and (e.ended_at is None or e.ended_at >= asked)
             if e.ended_at is None and not counted:
                 pages, requests = pages + e.pages, requests + 1
-            elif e.ended_at is not None and counted:
-                pages -= e.pages if e.held else 0
-                requests -= 1
+            elif e.ended_at is not None and counted and e.held:
+                pages, requests = pages - e.pages, requests - 1
         if not pages and not requests:
             return load
         return _charge((load,), load.instance_id, pages, requests)[0]

@@ -37,6 +37,7 @@ class DecodeLoad:
     total_pages: int
     running_requests: int
     page_size: int = 0  # 0: unknown (an older instance)
+    max_running_requests: int = 0  # requests it holds at most; 0: unknown, no check
 
     def pages_for(self, tokens: int) -> int:
         """KV pages a request of ``tokens`` takes here (at least 1 when unknown)."""
@@ -48,6 +49,9 @@ class DecodeLoad:
         return self.free_pages * max(self.page_size, 1)
 
     def has_room(self, total_tokens: int) -> bool:
+        """A free slot, and free pages for ``total_tokens``."""
+        if self.max_running_requests and self.running_requests >= self.max_running_requests:
+            return False
         return self.pages_for(total_tokens) <= self.free_pages
 
     def could_hold(self, total_tokens: int) -> bool:
@@ -93,7 +97,8 @@ def choose_target(
     """A target with room for a request of ``prompt_tokens`` prompt and ``total_tokens``
     prompt + new tokens (capped at the model's context), or None when none has room now.
 
-    Among decode and unified instances with free pages for ``total_tokens``, the one with
+    Among decode and unified instances with a free slot and free pages for ``total_tokens``,
+    the one with
     the most free tokens, then the fewest running requests, then the smallest id; a decode
     counts only when some prefill has room for the prompt, and gets the least loaded of
     those (``choose_prefill``).

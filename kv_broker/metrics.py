@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kv_broker.state import HandoffState, Transition
 
-ROLE_LABELS = ("prefill", "decode")
+ROLE_LABELS = ("prefill", "decode", "unified")
 
 
 class BrokerMetrics:

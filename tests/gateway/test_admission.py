@@ -212,7 +212,9 @@ def test_a_refused_request_gives_back_nothing() -> None:
     ledger.charge("a", Target("u0"), 10, 4)
     ledger.started("a", 1.0)
     ledger.end("a", 3.0, held=False)  # refused for lack of pages: it never held any
-    assert ledger.corrected(loads(unified(0), asked_at=2.0)).unifieds[0].free_pages == 0
+    report = loads(DecodeLoad("u0", 0, 64, 3, PAGE), asked_at=2.0)
+    corrected = ledger.corrected(report).unifieds[0]
+    assert (corrected.free_pages, corrected.running_requests) == (0, 3)
     ledger.charge("b", Target("u0"), 10, 4)
     ledger.end("b", 3.0)  # never started (its client left first): no report ever had it
     ledger.prune({"u0": 0.0})
@@ -262,3 +264,17 @@ def test_ledger_corrected_load_equals_the_true_load_at_every_moment(events) -> N
         assert ledger.corrected(report).unifieds[0].free_pages == total - sum(held.values())
     ledger.prune({"u0": len(events) + 1.0})  # a report newer than every end
     assert len(ledger) == len(held)  # only live requests are remembered
+
+
+def test_an_instance_without_a_free_slot_has_no_room() -> None:
+    busy = DecodeLoad("u0", 100, 100, 8, PAGE, max_running_requests=8)
+    assert choose_target([], [], [busy], 1, 16) is None
+    q = AdmissionQueue(max_inflight=100, max_queued=10)
+    mesh = loads(DecodeLoad("u0", 100, 100, 6, PAGE, max_running_requests=8))
+    assert [q.submit(ticket(n, pages=1), mesh, 0.0) for n in range(3)] == [
+        Target("u0"),
+        Target("u0"),
+        None,
+    ]
+    q.release("r0", 1.0)  # a slot is free again, before the next report
+    assert [t.request_id for t, _ in q.pump(mesh, 1.0, 5).dispatched] == ["r2"]

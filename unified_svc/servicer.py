@@ -1,0 +1,109 @@
+"""dsmesh.v1.Decode on a unified instance: the whole request (prompt and sampling) runs here,
+prefilled in chunks mixed into the decode batches, and its tokens stream back. No handoff."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from dsmesh.background import BackgroundTasks
+from dsmesh.convert import require_request_id, sampling_from_proto
+from dsmesh.engine_worker import EngineWorker
+from dsmesh.service_metrics import InstanceMetrics
+from dsmesh.v1 import decode_pb2, decode_pb2_grpc, generation_pb2, prefill_pb2
+from engine.errors import InvalidRequestError
+from engine.llm_engine import LLMEngine, StepOutput
+from unified_svc.load import unified_load
+
+
+class UnifiedServicer(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, worker: EngineWorker, instance_id: str) -> None:
+        self.worker = worker
+        self.instance_id = instance_id
+        self.active: set[str] = set()  # request ids streaming, or whose pages are being freed
+        self.metrics: InstanceMetrics | None = None  # when served with --metrics-port
+        self._background = BackgroundTasks()
+
+    async def Decode(  # noqa: N802 - gRPC method name
+        self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        rid = request.request_id
+        try:
+            require_request_id(rid)
+            params = sampling_from_proto(request.sampling)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if rid in self.active:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already active")
+        self.active.add(rid)  # claimed before the first await: a concurrent duplicate is refused
+        prompt = list(request.input_ids)
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
+
+        def submit(engine: LLMEngine) -> None:
+            engine.add_request(prompt, params, request_id=rid)
+            self.worker.listen(rid, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o))
+
+        settled = False  # nothing left in the engine: finished, or never queued
+        try:
+            try:
+                await self.worker.call(submit)
+            except InvalidRequestError as exc:  # e.g. larger than the whole KV pool
+                settled = True
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            completion = 0
+            while not settled:
+                out = await outputs.get()
+                if not out.new_token_ids and not out.finished:
+                    continue  # a prompt chunk: no token yet
+                if completion == 0 and self.metrics is not None:
+                    self.metrics.prompt_tokens.inc(len(prompt))
+                completion += len(out.new_token_ids)
+                if self.metrics is not None:
+                    self.metrics.generated_tokens.inc(len(out.new_token_ids))
+                settled = out.finished
+                yield decode_pb2.DecodeResponse(
+                    request_id=rid,
+                    token_ids=out.new_token_ids,
+                    finish_reason=out.finish_reason or "",
+                    prompt_tokens=len(prompt),
+                    completion_tokens=completion,
+                )
+        finally:
+            if settled:
+                self.active.discard(rid)
+            else:  # the client went away: abort in the engine (after a pending submit, FIFO)
+                self._background.spawn(self._abort_then_forget(rid))
+
+    async def _abort_then_forget(self, rid: str) -> None:
+        try:
+            await self.worker.call(lambda e: self.worker.abort_request(e, rid))
+        finally:
+            self.active.discard(rid)  # the id stays taken until its pages are free
+
+    async def drain(self) -> None:
+        await self._background.drain()
+
+    async def Abort(  # noqa: N802
+        self, request: generation_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.AbortResponse:
+        """Stop a request; its stream ends with finish_reason "abort" and its pages are free."""
+        rid = request.request_id
+        aborted = await self.worker.call(lambda e: self.worker.abort_request(e, rid))
+        return generation_pb2.AbortResponse(aborted=aborted)
+
+    async def GetLoad(  # noqa: N802
+        self, request: prefill_pb2.LoadRequest, context: grpc.aio.ServicerContext
+    ) -> decode_pb2.DecodeLoad:
+        load = await self.worker.call(lambda e: unified_load(e.scheduler, e.kv_pool.num_pages))
+        return decode_pb2.DecodeLoad(
+            instance_id=self.instance_id,
+            free_pages=load.free_pages,
+            total_pages=load.total_pages,
+            running_requests=load.running_requests,
+            waiting_handoffs=load.waiting_requests,
+            page_size=self.worker.engine.config.page_size,
+            max_running_requests=self.worker.engine.config.max_running_requests,
+        )
