@@ -223,7 +223,7 @@ def role_flags(args: argparse.Namespace, role: str) -> tuple[str, ...]:
 
 
 def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
-    """The engine flags given to ``up``, spelled for ``dsmesh prefill``/``decode``."""
+    """The engine flags given to ``up``, spelled for ``dsmesh prefill``/``decode``/``unified``."""
     flags: list[str] = []
     for dest in FORWARDED_ENGINE_FLAGS:
         value = getattr(args, dest)
@@ -234,6 +234,12 @@ def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
         if value is not None:
             name = dest.replace("_", "-")
             flags.append(f"--{name}" if value else f"--no-{name}")
+    return tuple(flags)
+
+
+def ep_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """The expert-parallel flags given to ``up`` (but --ep-size), for prefill and decode."""
+    flags: list[str] = []
     if args.num_redundant_experts is not None:
         flags += ["--num-redundant-experts", str(args.num_redundant_experts)]
     if args.tbo is not None:
@@ -277,6 +283,7 @@ def mesh_config_from(args: argparse.Namespace) -> MeshConfig:
         engine_args=engine_flags(args),
         device=args.device,
         ep_size=args.ep_size,
+        ep_args=ep_flags(args),
         prefill_gpus=args.prefill_gpus,
         decode_gpus=args.decode_gpus,
         unified_gpus=args.unified_gpus,
@@ -284,7 +291,6 @@ def mesh_config_from(args: argparse.Namespace) -> MeshConfig:
         broker_args=role_flags(args, "broker"),
         prefill_args=role_flags(args, "prefill"),
         decode_args=role_flags(args, "decode"),
-        unified_args=role_flags(args, "unified"),
         gateway_args=role_flags(args, "gateway"),
         log_level=None if log_level.upper() == "WARNING" else log_level,
         gateway=args.gateway,

@@ -111,11 +111,13 @@ class MeshConfig:
     num_prefill: int = 1  # prefill and decode: both 0 (unified only) or both >= 1
     num_decode: int = 1
     num_unified: int = 0
-    # engine flags forwarded to every engine instance (not --device, --ep-size,
-    # --mem-fraction: below)
+    # engine flags forwarded to every engine instance (not --device, --mem-fraction: below)
     engine_args: tuple[str, ...] = ()
     device: str | None = None  # --device; None = the services' default ("auto")
-    ep_size: int | None = None  # processes per instance (--ep-size); None = 1, not forwarded
+    # expert parallelism, prefill and decode only (a unified instance is one process):
+    # processes per instance (None = 1, not forwarded), other EP flags as given
+    ep_size: int | None = None
+    ep_args: tuple[str, ...] = ()
     # GPUs (CUDA meshes only; dsmesh/placement.py): explicit lists per role, the total
     # memory fraction the processes of one GPU split, and the GPU ids children may be given
     # (None = found at start from CUDA_VISIBLE_DEVICES and torch)
@@ -128,7 +130,6 @@ class MeshConfig:
     broker_args: tuple[str, ...] = ()
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
-    unified_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
     log_level: str | None = None  # every child's --log-level; None = theirs
     gateway: bool = True
@@ -159,6 +160,11 @@ class MeshConfig:
             raise ValueError("nothing to serve: --prefill 0 --decode 0 needs --unified N (N >= 1)")
         if self.ep_size is not None and self.ep_size < 1:
             raise ValueError(f"--ep-size must be at least 1, got {self.ep_size}")
+        if self.num_prefill == 0 and (self.ep_size is not None or self.ep_args or self.eplb):
+            raise ValueError(
+                "expert-parallel flags (--ep-size, --num-redundant-experts, --tbo, --eplb) "
+                "apply to prefill and decode instances; a --unified instance is one process"
+            )
         if not 0 < self.mem_fraction <= 1:
             raise ValueError(f"--mem-fraction must be in (0, 1], got {self.mem_fraction}")
         if not 0 < self.http_port <= 65535:
@@ -167,20 +173,20 @@ class MeshConfig:
             raise ValueError(f"--grpc-port must be in 0..65535, got {self.grpc_port}")
         if self.max_message_bytes < 1:
             raise ValueError(f"--max-message-bytes must be positive, got {self.max_message_bytes}")
-        if self.eplb and self.ep_size is None and "--num-redundant-experts" not in self.engine_args:
+        if self.eplb and self.ep_size is None and "--num-redundant-experts" not in self.ep_args:
             raise ValueError("--eplb needs expert-parallel instances: give --ep-size N")
         mesh_placement(self)
 
 
 def engine_instances(config: MeshConfig) -> list[EngineInstance]:
     """Every engine instance of the mesh, in start order: prefill, decode, unified."""
-    ranks = config.ep_size or 1
+    ranks = config.ep_size if config.ep_size is not None else 1
     counts = (
-        ("prefill", config.num_prefill),
-        ("decode", config.num_decode),
-        ("unified", config.num_unified),
+        ("prefill", config.num_prefill, ranks),
+        ("decode", config.num_decode, ranks),
+        ("unified", config.num_unified, 1),
     )
-    return [EngineInstance(role, i, ranks) for role, count in counts for i in range(count)]
+    return [EngineInstance(role, i, n) for role, count, n in counts for i in range(count)]
 
 
 def mesh_placement(config: MeshConfig) -> Placement | None:
@@ -276,18 +282,15 @@ def instance_stage(config: MeshConfig, addresses: dict[str, str]) -> list[Servic
     """Every prefill, decode and unified instance: the forwarded engine flags, and on a CUDA
     mesh ``--device cuda``, its GPUs as ``CUDA_VISIBLE_DEVICES`` and its ``--mem-fraction``."""
     placement = mesh_placement(config)
-    eplb = ("--eplb", addresses["eplb"]) if "eplb" in addresses else ()
     model = ("--model", config.model) if config.model else ()
     ep = ("--ep-size", str(config.ep_size)) if config.ep_size is not None else ()
-    own = {
-        "prefill": config.prefill_args,
-        "decode": config.decode_args,
-        "unified": config.unified_args,
-    }
+    ep += config.ep_args
+    ep += ("--eplb", addresses["eplb"]) if "eplb" in addresses else ()
+    own = {"prefill": (*ep, *config.prefill_args), "decode": (*ep, *config.decode_args)}
     specs = []
     for inst in engine_instances(config):
         args = (inst.role, "--broker", addresses["kv-broker"], "--host", LOOPBACK, "--port", "0")
-        args += (*security_flags(config), *eplb, *model, *config.engine_args, *ep)
+        args += (*security_flags(config), *model, *config.engine_args)
         env: dict[str, str] = {}
         if placement is not None:
             fraction = placement.mem_fraction(inst.name, config.mem_fraction)
@@ -295,7 +298,7 @@ def instance_stage(config: MeshConfig, addresses: dict[str, str]) -> list[Servic
             env["CUDA_VISIBLE_DEVICES"] = ",".join(placement.gpu_ids[inst.name])
         elif config.device is not None:
             args += ("--device", config.device)
-        specs.append(ServiceSpec(inst.name, (*args, *own[inst.role]), env=env))
+        specs.append(ServiceSpec(inst.name, (*args, *own.get(inst.role, ())), env=env))
     return specs
 
 

@@ -77,6 +77,24 @@ def test_unified_instances_beside_pairs_and_alone() -> None:
     assert all(s.args[0] == "unified" for s in specs.values())
 
 
+def test_expert_parallel_flags_reach_prefill_and_decode_only() -> None:
+    c = config("--unified", "1", "--ep-size", "2", "--num-redundant-experts", "2", "--tbo")
+    specs = {s.name: s for s in instance_stage(c, {"kv-broker": BROKER, "eplb": "127.0.0.1:9"})}
+    ep = ("--ep-size", "2", "--num-redundant-experts", "2", "--tbo", "--eplb", "127.0.0.1:9")
+    assert specs["prefill-0"].args[-len(ep) :] == ep
+    assert specs["decode-0"].args[-len(ep) :] == ep
+    assert not set(ep) & set(specs["unified-0"].args)
+    # on two GPUs the EP-2 pair shares them; the unified instance is one more process
+    specs = instances(config("--unified", "1", "--ep-size", "2", gpus=("0", "1")))
+    assert {n: s.env["CUDA_VISIBLE_DEVICES"] for n, s in specs.items()} == {
+        "prefill-0": "0,1",
+        "decode-0": "0,1",
+        "unified-0": "0",
+    }
+    assert flag(specs["unified-0"], "--mem-fraction") == "0.2833"  # GPU 0 runs 3 processes
+    assert flag(specs["decode-0"], "--mem-fraction") == "0.2833"
+
+
 def test_unified_ready_line_is_recognised() -> None:
     m = _READY.search("unified unified-x1 listening on 127.0.0.1:5051\n")
     assert m is not None and m.group(2, 3) == ("127.0.0.1", "5051")
@@ -147,6 +165,11 @@ def test_device_cuda_n_puts_every_instance_on_that_gpu() -> None:
         (["--prefill", "1", "--decode", "0"], (), "--prefill and --decode go together"),
         (["--prefill", "0", "--decode", "2"], (), "--prefill and --decode go together"),
         (["--prefill", "0", "--decode", "0"], (), "nothing to serve: .* needs --unified N"),
+        (
+            ["--prefill", "0", "--decode", "0", "--unified", "1", "--ep-size", "2"],
+            (),
+            "a --unified instance is one process",
+        ),
         (["--decode-gpus", "0"], (), "--decode-gpus: no GPU is visible"),
         (["--device", "cpu", "--prefill-gpus", "0"], ("0",), "but --device is cpu"),
         (["--device", "cuda"], (), "--device cuda: no GPU is visible"),

@@ -353,3 +353,40 @@ def test_up_runs_expert_parallel_groups_with_eplb(cache_env: dict[str, str]) -> 
             assert len(json.loads(resp.read())["token_ids"]) == 4
     finally:
         up.close()
+
+
+def test_unified_only_mesh_serves_the_engines_greedy_tokens(cache_env: dict[str, str]) -> None:
+    """``up --prefill 0 --decode 0 --unified 1``: kv_broker, one unified instance and the
+    gateway; a REST request gets the tokens the in-process engine gives."""
+    import json
+
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    http_port = free_port()
+    up = UpProcess(
+        ["--prefill", "0", "--decode", "0", "--unified", "1", "--http-port", str(http_port)]
+        + ["--grpc-port", "0"],
+        cache_env,
+    )
+    try:
+        up.wait_for(r"^Ctrl-C to stop\.", timeout=90)
+        services = up.ready_services()
+        assert set(services) == {"kv-broker", "unified-0", "gateway"}
+        [instance] = list_instances(services["kv-broker"][0])
+        assert instance.grpc_address == services["unified-0"][0]
+        prompt = [5, 6, 7, 8, 9]
+        body = {"input_ids": prompt, "sampling": {"max_new_tokens": 6, "temperature": 0}}
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{http_port}/v1/generate", data=json.dumps(body).encode()
+        )
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            got = json.loads(resp.read())["token_ids"]
+        model = up.wait_for(r"^dsmesh up: model (\S+)$", timeout=1).group(1)
+        engine = LLMEngine(EngineConfig(model=model, device="cpu"))
+        [want] = engine.generate([prompt], SamplingParams(max_new_tokens=6, temperature=0.0))
+        assert got == want.output_ids
+        up.process.send_signal(signal.SIGTERM)
+        assert up.process.wait(20) == 0, up.output
+    finally:
+        up.close()
