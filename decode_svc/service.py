@@ -36,6 +36,7 @@ class DecodeConfig:
     metrics_port: int = 0  # Prometheus /metrics port; 0 = off
     handoff_timeout_s: float = 30.0
     release_quarantine_s: float = 10.0
+    reserve_wait_s: float = 10.0
     tls: TLSConfig = TLSConfig()  # every gRPC server and channel of the process; off by default
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     ep_rank: RankSpec | None = None  # set on each rank of an expert-parallel group
@@ -58,6 +59,7 @@ async def _serve(
         instance_id,
         handoff_timeout_s=config.handoff_timeout_s,
         release_quarantine_s=config.release_quarantine_s,
+        reserve_wait_s=config.reserve_wait_s,
     )
     instance = kb.Instance(
         instance_id=instance_id, role=kb.ROLE_DECODE, transfer_session=parts.pool.session

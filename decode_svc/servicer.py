@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from engine.errors import InvalidRequestError
 from engine.kv_cache import OutOfPagesError
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.request import RequestStatus
+from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,9 @@ class DecodeLimits:
     handoff_timeout_s: float = 30.0
     release_quarantine_s: float = 10.0  # longest wait for prefill's release before page reuse
     broker_rpc_timeout_s: float = 5.0
+    # a request waits this long (in arrival order) for pages and a running slot; then
+    # RESOURCE_EXHAUSTED. Routers that follow GetLoad rarely make it wait at all.
+    reserve_wait_s: float = 10.0
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -58,6 +63,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.limits = limits
         self.active: set[str] = set()
         self.waiting_handoffs = 0
+        self._room_queue: deque[object] = deque()  # requests waiting for pages, oldest first
+        self._room_freed = asyncio.Event()  # pages or a slot may have come free
         self.metrics = None  # dsmesh.service_metrics.InstanceMetrics, when served
         self._background = BackgroundTasks()
 
@@ -83,7 +90,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             else self.limits.handoff_timeout_s
         )
         try:
-            pages = await self.worker.call(lambda e: list(e.reserve(prompt, params, rid).pages))
+            pages = await self._reserve(rid, prompt, params)
         except InvalidRequestError as exc:
             self.active.discard(rid)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -155,6 +162,31 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             else:  # the id stays taken until its pages are free
                 self._spawn(self._forget_after(rid, freeing))
 
+    async def _reserve(self, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
+        """Pages (and a running slot) for the request: at once, or when enough come free, in
+        arrival order, for up to ``reserve_wait_s``; OutOfPagesError after that."""
+        ticket = object()
+        self._room_queue.append(ticket)
+        deadline = time.monotonic() + self.limits.reserve_wait_s
+        try:
+            while True:
+                if self._room_queue[0] is ticket:
+                    got = await self.worker.call(lambda e: _try_reserve(e, prompt, params, rid))
+                    if isinstance(got, list):
+                        return got
+                    why = got
+                else:
+                    why = "requests before it are still waiting for room"
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise OutOfPagesError(f"{why} (waited {self.limits.reserve_wait_s:g} s)")
+                self._room_freed.clear()
+                with contextlib.suppress(TimeoutError):  # also catches frees we do not see
+                    await asyncio.wait_for(self._room_freed.wait(), min(remaining, 0.05))
+        finally:
+            self._room_queue.remove(ticket)
+            self._room_freed.set()  # the next in line tries now
+
     async def _handoff(
         self,
         rid: str,
@@ -222,20 +254,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await context.abort(code, f"kv_broker refused the reservation: {exc.details()}")
         self.waiting_handoffs += 1
         try:
-            deadline = time.monotonic() + timeout_s + self.limits.broker_rpc_timeout_s
+            # kv_broker owns the deadline, which follows prefill's work (docs/PD.md); the
+            # call's own deadline (the client's) bounds this loop too.
+            wait_ms = 10_000
             while True:
-                remaining = deadline - time.monotonic()
-                wait_ms = int(max(0.0, min(remaining, 10.0)) * 1000)
                 status = await stub.Await(
                     kb.AwaitRequest(request_id=rid, wait_ms=wait_ms),
                     timeout=wait_ms / 1000 + self.limits.broker_rpc_timeout_s,
                 )
-                if status.state in (kb.HANDOFF_RESERVED, kb.HANDOFF_TRANSFERRING):
-                    if remaining > 0:
-                        continue
-                    status.state = kb.HANDOFF_TIMED_OUT
-                    status.message = "no answer from kv_broker before the handoff deadline"
-                return status
+                if status.state not in (kb.HANDOFF_RESERVED, kb.HANDOFF_TRANSFERRING):
+                    return status
         except grpc.aio.AioRpcError as exc:
             return kb.HandoffStatus(
                 request_id=rid,
@@ -263,6 +291,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             count += len(out.new_token_ids)
             if self.metrics is not None:
                 self.metrics.generated_tokens.inc(len(out.new_token_ids))
+            if out.finished:
+                self._room_freed.set()  # its pages and slot are free
             yield _Out(out.new_token_ids, out.finished, out.finish_reason, count)
             if out.finished:
                 return
@@ -298,6 +328,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await freeing
         finally:
             self.active.discard(rid)
+            self._room_freed.set()
 
     async def _cleanup(self, rid: str, prefill_may_write: bool) -> None:
         """Client went away or the stream failed: abort on both sides, free pages safely."""
@@ -351,14 +382,31 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             )
 
         free, total, running = await self.worker.call(load)
+        engine_config = self.worker.engine.config
         return decode_pb2.DecodeLoad(
             instance_id=self.limits.instance_id,
             free_pages=free,
             total_pages=total,
             running_requests=running,
-            waiting_handoffs=self.waiting_handoffs,
-            page_size=self.worker.engine.config.page_size,
+            waiting_handoffs=self.waiting_handoffs + len(self._room_queue),
+            page_size=engine_config.page_size,
+            max_running_requests=engine_config.max_running_requests,
         )
+
+
+def _try_reserve(
+    engine: LLMEngine, prompt: list[int], params: SamplingParams, rid: str
+) -> list[int] | str:
+    """Engine thread: the request's pages and a running slot now, or why not. A slot is held
+    from the reservation on, so the running batch never outgrows ``max_running_requests``
+    (the largest CUDA graph). Invalid requests raise InvalidRequestError."""
+    held = len(engine.requests)
+    if held >= engine.config.max_running_requests:
+        return f"all {held} request slots are taken (--max-running-requests)"
+    try:
+        return list(engine.reserve(prompt, params, rid).pages)
+    except OutOfPagesError as exc:
+        return str(exc)
 
 
 class _Refused(Exception):

@@ -31,6 +31,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="seconds a request may wait for its prompt KV (default 30)",
     )
     p.add_argument(
+        "--reserve-wait",
+        type=float,
+        default=10.0,
+        help="seconds a request may wait, in arrival order, for KV pages and a running slot "
+        "before RESOURCE_EXHAUSTED (default 10)",
+    )
+    p.add_argument(
         "--release-quarantine",
         type=float,
         default=10.0,
@@ -49,5 +56,6 @@ def run(args: argparse.Namespace) -> int:
         **instance_fields_from(args),
         handoff_timeout_s=args.handoff_timeout,
         release_quarantine_s=args.release_quarantine,
+        reserve_wait_s=args.reserve_wait,
     )
     return run_instance("decode", serve, config, args, deepep_mode="low_latency")

@@ -36,6 +36,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=262144,
         help="prompt tokens admitted and unfinished at most; beyond it RESOURCE_EXHAUSTED",
     )
+    p.add_argument(
+        "--max-transfer-backlog",
+        type=float,
+        default=1.0,
+        help="new prompts wait while the queued KV writes would take longer than this many "
+        "seconds at the measured transfer rate (default 1)",
+    )
     add_security_args(p)
     add_ep_args(p)
     add_engine_args(p, prefix_cache_default=True)
@@ -49,5 +56,6 @@ def run(args: argparse.Namespace) -> int:
         **instance_fields_from(args),
         resolve_wait_s=args.resolve_wait,
         max_queued_tokens=args.max_queued_tokens,
+        max_transfer_backlog_s=args.max_transfer_backlog,
     )
     return run_instance("prefill", serve, config, args, deepep_mode="normal")

@@ -37,6 +37,7 @@ class PrefillConfig:
     metrics_port: int = 0  # Prometheus /metrics port; 0 = off
     resolve_wait_s: float = 30.0
     max_queued_tokens: int = 262144
+    max_transfer_backlog_s: float = 1.0
     tls: TLSConfig = TLSConfig()  # every gRPC server and channel of the process; off by default
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     ep_rank: RankSpec | None = None  # set on each rank of an expert-parallel group
@@ -68,6 +69,7 @@ async def _serve(
             instance_id,
             resolve_wait_s=config.resolve_wait_s,
             max_queued_tokens=config.max_queued_tokens,
+            max_transfer_backlog_s=config.max_transfer_backlog_s,
         ),
     )
     broker.on_event = servicer.on_broker_event
