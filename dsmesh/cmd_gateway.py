@@ -10,10 +10,11 @@ from dsmesh.cli_common import add_security_args, api_keys_from, tls_config_from
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "gateway",
-        help="serve the public API (gRPC, REST, OpenAI) and route to prefill/decode",
+        help="serve the public API (gRPC, REST, OpenAI) and route to prefill/decode or unified",
         description="Gateway: gRPC dsmesh.v1.Generation, REST transcoded from its "
         "google.api.http annotations, OpenAI-compatible routes, /health and /metrics. "
-        "Prefill and decode instances are discovered through kv_broker.",
+        "Prefill, decode and unified instances are discovered through kv_broker. Requests "
+        "wait in a FIFO queue until an instance has room for them (docs/GATEWAY.md).",
     )
     p.add_argument("--broker", required=True, help="kv_broker address HOST:PORT")
     p.add_argument("--model", default=None, help="checkpoint folder (tokenizer, chat template)")
@@ -30,7 +31,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-inflight",
         type=int,
         default=512,
-        help="requests in flight at most; beyond it clients get 429 / RESOURCE_EXHAUSTED",
+        help="requests dispatched to instances at most; more wait in the queue (default 512)",
+    )
+    p.add_argument(
+        "--max-queued",
+        type=int,
+        default=1024,
+        help="requests waiting in the gateway's queue at most; beyond it clients get 429 / "
+        "RESOURCE_EXHAUSTED (default 1024; 0: no queue)",
     )
     add_security_args(p, api_keys=True)
     p.set_defaults(func=run)
@@ -52,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         handoff_timeout_s=args.handoff_timeout,
         max_body_bytes=args.max_body_bytes,
         max_inflight=args.max_inflight,
+        max_queued=args.max_queued,
         tls=tls_config_from(args),
         max_message_bytes=args.max_message_bytes,
         api_keys=api_keys_from(args),

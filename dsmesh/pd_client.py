@@ -1,4 +1,5 @@
-"""Drive one request through a (prefill, decode) pair: the client half of PD.
+"""Drive one request through a (prefill, decode) pair, the client half of PD, or through a
+unified instance (:func:`generate_unified`).
 
 Decode's ``Decode`` stream and prefill's ``Prefill`` call start together; decode reserves
 pages, prefill writes the KV into them and commits the first token through kv_broker, and
@@ -140,6 +141,43 @@ async def generate_pd(
             for task in stopping:
                 with contextlib.suppress(Exception, asyncio.CancelledError):
                     await task
+
+
+async def generate_unified(
+    unified: decode_pb2_grpc.DecodeStub,
+    request_id: str,
+    input_ids: list[int],
+    sampling: generation_pb2.SamplingParams,
+    timeout_s: float = 120.0,
+) -> AsyncIterator[decode_pb2.DecodeResponse]:
+    """Yield a unified instance's messages (it prefills and decodes; no handoff); raise
+    :class:`PDError` on failure. Cancelling the iterator (or leaving it early) cancels the
+    call, which frees the request's pages there."""
+    call = unified.Decode(
+        decode_pb2.DecodeRequest(request_id=request_id, input_ids=input_ids, sampling=sampling),
+        timeout=timeout_s,
+    )
+    finished = False
+    messages = call.__aiter__()
+    try:
+        while True:
+            try:
+                message = await anext(messages)
+            except StopAsyncIteration:
+                finished = True
+                break
+            if message.finish_reason:
+                await _drain(messages, 1.0)  # as in generate_pd: the call completes first
+                finished = True
+                yield message
+                break
+            yield message
+    except grpc.aio.AioRpcError as exc:
+        raise PDError(exc.code(), f"unified: {exc.details()}") from None
+    finally:
+        if not finished:
+            call.cancel()
+            await _drain(messages, 0.5)
 
 
 def _failed(task: asyncio.Future) -> bool:

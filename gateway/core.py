@@ -1,7 +1,8 @@
 """The gateway's request pipeline, shared by gRPC, REST and the OpenAI routes.
 
-validate + tokenise -> pick a (prefill, decode) pair -> run PD -> detokenise incrementally,
-apply stop strings -> stream deltas. No protocol code here: callers convert.
+validate + tokenise -> admission (wait in the queue until a target has room) -> run it on a
+(prefill, decode) pair or a unified instance -> detokenise incrementally, apply stop strings
+-> stream deltas. No protocol code here: callers convert.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -20,14 +21,23 @@ from opentelemetry.context import Context
 
 from dsmesh import telemetry
 from dsmesh.convert import sampling_to_proto
-from dsmesh.pd_client import PDError, generate_pd
+from dsmesh.pd_client import PDError, generate_pd, generate_unified
 from dsmesh.v1 import generation_pb2
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError, check_prompt
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from gateway.admission import (
+    AdmissionError,
+    AdmissionQueue,
+    QueueFull,
+    Ticket,
+    TooLarge,
+    Unroutable,
+)
 from gateway.metrics import GatewayMetrics
-from gateway.registry import Instance, InstanceRegistry, NoInstanceError
+from gateway.registry import Instance, InstanceRegistry
+from gateway.routing import Target
 from gateway.stop_strings import StopStringMatcher
 
 log = logging.getLogger(__name__)
@@ -68,8 +78,28 @@ class Delta:
 class CoreLimits:
     request_timeout_s: float = 600.0
     handoff_timeout_s: float = 30.0
-    route_wait_s: float = 5.0  # how long a request may wait for a healthy instance pair
-    max_inflight: int = 512  # requests in flight at most; more get RESOURCE_EXHAUSTED (429)
+    route_wait_s: float = 5.0  # how long requests wait while no instance can serve at all
+    max_inflight: int = 512  # requests dispatched to instances at most; more wait in the queue
+    max_queued: int = 1024  # requests waiting in the queue at most; more get 429
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an admitted request runs: ``prefill`` is None on a unified instance."""
+
+    target: Target
+    decode: Instance  # the decode or unified instance: it streams the tokens
+    prefill: Instance | None
+
+
+class _AbortedInQueue(Exception):
+    """The Abort RPC took a request out of the queue."""
+
+
+_ADMISSION_CODES = {
+    QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unroutable: grpc.StatusCode.UNAVAILABLE,
+}
 
 
 class GenerationCore:
@@ -86,9 +116,11 @@ class GenerationCore:
         self.model_config = model_config
         self.metrics = metrics
         self.limits = limits
-        # request_id -> its (prefill, decode) instances; None while it is being routed
-        self.active: dict[str, tuple[Instance, Instance] | None] = {}
-        self.inflight = 0
+        self.admission = AdmissionQueue(limits.max_inflight, limits.max_queued)
+        # request_id -> where it runs; None while it waits for admission
+        self.active: dict[str, Placement | None] = {}
+        self._queued: dict[str, asyncio.Future[Placement]] = {}
+        registry.on_update.append(self._pump)
 
     # ---- validation -------------------------------------------------------------------------
 
@@ -130,97 +162,156 @@ class GenerationCore:
     async def generate(
         self, inp: GenerationInput, trace_parent: Context | None = None
     ) -> AsyncIterator[Delta]:
-        """Stream deltas; the last one has ``finish_reason``. Leaving early cancels both
-        sides of the request (pages are freed). ``trace_parent``: the caller's trace context
-        (an HTTP traceparent, or the gRPC server span); the request's spans hang below it."""
+        """Stream deltas; the last one has ``finish_reason``. The request first waits its turn
+        in the admission queue (part of its time to first token). Leaving early cancels it
+        wherever it is: out of the queue, or on both sides of the mesh (pages are freed).
+        ``trace_parent``: the caller's trace context (an HTTP traceparent, or the gRPC server
+        span); the request's spans hang below it."""
         if inp.request_id in self.active:
             self.metrics.requests.labels("rejected").inc()
             raise GatewayError(
                 grpc.StatusCode.ALREADY_EXISTS,
                 f"request_id {inp.request_id!r} is already in flight; a request id is used once",
             )
-        if self.inflight >= self.limits.max_inflight:
-            self.metrics.requests.labels("rejected").inc()
-            raise GatewayError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the gateway is at capacity ({self.inflight} requests in flight); retry later",
-            )
-        self.inflight += 1
         self.active[inp.request_id] = None  # taken before the first await: no duplicate runs
         start = time.monotonic()
         m = self.metrics
         m.waiting.inc()
-        state = {"waiting": True, "running": False, "outcome": "error"}
+        state = {"waiting": True, "running": False, "outcome": "error", "held": True}
+        span = telemetry.tracer().start_span(
+            "gateway.request",
+            context=trace_parent,
+            kind=trace.SpanKind.SERVER,
+            attributes={
+                "dsmesh.request_id": inp.request_id,
+                "dsmesh.prompt_tokens": len(inp.prompt_ids),
+            },
+        )
+        ctx = trace.set_span_in_context(span, trace_parent)
         try:
-            prefill, decode = await self._route(inp)
-            self.active[inp.request_id] = (prefill, decode)
-            m.prompt_tokens.inc(len(inp.prompt_ids))
-            span = telemetry.tracer().start_span(
-                "gateway.request",
-                context=trace_parent,
-                kind=trace.SpanKind.SERVER,
-                attributes={
-                    "dsmesh.request_id": inp.request_id,
-                    "dsmesh.prompt_tokens": len(inp.prompt_ids),
-                    "dsmesh.prefill": prefill.instance_id,
-                    "dsmesh.decode": decode.instance_id,
-                },
-            )
-            ctx = trace.set_span_in_context(span, trace_parent)
             try:
-                async for delta in self._stream(inp, prefill, decode, start, state, ctx):
-                    yield delta
-            except GatewayError as exc:
-                if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    state["outcome"] = "rejected"  # a full prefill or decode refused it
-                span.set_status(trace.StatusCode.ERROR, exc.message)
-                raise
-            except (asyncio.CancelledError, GeneratorExit):
-                if state["outcome"] == "error":
-                    state["outcome"] = "cancelled"  # the client went away
-                raise
-            finally:
-                span.set_attribute("dsmesh.outcome", state["outcome"])
-                span.end()
+                placed = await self._admit(inp, ctx)
+            except _AbortedInQueue:
+                state["outcome"] = "abort"
+                yield Delta([], "", "abort", len(inp.prompt_ids), 0)
+                return
+            self.active[inp.request_id] = placed
+            m.prompt_tokens.inc(len(inp.prompt_ids))
+            if placed.prefill is None:
+                span.set_attribute("dsmesh.unified", placed.decode.instance_id)
+            else:
+                span.set_attribute("dsmesh.prefill", placed.prefill.instance_id)
+                span.set_attribute("dsmesh.decode", placed.decode.instance_id)
+            async for delta in self._stream(inp, placed, start, state, ctx):
+                yield delta
+        except GatewayError as exc:
+            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                state["outcome"] = "rejected"  # the queue, or a full prefill or decode
+                state["held"] = False  # refused before it took pages
+            span.set_status(trace.StatusCode.ERROR, exc.message)
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            if state["outcome"] == "error":
+                state["outcome"] = "cancelled"  # the client went away
+            raise
         finally:
-            self.inflight -= 1
+            span.set_attribute("dsmesh.outcome", state["outcome"])
+            span.end()
             self.active.pop(inp.request_id, None)
+            self.admission.release(inp.request_id, time.monotonic(), held=state["held"])
+            self._pump()  # what it held may let the next one in
             if state["waiting"]:
                 m.waiting.dec()
             if state["running"]:
                 m.running.dec()
             m.requests.labels(state["outcome"]).inc()
 
-    async def _route(self, inp: GenerationInput):
-        deadline = time.monotonic() + self.limits.route_wait_s
-        while True:
-            try:
-                total = len(inp.prompt_ids) + inp.params.max_new_tokens
-                return self.registry.pick(len(inp.prompt_ids), 0, total)
-            except NoInstanceError as exc:
-                if time.monotonic() > deadline:
-                    raise GatewayError(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
-                await self.registry.wait_healthy(max(0.0, deadline - time.monotonic()))
+    async def _admit(self, inp: GenerationInput, ctx: Context) -> Placement:
+        """Wait until the admission queue hands this request a target; raises GatewayError
+        (RESOURCE_EXHAUSTED when the queue is full, INVALID_ARGUMENT when no instance could
+        ever hold it, UNAVAILABLE when no instance can serve for ``route_wait_s``)."""
+        prompt = len(inp.prompt_ids)
+        total = min(prompt + inp.params.max_new_tokens, self.model_config.max_position_embeddings)
+        ticket = Ticket(inp.request_id, prompt, total)
+        try:
+            target = self.admission.submit(ticket, self.registry.loads(), time.monotonic())
+        except AdmissionError as exc:
+            raise _gateway_error(exc) from None
+        if target is not None:
+            return self._place(target)
+        future: asyncio.Future[Placement] = asyncio.get_running_loop().create_future()
+        self._queued[inp.request_id] = future
+        self.metrics.queued.inc()
+        try:
+            with telemetry.tracer().start_as_current_span("gateway.queue", context=ctx):
+                return await future
+        finally:
+            self._queued.pop(inp.request_id, None)
+            self.metrics.queued.dec()
 
-    async def _stream(self, inp, prefill, decode, start, state, ctx) -> AsyncIterator[Delta]:
+    def _pump(self) -> None:
+        """Hand targets to waiting requests that fit now (after a poll, or a request ended)."""
+        pumped = self.admission.pump(
+            self.registry.loads(), time.monotonic(), self.limits.route_wait_s
+        )
+        for ticket, target in pumped.dispatched:
+            future = self._queued.get(ticket.request_id)
+            if future is None or future.done():  # gone already: give the target back
+                self.admission.release(ticket.request_id, time.monotonic(), held=False)
+                continue
+            try:
+                future.set_result(self._place(target))
+            except GatewayError as exc:
+                self.admission.release(ticket.request_id, time.monotonic(), held=False)
+                future.set_exception(exc)
+        for ticket, error in pumped.failed:
+            future = self._queued.get(ticket.request_id)
+            if future is not None and not future.done():
+                future.set_exception(_gateway_error(error))
+
+    def _place(self, target: Target) -> Placement:
+        decode = self.registry.instances.get(target.instance_id)
+        prefill = (
+            None if target.prefill_id is None else self.registry.instances.get(target.prefill_id)
+        )
+        if decode is None or (target.prefill_id is not None and prefill is None):
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, "the chosen instance just left")
+        return Placement(target, decode, prefill)
+
+    async def _stream(
+        self, inp: GenerationInput, placed: Placement, start: float, state: dict, ctx: Context
+    ) -> AsyncIterator[Delta]:
         m = self.metrics
         detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
         stops = StopStringMatcher(inp.params.stop)
         completion = 0
         last = start
         sampling: generation_pb2.SamplingParams = sampling_to_proto(inp.params)
-        stream = generate_pd(
-            prefill.stub,
-            decode.stub,
-            inp.request_id,
-            inp.prompt_ids,
-            sampling,
-            timeout_s=self.limits.request_timeout_s,
-            handoff_timeout_s=self.limits.handoff_timeout_s,
-            broker=self.registry.broker,
-        )
+        if placed.prefill is None:
+            stream = generate_unified(
+                placed.decode.stub,  # type: ignore[arg-type]
+                inp.request_id,
+                inp.prompt_ids,
+                sampling,
+                timeout_s=self.limits.request_timeout_s,
+            )
+        else:
+            stream = generate_pd(
+                placed.prefill.stub,  # type: ignore[arg-type]
+                placed.decode.stub,  # type: ignore[arg-type]
+                inp.request_id,
+                inp.prompt_ids,
+                sampling,
+                timeout_s=self.limits.request_timeout_s,
+                handoff_timeout_s=self.limits.handoff_timeout_s,
+                broker=self.registry.broker,
+            )
         try:
-            async for msg in _first_in_context(stream, ctx):
+
+            def on_start() -> None:  # from now on, load reports account for the request
+                self.admission.started(inp.request_id, time.monotonic())
+
+            async for msg in _first_in_context(stream, ctx, on_start):
                 now = time.monotonic()
                 tokens = list(msg.token_ids)
                 if tokens:
@@ -262,26 +353,41 @@ class GenerationCore:
                 await stream.aclose()
 
     async def abort(self, request_id: str) -> bool:
-        """Abort a running request: decode ends its stream with finish_reason "abort"."""
-        pair = self.active.get(request_id)
-        if pair is None:
+        """Abort a request: one still in the queue leaves it, one running is aborted where it
+        runs; either way its stream ends with finish_reason "abort"."""
+        future = self._queued.get(request_id)
+        if future is not None and self.admission.is_waiting(request_id):
+            self.admission.release(request_id, time.monotonic())
+            if not future.done():
+                future.set_exception(_AbortedInQueue())
+            return True
+        placed = self.active.get(request_id)
+        if placed is None:
             return False
         from dsmesh.v1 import generation_pb2 as g
 
-        prefill, decode = pair
         req = g.AbortRequest(request_id=request_id)
-        results = await asyncio.gather(
-            decode.stub.Abort(req, timeout=5),
-            prefill.stub.Abort(req, timeout=5),
-            return_exceptions=True,
-        )
+        calls = [placed.decode.stub.Abort(req, timeout=5)]
+        if placed.prefill is not None:
+            calls.append(placed.prefill.stub.Abort(req, timeout=5))
+        results = await asyncio.gather(*calls, return_exceptions=True)
         return any(getattr(r, "aborted", False) for r in results)
 
 
-async def _first_in_context(stream: AsyncIterator, ctx: Context) -> AsyncIterator:
-    """Advance ``stream`` the first time with ``ctx`` current: generate_pd starts its two
-    calls then, so they (and everything downstream) join the request's trace."""
+def _gateway_error(exc: AdmissionError) -> GatewayError:
+    if isinstance(exc, TooLarge):
+        return invalid(exc.field, str(exc))
+    return GatewayError(_ADMISSION_CODES.get(type(exc), grpc.StatusCode.UNAVAILABLE), str(exc))
+
+
+async def _first_in_context(
+    stream: AsyncIterator, ctx: Context, on_start: Callable[[], None]
+) -> AsyncIterator:
+    """Advance ``stream`` the first time with ``ctx`` current: generate_pd (or
+    generate_unified) starts its calls then, so they (and everything downstream) join the
+    request's trace. ``on_start`` runs just before: the calls begin at that moment."""
     with telemetry.attached(ctx):
+        on_start()
         try:
             first = await anext(stream)
         except StopAsyncIteration:

@@ -59,6 +59,7 @@ def build_app(
             "kv_broker": reg.broker_ok,
             "prefill": len(reg.healthy_of(kb.ROLE_PREFILL)),
             "decode": len(reg.healthy_of(kb.ROLE_DECODE)),
+            "unified": len(reg.healthy_of(kb.ROLE_UNIFIED)),
         }
         return web.json_response({"status": "unavailable", **detail}, status=503)
 

@@ -28,7 +28,7 @@ LATENCY_BUCKETS = (
 
 
 class _KVPages(Collector):
-    """KV page gauges summed over decode instances, read at scrape time."""
+    """KV page gauges summed over decode and unified instances, read at scrape time."""
 
     def __init__(self, read: Callable[[], tuple[int, int]]) -> None:
         self._read = read
@@ -37,11 +37,13 @@ class _KVPages(Collector):
         used, free = self._read()
         yield GaugeMetricFamily(
             "dsmesh_kv_pages_used",
-            "KV pages held by requests, summed over decode instances",
+            "KV pages held by requests, summed over decode and unified instances",
             value=used,
         )
         yield GaugeMetricFamily(
-            "dsmesh_kv_pages_free", "free KV pages, summed over decode instances", value=free
+            "dsmesh_kv_pages_free",
+            "free KV pages, summed over decode and unified instances",
+            value=free,
         )
 
 
@@ -73,7 +75,12 @@ class GatewayMetrics:
         self.running = Gauge("dsmesh_requests_running", "requests streaming tokens", registry=r)
         self.waiting = Gauge(
             "dsmesh_requests_waiting",
-            "requests admitted, waiting for their first token",
+            "requests waiting for their first token (queued at the gateway or dispatched)",
+            registry=r,
+        )
+        self.queued = Gauge(
+            "dsmesh_requests_queued",
+            "requests waiting in the gateway's admission queue for an instance with room",
             registry=r,
         )
         r.register(_KVPages(kv_pages))

@@ -1,9 +1,10 @@
 """The gateway's view of the mesh: instances discovered through kv_broker, and their load.
 
-Prefill and decode instances attach to kv_broker with their gRPC address, so the gateway
-needs only the broker's address: it lists instances every second and polls each one's
+Prefill, decode and unified instances attach to kv_broker with their gRPC address, so the
+gateway needs only the broker's address: it lists instances every second and polls each one's
 ``GetLoad`` a few times a second. An instance that stops answering is skipped by routing
-until it answers again; one that leaves the broker's list is dropped.
+until it answers again; one that leaves the broker's list is dropped. Listeners
+(``on_update``) run after every poll round and every change of the list.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 
@@ -20,13 +22,13 @@ from dsmesh.grpc_server import channel
 from dsmesh.v1 import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
-from gateway.routing import DecodeLoad, PrefillLoad, choose_decode, choose_prefill
+from gateway.admission import MeshLoads
+from gateway.routing import DecodeLoad, PrefillLoad
 
 log = logging.getLogger(__name__)
 
 
-class NoInstanceError(Exception):
-    """No healthy prefill or decode instance to route to."""
+ROLES = (kb.ROLE_PREFILL, kb.ROLE_DECODE, kb.ROLE_UNIFIED)
 
 
 @dataclass
@@ -37,6 +39,7 @@ class Instance:
     channel: grpc.aio.Channel
     stub: prefill_pb2_grpc.PrefillStub | decode_pb2_grpc.DecodeStub
     load: PrefillLoad | DecodeLoad | None = None
+    asked_at: float = 0.0  # monotonic time ``load`` was asked for
     healthy: bool = False
 
 
@@ -52,7 +55,7 @@ class InstanceRegistry:
         self.broker_ok = False
         self.instances: dict[str, Instance] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self.changed = asyncio.Event()
+        self.on_update: list[Callable[[], None]] = []
 
     def start(self) -> None:
         self._tasks = [
@@ -76,59 +79,44 @@ class InstanceRegistry:
         return [i for i in self.instances.values() if i.role == role and i.healthy]
 
     def is_healthy(self) -> bool:
-        return (
-            self.broker_ok
-            and bool(self.healthy_of(kb.ROLE_PREFILL))
-            and bool(self.healthy_of(kb.ROLE_DECODE))
+        """Reaches kv_broker and can route: a unified instance, or a prefill and a decode."""
+        return self.broker_ok and (
+            bool(self.healthy_of(kb.ROLE_UNIFIED))
+            or (bool(self.healthy_of(kb.ROLE_PREFILL)) and bool(self.healthy_of(kb.ROLE_DECODE)))
         )
 
     def kv_pages(self) -> tuple[int, int]:
-        """(used, free) KV pages summed over healthy decode instances."""
+        """(used, free) KV pages summed over healthy decode and unified instances."""
         used = free = 0
-        for inst in self.healthy_of(kb.ROLE_DECODE):
+        for inst in self.healthy_of(kb.ROLE_DECODE) + self.healthy_of(kb.ROLE_UNIFIED):
             load = inst.load
             if isinstance(load, DecodeLoad):
                 used += load.total_pages - load.free_pages
                 free += load.free_pages
         return used, free
 
-    def pick(
-        self, prompt_tokens: int, pages_needed: int, total_tokens: int = 0
-    ) -> tuple[Instance, Instance]:
-        """Choose a (prefill, decode) pair and account for the request until the next poll:
-        the decode's free pages drop by what ``total_tokens`` (prompt + new) will take, so a
-        burst of requests between two polls spreads instead of herding onto one instance."""
-        prefills = {i.instance_id: i for i in self.healthy_of(kb.ROLE_PREFILL)}
-        decodes = {i.instance_id: i for i in self.healthy_of(kb.ROLE_DECODE)}
-        p = choose_prefill([i.load for i in prefills.values() if isinstance(i.load, PrefillLoad)])
-        d = choose_decode(
-            [i.load for i in decodes.values() if isinstance(i.load, DecodeLoad)], pages_needed
-        )
-        if p is None or d is None:
-            missing = "prefill" if p is None else "decode"
-            raise NoInstanceError(f"no healthy {missing} instance")
-        pre, dec = prefills[p.instance_id], decodes[d.instance_id]
-        pre.load = replace(
-            p,
-            waiting_tokens=p.waiting_tokens + prompt_tokens,
-            running_requests=p.running_requests + 1,
-        )
-        dec.load = replace(
-            d,
-            free_pages=max(0, d.free_pages - max(pages_needed, d.pages_for(total_tokens))),
-            running_requests=d.running_requests + 1,
-        )
-        return pre, dec
+    def loads(self) -> MeshLoads:
+        """The latest load of every healthy instance (none while kv_broker is unreachable)."""
+        if not self.broker_ok:
+            return MeshLoads()
+        polled = [i for i in self.instances.values() if i.healthy and i.load is not None]
 
-    async def wait_healthy(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while not self.is_healthy():
-            if time.monotonic() > deadline:
-                return False
-            self.changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), 0.1)
-        return True
+        def of(role: int) -> tuple:
+            return tuple(i.load for i in polled if i.role == role)
+
+        return MeshLoads(
+            prefills=of(kb.ROLE_PREFILL),
+            decodes=of(kb.ROLE_DECODE),
+            unifieds=of(kb.ROLE_UNIFIED),
+            asked_at={i.instance_id: i.asked_at for i in polled},
+        )
+
+    def _notify(self) -> None:
+        for listener in list(self.on_update):
+            try:
+                listener()
+            except Exception:  # a listener must never stop discovery or polling
+                log.exception("registry listener failed")
 
     # ---- polling ---------------------------------------------------------------------------
 
@@ -147,13 +135,13 @@ class InstanceRegistry:
             except Exception:  # never let discovery die
                 log.exception("instance discovery failed")
                 self.broker_ok = False
-            self.changed.set()
+            self._notify()
             await asyncio.sleep(1.0 if self.broker_ok else 0.25)
 
     def _sync(self, listed) -> None:
         seen = set()
         for desc in listed:
-            if desc.role not in (kb.ROLE_PREFILL, kb.ROLE_DECODE) or not desc.grpc_address:
+            if desc.role not in ROLES or not desc.grpc_address:
                 continue
             seen.add(desc.instance_id)
             known = self.instances.get(desc.instance_id)
@@ -180,10 +168,11 @@ class InstanceRegistry:
             if insts:
                 # return_exceptions: one instance's failure must never end this loop
                 await asyncio.gather(*(self._poll(i) for i in insts), return_exceptions=True)
-                self.changed.set()
+            self._notify()  # also with no instance: waiting requests time out
             await asyncio.sleep(self.poll_interval_s)
 
     async def _poll(self, inst: Instance) -> None:
+        asked_at = time.monotonic()
         try:
             msg = await inst.stub.GetLoad(prefill_pb2.LoadRequest(), timeout=self.rpc_timeout_s)
         except asyncio.CancelledError:
@@ -196,7 +185,9 @@ class InstanceRegistry:
             inst.healthy = False
             return
         if inst.role == kb.ROLE_PREFILL:
-            inst.load = PrefillLoad(inst.instance_id, msg.waiting_tokens, msg.running_requests)
+            inst.load = PrefillLoad(
+                inst.instance_id, msg.waiting_tokens, msg.running_requests, msg.max_queued_tokens
+            )
         else:
             inst.load = DecodeLoad(
                 inst.instance_id,
@@ -204,5 +195,7 @@ class InstanceRegistry:
                 msg.total_pages,
                 msg.running_requests,
                 msg.page_size,
+                msg.max_running_requests,
             )
+        inst.asked_at = asked_at
         inst.healthy = True

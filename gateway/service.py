@@ -38,7 +38,8 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     handoff_timeout_s: float = 30.0
     max_body_bytes: int = 8 << 20
-    max_inflight: int = 512
+    max_inflight: int = 512  # requests dispatched to instances at most; more wait in the queue
+    max_queued: int = 1024  # requests waiting in the gateway's queue at most; more get 429
     tls: TLSConfig = TLSConfig()  # the public gRPC port and every channel; off by default
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no key needed
@@ -66,6 +67,7 @@ async def serve(
             config.request_timeout_s,
             config.handoff_timeout_s,
             max_inflight=config.max_inflight,
+            max_queued=config.max_queued,
         ),
     )
     grpc_server = await start_server(

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from dsmesh.launcher import ServiceProcess, dsmesh_command, start_service
+from tests.reliability.soak_harness import wait_http_ok
 from tests.up.harness import free_port
 
 # Mesh "small": its pool holds 2048 tokens, less than the model's context (4096), so a
@@ -88,9 +89,11 @@ def start_mesh(
             for name, future in futures.items():
                 procs[name] = future.result()
                 started.append(procs[name])
-        yield UnifiedMesh(
+        mesh = UnifiedMesh(
             broker, procs["unified"], procs["gateway"], http_port, metrics_port, model, logs
         )
+        wait_http_ok(f"{mesh.url}/health", 60)  # the gateway found the instance
+        yield mesh
     finally:
         for proc in reversed(started):
             proc.stop()
