@@ -72,6 +72,8 @@ def mesh(tmp_path_factory: pytest.TempPathFactory):
             "20",
             "--release-quarantine",
             "5",
+            "--reserve-wait",
+            "2",
             *extra["decode"],
         )
     started: list[ServiceProcess] = [broker]

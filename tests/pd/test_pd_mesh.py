@@ -262,42 +262,58 @@ def test_decode_abort_rpc_ends_the_stream(mesh) -> None:
     asyncio.run(main())
 
 
-def test_decode_refuses_when_pages_run_out(mesh) -> None:
+def test_decode_queues_for_pages_then_refuses(mesh) -> None:
     """Decode admits only what its pool can hold: 8 requests of 4096 tokens fill the 32768-token
-    pool; the 9th is refused with RESOURCE_EXHAUSTED at once, and cancelling frees all."""
+    pool. A 9th waits for pages instead of being refused: when one of the 8 is cancelled it
+    takes the freed pages. A 10th that finds none within --reserve-wait (2 s here) gets
+    RESOURCE_EXHAUSTED naming the wait. Cancelling frees all."""
     from dsmesh.v1 import decode_pb2
+
+    def request(rid: str, max_new: int) -> decode_pb2.DecodeRequest:
+        return decode_pb2.DecodeRequest(
+            request_id=rid, input_ids=[1, 2, 3], sampling=sampling(max_new, ignore_eos=True)
+        )
 
     async def main() -> None:
         client = Client(mesh, 16, 16)
+
+        async def free_pages() -> int:
+            return (await client.decode.GetLoad(prefill_pb2.LoadRequest())).free_pages
+
+        async def reserved(rid: str) -> bool:
+            try:
+                await client.broker.Get(kb.HandoffRequest(request_id=rid))
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.NOT_FOUND
+                return False
+            return True
+
         try:
-            calls = [
-                client.decode.Decode(
-                    decode_pb2.DecodeRequest(
-                        request_id=f"fill-{i}",
-                        input_ids=[1, 2, 3],
-                        sampling=sampling(4093, ignore_eos=True),
-                    ),
-                    timeout=60,
-                )
-                for i in range(8)
-            ]
+            calls = [client.decode.Decode(request(f"fill-{i}", 4093), timeout=60) for i in range(8)]
             deadline = time.monotonic() + 20
-            while (await client.decode.GetLoad(prefill_pb2.LoadRequest())).free_pages > 0:
+            while await free_pages() > 0:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.02)
-            over = client.decode.Decode(
-                decode_pb2.DecodeRequest(
-                    request_id="fill-over", input_ids=[1, 2, 3], sampling=sampling(10)
-                ),
-                timeout=10,
-            )
+            waiting = client.decode.Decode(request("fill-wait", 4093), timeout=60)
+            waiting_task = asyncio.ensure_future(waiting.initial_metadata())
+            await asyncio.sleep(0.5)
+            load = await client.decode.GetLoad(prefill_pb2.LoadRequest())
+            assert load.free_pages == 0 and load.waiting_handoffs >= 1
+            calls[0].cancel()  # its pages go to the waiting request, not back to the pool
+            deadline = time.monotonic() + 5
+            while not await reserved("fill-wait"):
+                assert time.monotonic() < deadline, "the waiting request never got pages"
+                await asyncio.sleep(0.05)
+            assert await free_pages() == 0
+            over = client.decode.Decode(request("fill-over", 10), timeout=30)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 async for _ in over:
                     pass
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "pages" in err.value.details()
-            for call in calls:
+            assert "pages" in err.value.details() and "waited 2 s" in err.value.details()
+            for call in (*calls[1:], waiting):
                 call.cancel()
+            waiting_task.cancel()
             await client.wait_pages_free(2.0)
         finally:
             await client.close()

@@ -1,0 +1,43 @@
+"""Decode's admission on the engine thread: pages and a running slot, or why not."""
+
+from __future__ import annotations
+
+import pytest
+
+from decode_svc.servicer import _try_reserve
+from engine.errors import InvalidRequestError
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(max_total_tokens=256, page_size=16, max_running_requests=2, device="cpu")
+    )
+
+
+def test_a_request_holds_a_slot_from_its_reservation(engine: LLMEngine) -> None:
+    params = SamplingParams(max_new_tokens=8)
+    first = _try_reserve(engine, [1, 2, 3], params, "a")
+    second = _try_reserve(engine, [1, 2, 3], params, "b")
+    assert first == [0] and second == [1]  # one page each (3 + 8 tokens)
+    third = _try_reserve(engine, [1, 2, 3], params, "c")
+    assert third == "all 2 request slots are taken (--max-running-requests)"
+    assert engine.scheduler.num_pages_available == 14  # the third took nothing
+    engine.abort("a")
+    assert _try_reserve(engine, [1, 2, 3], params, "c") == [0]
+    for rid in ("b", "c"):
+        engine.abort(rid)
+
+
+def test_short_of_pages_says_how_many(engine: LLMEngine) -> None:
+    _try_reserve(engine, [1] * 100, SamplingParams(max_new_tokens=10), "hold")  # 7 pages
+    why = _try_reserve(engine, [1] * 200, SamplingParams(max_new_tokens=50), "big")
+    assert why == "need 16 KV pages, 9 available"
+    engine.abort("hold")
+
+
+def test_invalid_requests_raise(engine: LLMEngine) -> None:
+    with pytest.raises(InvalidRequestError, match="sampling.max_new_tokens"):
+        _try_reserve(engine, [1, 2, 3], SamplingParams(max_new_tokens=10_000), "huge")
