@@ -2,9 +2,9 @@
 processes.
 
 An instance is one prefill, decode or unified service of ``num_ranks`` processes (its
-``--ep-size``; 1 without EP). It runs with ``CUDA_VISIBLE_DEVICES`` set to its GPU ids, and its
-rank ``r`` uses the ``r % len(gpu_ids)``-th of them (engine/ep/runtime.rank_device), so an
-instance with as many GPUs as ranks has one process per GPU.
+``--ep-size``; 1 without EP). It runs with ``CUDA_VISIBLE_DEVICES`` set to its GPU ids, one per
+rank, distinct: rank ``r`` uses the ``r``-th (engine/ep/runtime.rank_device), and NCCL, which
+joins the ranks on CUDA, refuses two ranks on one GPU. Different instances may share a GPU.
 
 GPU ids are the entries of the supervisor's ``CUDA_VISIBLE_DEVICES`` (indices, or UUIDs) or,
 without it, ``0 .. device_count - 1``. A list flag (``--prefill-gpus`` ...) names one entry per
@@ -12,7 +12,7 @@ instance, comma-separated; an EP instance's entry joins its GPUs with ``+``:
 ``--decode-gpus 4+5,6+7`` puts decode-0 on GPUs 4 and 5, decode-1 on 6 and 7.
 
 Instances of roles without a list take, in order (prefill, decode, unified), consecutive GPUs
-that no list names, one rank per GPU; when there are too few of those, they walk round all
+that no list names, one process per GPU; when there are too few of those, they walk round all
 visible GPUs and share them (with one GPU, prefill and decode both get GPU 0).
 """
 
@@ -42,8 +42,8 @@ class EngineInstance:
 
 @dataclass(frozen=True)
 class Placement:
-    """``gpu_ids[name]``: the instance's ``CUDA_VISIBLE_DEVICES`` entries (rank ``r`` on the
-    ``r % len``-th); ``processes_per_gpu[gpu]``: engine processes on each visible GPU."""
+    """``gpu_ids[name]``: the instance's ``CUDA_VISIBLE_DEVICES`` entries, rank ``r`` on the
+    ``r``-th; ``processes_per_gpu[gpu]``: engine processes on each visible GPU."""
 
     gpu_ids: dict[str, tuple[str, ...]]
     processes_per_gpu: dict[str, int]
@@ -111,25 +111,29 @@ def place(
                 raise PlacementError(
                     f"{flag}: GPU {unknown[0]} is not visible (visible: {','.join(visible)})"
                 )
-            if len(entry) > inst.num_ranks:
+            if len(entry) != inst.num_ranks:
                 raise PlacementError(
-                    f"{flag}: {'+'.join(entry)} gives {len(entry)} GPUs to {inst.name}, which "
-                    f"runs {inst.num_ranks} process(es) (--ep-size)"
+                    f"{flag}: {'+'.join(entry)} gives {len(entry)} GPU(s) to {inst.name}, which "
+                    f"runs {inst.num_ranks} rank(s) (--ep-size): one GPU per rank"
                 )
             gpu_ids[inst.name] = entry
     rest = [i for i in instances if i.role not in lists]
+    for inst in rest:
+        if inst.num_ranks > len(visible):
+            raise PlacementError(
+                f"{inst.name} runs {inst.num_ranks} ranks (--ep-size) but {len(visible)} GPU(s) "
+                "are visible: an expert-parallel instance needs one GPU per rank (NCCL)"
+            )
     named = {g for entry in gpu_ids.values() for g in entry}
     free = [g for g in visible if g not in named]
     pool = free if len(free) >= sum(i.num_ranks for i in rest) else list(visible)
     cursor = 0
     for inst in rest:
-        ranks = [pool[(cursor + r) % len(pool)] for r in range(inst.num_ranks)]
-        gpu_ids[inst.name] = tuple(ranks[: min(inst.num_ranks, len(pool))])
+        gpu_ids[inst.name] = tuple(pool[(cursor + r) % len(pool)] for r in range(inst.num_ranks))
         cursor += inst.num_ranks
     processes = dict.fromkeys(visible, 0)
-    for inst in instances:
-        ids = gpu_ids[inst.name]
-        for r in range(inst.num_ranks):
-            processes[ids[r % len(ids)]] += 1
+    for ids in gpu_ids.values():
+        for gpu in ids:
+            processes[gpu] += 1
     ordered = {i.name: gpu_ids[i.name] for i in instances}
     return Placement(ordered, processes)

@@ -22,7 +22,6 @@ from engine.config import load_config
 from engine.ep.all_to_all import AllToAllDispatcher
 from engine.ep.deepep import DEEPEP_MODES, deepep_available
 from engine.ep.placement import round_robin_placement
-from engine.kv_budget import DEFAULT_MEM_FRACTION
 from engine.llm_engine import EngineConfig, LLMEngine, resolve_model_dir
 from engine.loader import load_model
 from engine.moe_dispatch import MoEDispatcher
@@ -174,11 +173,7 @@ def build_ep_engine(config: EngineConfig, ep: EPConfig, rank: int) -> LLMEngine:
         ep_rank=rank,
     )
     if device.type == "cuda":
-        # ranks sharing a GPU (more ranks than GPUs) split the default memory fraction
-        fraction = config.mem_fraction
-        if fraction is None:
-            fraction = DEFAULT_MEM_FRACTION / -(-ep.local_size // torch.cuda.device_count())
-        config = dataclasses.replace(config, device=str(device), mem_fraction=fraction)
+        config = dataclasses.replace(config, device=str(device))
     return LLMEngine(config, model=model)
 
 

@@ -55,10 +55,10 @@ def test_more_ranks_than_gpus_share_round_robin() -> None:
     assert p.processes_per_gpu == {"0": 2, "1": 1, "2": 1}
     assert p.mem_fraction("decode-0", 0.8) == pytest.approx(0.4)  # its most shared GPU
     assert p.mem_fraction("prefill-0", 0.8) == pytest.approx(0.4)
-    # one GPU, an EP-2 instance: both ranks on it (rank r on gpu_ids[r % 1])
-    p = place(gpus(1), instances(0, 0, unified=1, ranks=2))
-    assert p.gpu_ids == {"unified-0": ("0",)}
-    assert p.processes_per_gpu == {"0": 2}
+    # 2 GPUs, two EP-2 instances: each has both GPUs, one rank on each
+    p = place(gpus(2), instances(1, 1, ranks=2))
+    assert p.gpu_ids == {"prefill-0": ("0", "1"), "decode-0": ("0", "1")}
+    assert p.processes_per_gpu == {"0": 2, "1": 2}
 
 
 def test_unified_instances_follow_the_pairs() -> None:
@@ -126,7 +126,20 @@ def test_refusals_name_the_flag() -> None:
         place(gpus(2), instances(1, 1), {"decode": parse_gpu_list("0,1")})
     with pytest.raises(PlacementError, match=r"--unified-gpus: GPU 2 is not visible"):
         place(gpus(2), instances(0, 0, unified=1), {"unified": parse_gpu_list("2")})
-    with pytest.raises(PlacementError, match=r"--prefill-gpus: 0\+1 gives 2 GPUs to prefill-0"):
+    with pytest.raises(PlacementError, match=r"--prefill-gpus: 0\+1 gives 2 GPU\(s\) to prefill-0"):
         place(gpus(2), instances(1, 1), {"prefill": parse_gpu_list("0+1")})
     with pytest.raises(PlacementError, match="no GPU is visible"):
         place((), instances(1, 1))
+
+
+def test_an_ep_rank_never_shares_a_gpu_with_another_rank_of_its_instance() -> None:
+    """NCCL refuses two ranks of one group on one GPU: one GPU per rank, or a clear error."""
+    with pytest.raises(PlacementError, match=r"prefill-0 runs 2 ranks .* 1 GPU\(s\) are visible"):
+        place(gpus(1), instances(1, 1, ranks=2))
+    with pytest.raises(PlacementError, match=r"--decode-gpus: 0 gives 1 GPU\(s\) to decode-0"):
+        place(gpus(2), instances(1, 1, ranks=2), {"decode": parse_gpu_list("0")})
+    for n in range(2, 9):
+        for p in (place(gpus(n), instances(3, 2, ranks=2)), place(gpus(n), instances(1, 4))):
+            assert all(len(set(ids)) == len(ids) for ids in p.gpu_ids.values())
+            counts = list(p.processes_per_gpu.values())
+            assert max(counts) - min(counts) <= 1  # spread evenly
