@@ -4,6 +4,7 @@ the baseline that shows what the mesh (gateway + PD + transfers) adds to TTFT an
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from collections.abc import AsyncIterator
 
@@ -17,16 +18,19 @@ from engine.tokenizer import Tokenizer
 
 
 class OfflineBackend(Backend):
-    """One LLMEngine on its own thread, fed like the services feed theirs."""
+    """One LLMEngine on its own thread, fed like the services feed theirs. ``config``: the
+    engine's (None = defaults: the tiny model), e.g. the flags the mesh's instances get."""
 
-    def __init__(self, model: str | None) -> None:
-        self.model_dir = str(resolve_model_dir(model))
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        config = config or EngineConfig()
+        self.model_dir = str(resolve_model_dir(config.model))
+        self.config = dataclasses.replace(config, model=self.model_dir)
         self.worker: EngineWorker | None = None
         self.tokenizer: Tokenizer | None = None
         self._ids = itertools.count()
 
     async def connect(self, timeout_s: float) -> None:
-        engine = await asyncio.to_thread(LLMEngine, EngineConfig(model=self.model_dir))
+        engine = await asyncio.to_thread(LLMEngine, self.config)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.worker = EngineWorker(engine, name="bench-offline")
         self.worker.start()

@@ -46,12 +46,15 @@ class BenchConfig:
     seed: int = 0
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 600.0  # deadline of each request
-    model: str | None = None  # offline backend: checkpoint folder (default: tiny model)
+    # offline backend: the engine's config (engine.llm_engine.EngineConfig; None = defaults,
+    # the tiny model), so the in-process baseline runs the same engine the mesh runs
+    engine: Any = None
 
     @property
     def target(self) -> str:
         if self.backend == "offline":
-            return f"offline engine ({self.model or 'tiny default model'})"
+            model = getattr(self.engine, "model", None)
+            return f"offline engine ({model or 'tiny default model'})"
         return self.grpc_addr if self.backend == "grpc" else self.url
 
 
@@ -456,7 +459,7 @@ def make_backend(config: BenchConfig) -> Backend:
     if config.backend == "offline":
         from dsmesh.bench_offline import OfflineBackend
 
-        return OfflineBackend(config.model)
+        return OfflineBackend(config.engine)
     raise ValueError(f"unknown backend {config.backend!r}; choose from {', '.join(BACKENDS)}")
 
 

@@ -29,6 +29,7 @@ from dsmesh.bench_serving import (
     sample_random_requests,
     summarize,
 )
+from dsmesh.cli_common import add_engine_args, engine_config_from
 
 DEFAULT_NUM_PROMPTS = 100
 
@@ -61,12 +62,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--grpc-addr", default=d.grpc_addr, metavar="HOST:PORT", help="(default: %(default)s)"
     )
     g.add_argument("--url", default=d.url, help="REST base URL (default: %(default)s)")
-    g.add_argument(
-        "--model",
-        default=None,
-        help="offline backend: checkpoint folder run in-process (default: tiny model); the "
-        "baseline that shows the mesh's overhead",
-    )
     g.add_argument(
         "--connect-timeout",
         type=float,
@@ -148,6 +143,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--plot", default=None, metavar="FILE.png", help="latency CDFs and tok/s over time"
     )
+    # --backend offline runs this engine in-process: give it the flags the mesh's instances
+    # get, so the baseline is the same engine (ignored by the network backends)
+    add_engine_args(p)
     p.set_defaults(func=run)
 
 
@@ -168,7 +166,7 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed,
         connect_timeout_s=args.connect_timeout,
         request_timeout_s=args.request_timeout,
-        model=args.model,
+        engine=engine_config_from(args) if args.backend == "offline" else None,
     )
 
 
