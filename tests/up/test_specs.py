@@ -195,3 +195,54 @@ def test_log_level_reaches_the_children() -> None:
     args = build_parser().parse_args(["--log-level", "INFO", "up"])
     assert mesh_config_from(args).log_level == "INFO"
     assert mesh_config_from(build_parser().parse_args(["up"])).log_level is None
+
+
+def test_every_child_command_line_parses_as_its_service_takes_it() -> None:
+    """Whatever ``up`` builds, each child's sub-command accepts it; the memory share and the
+    device reach the engine config."""
+    from dsmesh.cli_common import engine_config_from
+
+    c = config(
+        "--unified",
+        "1",
+        "--ep-size",
+        "2",
+        "--num-redundant-experts",
+        "2",
+        "--tbo",
+        "--eplb",
+        "--page-size",
+        "4",
+        "--no-prefix-cache",
+        "--max-queued-tokens",
+        "100",
+        "--handoff-timeout",
+        "3",
+        gpus=("0", "1"),
+    )
+    specs = instance_stage(c, {"kv-broker": BROKER, "eplb": "127.0.0.1:9"})
+    specs += broker_stage(c, {}) + gateway_stage(c, {"kv-broker": BROKER})
+    for spec in specs:
+        args = build_parser().parse_args(list(spec.args))
+        if spec.args[0] in ("prefill", "decode", "unified"):
+            engine = engine_config_from(args)
+            assert engine.device == "cuda" and engine.page_size == 4
+            assert engine.mem_fraction == pytest.approx(0.2833)
+
+
+def test_mem_fraction_is_each_engine_commands_own_share() -> None:
+    from dsmesh.cli_common import engine_config_from
+
+    for argv in (
+        ["generate", "--mem-fraction", "0.3"],
+        ["prefill", "--broker", BROKER, "--mem-fraction", "0.3"],
+        ["decode", "--broker", BROKER, "--mem-fraction", "0.3"],
+        ["unified", "--broker", BROKER, "--mem-fraction", "0.3"],
+    ):
+        engine = engine_config_from(build_parser().parse_args(argv))
+        assert engine.mem_fraction == 0.3 and engine.max_total_tokens is None
+    engine = engine_config_from(build_parser().parse_args(["generate"]))
+    assert engine.mem_fraction is None  # 0.85 on CUDA, unused on CPU
+    for bad in ("0", "1.5", "x"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["generate", "--mem-fraction", bad])

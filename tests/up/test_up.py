@@ -63,6 +63,11 @@ def test_help_lists_the_flags() -> None:
         "--page-size",
         "--max-total-tokens",
         "--prefix-cache",
+        "--unified",
+        "--prefill-gpus",
+        "--decode-gpus",
+        "--unified-gpus",
+        "--mem-fraction",
     ):
         assert flag in out, f"up --help lacks {flag}"
 
