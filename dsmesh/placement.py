@@ -2,9 +2,12 @@
 processes.
 
 An instance is one prefill, decode or unified service of ``num_ranks`` processes (its
-``--ep-size``; 1 without EP). It runs with ``CUDA_VISIBLE_DEVICES`` set to its GPU ids, one per
-rank, distinct: rank ``r`` uses the ``r``-th (engine/ep/runtime.rank_device), and NCCL, which
-joins the ranks on CUDA, refuses two ranks on one GPU. Different instances may share a GPU.
+``--ep-size``; 1 without EP) and gets one distinct GPU per rank: NCCL, which joins the ranks on
+CUDA, refuses two ranks on one GPU. Different instances may share a GPU. The instance runs with
+``CUDA_VISIBLE_DEVICES`` listing its GPUs first, so that rank ``r`` computes on ``cuda:r``
+(engine/ep/runtime.rank_device), then the host's other GPUs: it never computes there, but CUDA
+IPC (the KV transfer between GPUs of one host) cannot open memory of a GPU the process does
+not see.
 
 GPU ids are the entries of the supervisor's ``CUDA_VISIBLE_DEVICES`` (indices, or UUIDs) or,
 without it, ``0 .. device_count - 1``. A list flag (``--prefill-gpus`` ...) names one entry per
@@ -56,6 +59,11 @@ class Placement:
         """Each process's share of ``total`` (per GPU), split evenly between the processes
         of the instance's most shared GPU."""
         return total / self.max_sharing(name)
+
+
+def cuda_visible_devices(gpu_ids: Sequence[str], visible: Sequence[str]) -> str:
+    """The instance's ``CUDA_VISIBLE_DEVICES``: its GPUs, then the other visible ones."""
+    return ",".join([*gpu_ids, *(g for g in visible if g not in gpu_ids)])
 
 
 def visible_gpu_ids(cuda_visible_devices: str | None, device_count: int) -> tuple[str, ...]:

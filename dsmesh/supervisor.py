@@ -44,6 +44,7 @@ from dsmesh.placement import (
     GpuList,
     Placement,
     PlacementError,
+    cuda_visible_devices,
     place,
     visible_gpu_ids,
 )
@@ -280,7 +281,8 @@ def eplb_stage(config: MeshConfig, addresses: dict[str, str]) -> list[ServiceSpe
 
 def instance_stage(config: MeshConfig, addresses: dict[str, str]) -> list[ServiceSpec]:
     """Every prefill, decode and unified instance: the forwarded engine flags, and on a CUDA
-    mesh ``--device cuda``, its GPUs as ``CUDA_VISIBLE_DEVICES`` and its ``--mem-fraction``."""
+    mesh ``--device cuda``, its GPUs first in ``CUDA_VISIBLE_DEVICES`` and its
+    ``--mem-fraction``."""
     placement = mesh_placement(config)
     model = ("--model", config.model) if config.model else ()
     ep = ("--ep-size", str(config.ep_size)) if config.ep_size is not None else ()
@@ -295,7 +297,8 @@ def instance_stage(config: MeshConfig, addresses: dict[str, str]) -> list[Servic
         if placement is not None:
             fraction = placement.mem_fraction(inst.name, config.mem_fraction)
             args += ("--device", "cuda", "--mem-fraction", fraction_arg(fraction))
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(placement.gpu_ids[inst.name])
+            gpu_ids = placement.gpu_ids[inst.name]
+            env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(gpu_ids, config.visible_gpus or ())
         elif config.device is not None:
             args += ("--device", config.device)
         specs.append(ServiceSpec(inst.name, (*args, *own.get(inst.role, ())), env=env))

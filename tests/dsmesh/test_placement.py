@@ -7,6 +7,7 @@ import pytest
 from dsmesh.placement import (
     EngineInstance,
     PlacementError,
+    cuda_visible_devices,
     parse_gpu_list,
     place,
     visible_gpu_ids,
@@ -143,3 +144,10 @@ def test_an_ep_rank_never_shares_a_gpu_with_another_rank_of_its_instance() -> No
             assert all(len(set(ids)) == len(ids) for ids in p.gpu_ids.values())
             counts = list(p.processes_per_gpu.values())
             assert max(counts) - min(counts) <= 1  # spread evenly
+
+
+def test_an_instance_sees_its_gpus_first_then_the_others() -> None:
+    assert cuda_visible_devices(("1",), gpus(2)) == "1,0"
+    assert cuda_visible_devices(("2", "3"), gpus(4)) == "2,3,0,1"
+    assert cuda_visible_devices(("5",), ("4", "5")) == "5,4"
+    assert cuda_visible_devices(("0",), gpus(1)) == "0"

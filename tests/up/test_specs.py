@@ -89,7 +89,7 @@ def test_expert_parallel_flags_reach_prefill_and_decode_only() -> None:
     assert {n: s.env["CUDA_VISIBLE_DEVICES"] for n, s in specs.items()} == {
         "prefill-0": "0,1",
         "decode-0": "0,1",
-        "unified-0": "0",
+        "unified-0": "0,1",
     }
     assert flag(specs["unified-0"], "--mem-fraction") == "0.2833"  # GPU 0 runs 3 processes
     assert flag(specs["decode-0"], "--mem-fraction") == "0.2833"
@@ -116,9 +116,11 @@ def test_one_gpu_shared_by_prefill_and_decode() -> None:
 
 
 def test_two_gpus_one_each_with_the_given_total_fraction() -> None:
+    """Each instance computes on the first GPU it sees (cuda:0) and sees the other one
+    behind it: CUDA IPC, the KV transfer between them, opens only memory of visible GPUs."""
     specs = instances(config("--device", "cuda", "--mem-fraction", "0.9", gpus=("0", "1")))
-    assert specs["prefill-0"].env == {"CUDA_VISIBLE_DEVICES": "0"}
-    assert specs["decode-0"].env == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert specs["prefill-0"].env == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert specs["decode-0"].env == {"CUDA_VISIBLE_DEVICES": "1,0"}
     assert {flag(s, "--mem-fraction") for s in specs.values()} == {"0.9"}
     # three processes on one GPU: shares rounded down, never above the total
     specs = instances(config("--unified", "1", gpus=("0",)))
@@ -141,10 +143,10 @@ def test_ep_groups_on_listed_gpus() -> None:
     )
     specs = instances(c)
     assert {name: s.env["CUDA_VISIBLE_DEVICES"] for name, s in specs.items()} == {
-        "prefill-0": "0,1",
-        "prefill-1": "2,3",
-        "decode-0": "4,5",
-        "decode-1": "6,7",
+        "prefill-0": "0,1,2,3,4,5,6,7",
+        "prefill-1": "2,3,0,1,4,5,6,7",
+        "decode-0": "4,5,0,1,2,3,6,7",
+        "decode-1": "6,7,0,1,2,3,4,5",
     }
     assert all(flag(s, "--ep-size") == "2" for s in specs.values())
     assert all(flag(s, "--mem-fraction") == "0.85" for s in specs.values())
@@ -154,7 +156,7 @@ def test_ep_groups_on_listed_gpus() -> None:
 def test_device_cuda_n_puts_every_instance_on_that_gpu() -> None:
     specs = instances(config("--device", "cuda:1", gpus=("4", "5")))
     for spec in specs.values():
-        assert spec.env == {"CUDA_VISIBLE_DEVICES": "5"}
+        assert spec.env == {"CUDA_VISIBLE_DEVICES": "5,4"}
         assert flag(spec, "--device") == "cuda"  # cuda:0 of what it sees
         assert flag(spec, "--mem-fraction") == "0.425"
 
