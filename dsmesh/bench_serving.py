@@ -517,24 +517,36 @@ class BenchRun:
     duration_s: float  # first send to last completion
 
 
+def warmup_request(request: BenchRequest) -> BenchRequest:
+    """A warm-up twin of a timed request: its token ids reversed, so it warms the same shapes
+    without leaving a prefix in any cache that the timed request would then hit."""
+    return dataclasses.replace(request, input_ids=tuple(reversed(request.input_ids)))
+
+
 async def run_benchmark(
     config: BenchConfig,
     requests: Sequence[BenchRequest],
     on_done: Callable[[RequestRecord], None] | None = None,
+    backend: Backend | None = None,
 ) -> BenchRun:
     """Connect, warm up, then send ``requests`` on the configured schedule.
 
     Raises :class:`BenchError` when the server cannot be reached or a warm-up request
     fails. ``on_done`` is called as each timed request finishes (e.g. a progress bar).
+    ``backend``: one already connected, kept open for the caller (several runs on one
+    engine); by default one is made from ``config`` and closed at the end.
     """
     if not requests:
         raise ValueError("no requests to send")
     offsets = arrival_offsets(len(requests), config.request_rate, config.seed)
-    backend = make_backend(config)
+    owned = backend is None
+    if backend is None:
+        backend = make_backend(config)
     try:
-        await backend.connect(config.connect_timeout_s)
+        if owned:
+            await backend.connect(config.connect_timeout_s)
         for i in range(config.warmup):
-            warm = requests[i % len(requests)]
+            warm = warmup_request(requests[i % len(requests)])
             rec = await send_request(
                 backend, warm, -1, time.perf_counter(), config.request_timeout_s
             )
@@ -562,7 +574,8 @@ async def run_benchmark(
         records = await asyncio.gather(*(one(i) for i in range(len(requests))))
         return BenchRun(list(records), time.perf_counter() - t0)
     finally:
-        await backend.close()
+        if owned:
+            await backend.close()
 
 
 # --------------------------------------------------------------------------- reporting

@@ -133,7 +133,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=d.warmup,
         metavar="N",
-        help="untimed requests sent first, one by one (default: %(default)s)",
+        help="untimed requests sent first, one by one: the first prompts with their token "
+        "ids reversed, so no cache holds a timed prompt (default: %(default)s)",
     )
 
     g = p.add_argument_group("output")
