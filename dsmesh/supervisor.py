@@ -221,10 +221,12 @@ def mesh_placement(config: MeshConfig) -> Placement | None:
                 f"--device {device} puts every instance on one GPU; to place them, give "
                 f"--device cuda with {flags}"
             )
-        index = int(device.split(":", 1)[1])
-        if not 0 <= index < len(visible):
-            raise PlacementError(f"--device {device}: {len(visible)} GPU(s) visible")
-        visible = (visible[index],)
+        index = device.split(":", 1)[1]
+        if not index.isdigit() or int(index) >= len(visible):
+            raise PlacementError(
+                f"--device {device}: expected cuda:N with N < {len(visible)}, the GPUs visible"
+            )
+        visible = (visible[int(index)],)
     return place(visible, engine_instances(config), lists)
 
 
