@@ -1,7 +1,12 @@
-"""KV transfer over loopback TCP between two processes: raw Mooncake vs our write_pages.
+"""KV transfer between two processes: raw Mooncake vs our write_pages.
 
     python -m bench.kv_transfer [--pages 128] [--page-size 16] [--layers 61] [--kv-dim 576]
                                 [--dtype bfloat16] [--tokens 2000] [--requests 10] [--repeats 5]
+                                [--device cpu|cuda] [--protocol tcp|nvlink_intra|rdma]
+
+Host pools over loopback TCP by default; ``--device cuda --protocol nvlink_intra`` moves GPU
+pools of two processes on this host through CUDA IPC (both on GPU 0 unless
+``--peer-device``), with a plain device copy of the same bytes in one process as the ceiling.
 
 A child process plays decode: it owns a pool with more pages than ours (another layer stride),
 registers it with its transfer engine and waits. This process plays prefill and measures
@@ -42,10 +47,19 @@ class Layout:
     dtype: torch.dtype
 
 
-def _decode_side(layout: Layout, num_pages: int, requests: mp.Queue, replies: mp.Queue) -> None:
+def _decode_side(
+    layout: Layout,
+    num_pages: int,
+    device: str,
+    protocol: str,
+    requests: mp.Queue,
+    replies: mp.Queue,
+) -> None:
     """Child: own and register a zeroed pool, answer checksums of pages, stop on request."""
-    transport = MooncakeTransport()
-    pool = MLAKVPool(layout.num_layers, num_pages, layout.page_size, layout.kv_dim, layout.dtype)
+    transport = MooncakeTransport(protocol=protocol)
+    pool = MLAKVPool(
+        layout.num_layers, num_pages, layout.page_size, layout.kv_dim, layout.dtype, device
+    )
     replies.put(transport.register_pool(pool))
     try:
         while True:
@@ -73,6 +87,18 @@ def _time(fn: Any, repeats: int) -> list[float]:
     return out
 
 
+def _device_copy(pool: MLAKVPool, pages: int):
+    """The ceiling: ``pages`` pages of every layer copied on the device within one process
+    (synchronised)."""
+    src, dst = pool.buffer[:, :pages], pool.buffer[:, pages : 2 * pages]
+
+    def copy() -> None:
+        dst.copy_(src)
+        torch.cuda.synchronize()
+
+    return copy
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pages", type=int, default=128, help="pages per throughput transfer")
@@ -83,6 +109,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2000, help="prompt tokens per request")
     ap.add_argument("--requests", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--device", default="cpu", help="where both pools live (cpu, cuda)")
+    ap.add_argument("--peer-device", default=None, help="decode's pool (default: --device)")
+    ap.add_argument("--protocol", default="tcp", choices=["tcp", "nvlink_intra", "rdma"])
     args = ap.parse_args()
 
     layout = Layout(args.layers, args.page_size, args.kv_dim, getattr(torch, args.dtype))
@@ -91,19 +120,27 @@ def main() -> None:
     remote_pages_total = local_pages_total + 37  # a different layer stride on purpose
 
     local = MLAKVPool(
-        layout.num_layers, local_pages_total, layout.page_size, layout.kv_dim, layout.dtype
+        layout.num_layers,
+        local_pages_total,
+        layout.page_size,
+        layout.kv_dim,
+        layout.dtype,
+        args.device,
     )
-    local.buffer.normal_(generator=torch.Generator().manual_seed(0))
+    local.buffer.normal_(generator=torch.Generator(args.device).manual_seed(0))
+    peer_device = args.peer_device or args.device
     bytes_per_token = layout.num_layers * local.page_bytes // layout.page_size
 
     ctx = mp.get_context("spawn")
     requests: mp.Queue = ctx.Queue()
     replies: mp.Queue = ctx.Queue()
     child = ctx.Process(
-        target=_decode_side, args=(layout, remote_pages_total, requests, replies), daemon=True
+        target=_decode_side,
+        args=(layout, remote_pages_total, peer_device, args.protocol, requests, replies),
+        daemon=True,
     )
     child.start()
-    transport = MooncakeTransport()
+    transport = MooncakeTransport(protocol=args.protocol)
     try:
         remote: RemotePool = replies.get(timeout=REPLY_TIMEOUT_S)
         transport.register_pool(local)
@@ -144,11 +181,14 @@ def main() -> None:
             ),
         ]
 
+        if local.buffer.is_cuda:
+            copy = _device_copy(local, args.pages)
+            rows.append(("device copy (1 process)", 1, _time(copy, args.repeats)))
         print(
             f"layout: {layout.num_layers} layers x {layout.kv_dim} {args.dtype}, page_size "
             f"{layout.page_size} ({local.page_bytes / 1024:.1f} KiB/page/layer, "
-            f"{bytes_per_token / 1024:.1f} KiB/token); loopback TCP, 2 processes, "
-            f"{os.cpu_count()} CPUs"
+            f"{bytes_per_token / 1024:.1f} KiB/token); {args.protocol}, pools on "
+            f"{args.device} -> {peer_device}, 2 processes, {os.cpu_count()} CPUs"
         )
         print(f"\nthroughput: {args.pages} pages = {total / 2**20:.1f} MiB per transfer")
         print(f"{'case':<26}{'segments':>9}{'median ms':>11}{'GB/s':>8}")
