@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import socket
 import uuid
@@ -17,6 +18,8 @@ from dsmesh.ep_group import RankSpec
 from dsmesh.grpc_server import RunningServer
 from dsmesh.transfer import KVTransport, RemotePool, make_transport, rdma_devices, resolve_protocol
 from engine.llm_engine import EngineConfig, LLMEngine
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,15 @@ async def build_instance(
         device_name=transfer.device_name,
     )
     pool = transport.register_pool(engine.kv_pool)
+    buffer = engine.kv_pool.buffer
+    log.info(
+        "KV pool (%d pages, %.2f GB on %s) moves by %s at %s",
+        engine.kv_pool.num_pages,
+        buffer.numel() * buffer.element_size() / 1e9,
+        buffer.device,
+        transport.signature,
+        transport.session_id,
+    )
     worker.start()
     if link is not None:
         await link.start()
