@@ -317,7 +317,7 @@ def brief(run: dict[str, Any]) -> str:
     return (
         f"{run['output_throughput']:.0f} out tok/s, TTFT p50 {run['ttft_ms']['p50']:.0f} ms, "
         f"TPOT mean {run['tpot_ms']['mean']:.2f} ms, {run['duration_s']:.1f} s, "
-        f"{run['outcomes']}"
+        f"{run['outcomes']}" + (f"\n    steps {run['steps']}" if "steps" in run else "")
     )
 
 
@@ -367,6 +367,8 @@ async def _engine_levels(model: str, args: argparse.Namespace, out: Path) -> Non
     config = _engine_config(model, args)
     backend = OfflineBackend(config)
     await backend.connect(args.start_timeout)
+    assert backend.worker is not None
+    profile = StepProfile(backend.worker.engine)
     result: dict[str, Any] = {"engine_config": repr(config), "levels": []}
     try:
         for i, level in enumerate(args.levels):
@@ -387,9 +389,11 @@ async def _engine_levels(model: str, args: argparse.Namespace, out: Path) -> Non
                     (3, args.max_token_id),
                     bench.seed,
                 )
+                profile.reset()
                 run_ = await run_benchmark(bench, requests, backend=backend)
                 summary = summarize(run_.records, run_.duration_s)
                 run = condense(result_json(bench, summary, run_, details=True))
+                run["steps"] = profile.summary()
                 runs.append(run)
                 print(f"  engine c={level.concurrency} run {repeat}: {brief(run)}", flush=True)
             result["levels"].append(
@@ -403,6 +407,59 @@ async def _engine_levels(model: str, args: argparse.Namespace, out: Path) -> Non
     finally:
         await backend.close()
     (out / "engine.json").write_text(json.dumps(result, indent=1))
+
+
+class StepProfile:
+    """Where the engine's time goes during a run: every ``step()`` timed, by what it ran
+    (decode rows, prefill tokens; a step that finished a decode launched ahead counts as
+    decode of the same batch). Wraps the engine's methods: a benchmark's instrument only."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.steps: list[tuple[float, int, int]] = []  # seconds, decode rows, prefill tokens
+        self._last: tuple[int, int] = (0, 0)
+        self._scheduled: tuple[int, int] | None = None
+        schedule, step = engine.scheduler.schedule, engine.step
+
+        def timed_schedule():
+            chunks = schedule()
+            decode = sum(1 for c in chunks if c.num_tokens == 1 and not c.request.is_prefilling)
+            self._scheduled = (decode, sum(c.num_tokens for c in chunks) - decode)
+            return chunks
+
+        def timed_step(*a, **kw):
+            self._scheduled = None
+            t = time.perf_counter()
+            out = step(*a, **kw)
+            seconds = time.perf_counter() - t
+            if out:
+                what = self._scheduled or self._last
+                self._last = what
+                self.steps.append((seconds, *what))
+            return out
+
+        engine.scheduler.schedule = timed_schedule
+        engine.step = timed_step
+
+    def reset(self) -> None:
+        self.steps.clear()
+
+    def summary(self) -> dict[str, Any]:
+        decode = [s for s in self.steps if s[2] == 0]
+        mixed = [s for s in self.steps if s[2] > 0 and s[1] > 0]
+        prefill = [s for s in self.steps if s[2] > 0 and s[1] == 0]
+
+        def part(steps: list[tuple[float, int, int]]) -> dict[str, float]:
+            total = sum(s[0] for s in steps)
+            return {
+                "steps": len(steps),
+                "seconds": total,
+                "mean_ms": total / len(steps) * 1e3 if steps else 0.0,
+                "mean_rows": sum(s[1] for s in steps) / len(steps) if steps else 0.0,
+                "prefill_tokens": sum(s[2] for s in steps),
+            }
+
+        return {"decode": part(decode), "mixed": part(mixed), "prefill": part(prefill)}
 
 
 def kernel_reference(engine, args: argparse.Namespace) -> dict[str, Any]:
