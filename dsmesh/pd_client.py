@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -51,12 +51,15 @@ async def generate_pd(
     timeout_s: float = 120.0,
     handoff_timeout_s: float = 0.0,
     broker: kv_broker_pb2_grpc.KVBrokerStub | None = None,
+    on_prefilled: Callable[[], None] | None = None,
 ) -> AsyncIterator[decode_pb2.DecodeResponse]:
     """Yield decode's messages; raise :class:`PDError` on failure. Cancelling the iterator
     (or leaving it early) cancels both calls, which frees pages on both sides.
 
     ``broker``: kv_broker, told that the handoff FAILED when prefill becomes unreachable
     (e.g. it died), before decode's call is cancelled; without it the handoff ends ABORTED.
+    ``on_prefilled``: called when prefill has answered successfully (the request has left
+    prefill's queue by then).
     """
     decode_call = decode.Decode(
         decode_pb2.DecodeRequest(
@@ -79,6 +82,8 @@ async def generate_pd(
         # A failed prefill means no KV will come: stop waiting on decode at once (decode
         # then aborts the handoff and frees its pages); _explain reports prefill's error.
         exc = None if task.cancelled() else task.exception()
+        if not task.cancelled() and exc is None and on_prefilled is not None:
+            on_prefilled()
         if not isinstance(exc, grpc.aio.AioRpcError) or exc.code() in (
             grpc.StatusCode.CANCELLED,
             grpc.StatusCode.ABORTED,  # an abort reaches decode through kv_broker

@@ -9,7 +9,9 @@ Loads are polled a few times a second, so the ledger corrects them for what this
 since each report was asked for. A request is in a report when it reached the instance before
 the report was asked for and ended after: a report asked for before a request started lacks
 its pages (subtract them), and one asked for before a request ended still counts pages that
-are free again (add them back). Other gateways' requests show up at the next poll.
+are free again (add them back). Other gateways' requests show up at the next poll. A prefill's
+queue holds a prompt until prefill answers the request, which this gateway sees exactly, so
+its own prompts not yet answered bound what it sends there.
 """
 
 from __future__ import annotations
@@ -149,6 +151,7 @@ class _Dispatched:
     started_at: float = math.inf  # when its call to the target began; inf: not yet
     ended_at: float | None = None
     held: bool = True  # it took its pages and slot (one refused for lack of them did not)
+    prefilled: bool = False  # prefill answered: the request left prefill's queue
 
 
 class Ledger:
@@ -174,6 +177,11 @@ class Ledger:
         if entry is not None and entry.ended_at is None:
             entry.started_at = now
 
+    def prefilled(self, request_id: str) -> None:
+        entry = self._entries.get(request_id)
+        if entry is not None:
+            entry.prefilled = True
+
     def end(self, request_id: str, now: float, held: bool = True) -> bool:
         entry = self._entries.get(request_id)
         if entry is None or entry.ended_at is not None:
@@ -187,17 +195,21 @@ class Ledger:
         prefills = []
         for p in loads.prefills:
             asked = loads.asked_at.get(p.instance_id, -math.inf)
-            extra = [
+            mine = [
                 e
                 for e in self._entries.values()
                 if e.target.prefill_id == p.instance_id and e.ended_at is None
-                if e.started_at >= asked
+                if not e.prefilled
             ]
+            unreported = [e for e in mine if e.started_at >= asked]
             prefills.append(
                 replace(
                     p,
-                    waiting_tokens=p.waiting_tokens + sum(e.prompt_tokens for e in extra),
-                    running_requests=p.running_requests + len(extra),
+                    waiting_tokens=max(
+                        p.waiting_tokens + sum(e.prompt_tokens for e in unreported),
+                        sum(e.prompt_tokens for e in mine),
+                    ),
+                    running_requests=max(p.running_requests + len(unreported), len(mine)),
                 )
             )
         return replace(
@@ -322,6 +334,9 @@ class AdmissionQueue:
 
     def started(self, request_id: str, now: float) -> None:
         self.ledger.started(request_id, now)
+
+    def prefilled(self, request_id: str) -> None:
+        self.ledger.prefilled(request_id)
 
     def release(self, request_id: str, now: float, held: bool = True) -> None:
         """The request is over: it leaves the queue, or its dispatch ends (``held``: it took

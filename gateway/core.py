@@ -296,6 +296,11 @@ class GenerationCore:
                 timeout_s=self.limits.request_timeout_s,
             )
         else:
+
+            def on_prefilled() -> None:  # it left prefill's queue: the next may go there
+                self.admission.prefilled(inp.request_id)
+                self._pump()
+
             stream = generate_pd(
                 placed.prefill.stub,  # type: ignore[arg-type]
                 placed.decode.stub,  # type: ignore[arg-type]
@@ -305,6 +310,7 @@ class GenerationCore:
                 timeout_s=self.limits.request_timeout_s,
                 handoff_timeout_s=self.limits.handoff_timeout_s,
                 broker=self.registry.broker,
+                on_prefilled=on_prefilled,
             )
         try:
 

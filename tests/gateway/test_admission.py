@@ -163,23 +163,29 @@ def test_requests_wait_for_an_instance_then_fail_after_route_wait() -> None:
     assert [t.request_id for t, _ in q.pump(empty, 35.0, route_wait_s=5).failed] == ["r2"]
 
 
-def test_pairs_charge_the_prefill_queue_too() -> None:
+def test_pairs_charge_the_prefill_queue_until_prefill_answers() -> None:
     q = AdmissionQueue(max_inflight=8, max_queued=8)
-    mesh = MeshLoads(
-        prefills=(PrefillLoad("p0", 0, 0, max_queued_tokens=100),),
-        decodes=(DecodeLoad("d0", 100, 100, 0, PAGE),),
-        asked_at={"p0": 0.0, "d0": 0.0},
-    )
-    assert q.submit(Ticket("a", 60, 64), mesh, 1.0) == Target("d0", "p0")
-    assert q.submit(Ticket("b", 60, 64), mesh, 1.0) is None  # prefill: 60 + 60 > 100
-    # a report asked for after "a" started reflects it: not counted twice
+
+    def mesh(waiting: int, running: int, asked_at: float) -> MeshLoads:
+        return MeshLoads(
+            prefills=(PrefillLoad("p0", waiting, running, max_queued_tokens=100),),
+            decodes=(DecodeLoad("d0", 100, 100, 0, PAGE),),
+            asked_at={"p0": asked_at, "d0": asked_at},
+        )
+
+    assert q.submit(Ticket("a", 60, 64), mesh(0, 0, 0.0), 1.0) == Target("d0", "p0")
+    assert q.submit(Ticket("b", 60, 64), mesh(0, 0, 0.0), 1.0) is None  # 60 + 60 > 100
     q.started("a", 1.1)
-    later = MeshLoads(
-        prefills=(PrefillLoad("p0", 0, 0, max_queued_tokens=100),),  # "a" computed already
-        decodes=(DecodeLoad("d0", 96, 100, 1, PAGE),),
-        asked_at={"p0": 1.5, "d0": 1.5},
-    )
-    assert [t.request_id for t, _ in q.pump(later, 1.6, 5).dispatched] == ["b"]
+    # prefill computed "a" and reports an empty queue, but "a" is still in it until prefill
+    # answers (it commits the first token first): the gateway knows, so "b" still waits
+    assert q.pump(mesh(0, 0, 1.5), 1.6, 5).dispatched == []
+    q.prefilled("a")
+    assert [t.request_id for t, _ in q.pump(mesh(0, 0, 1.5), 1.7, 5).dispatched] == ["b"]
+    # a report of other gateways' work counts too
+    q.submit(Ticket("c", 50, 64), mesh(0, 0, 1.5), 1.8)
+    q.prefilled("b")
+    assert q.pump(mesh(60, 1, 1.9), 2.0, 5).dispatched == []  # 60 + 50 > 100
+    assert [t.request_id for t, _ in q.pump(mesh(40, 1, 2.1), 2.2, 5).dispatched] == ["c"]
 
 
 # ---- the ledger ------------------------------------------------------------------------------

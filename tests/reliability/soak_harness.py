@@ -197,6 +197,7 @@ def stop_all(services: list[ServiceProcess]) -> None:
 # The mesh with small admission limits that the overload and fuzz tests share (started once;
 # stopped after the last test that uses it).
 LIMITED_MAX_INFLIGHT = 8  # gateway --max-inflight
+LIMITED_MAX_QUEUED = 16  # gateway --max-queued
 LIMITED_DECODE_TOKENS = 2048  # decode --max-total-tokens: 128 pages of 16
 LIMITED_PREFILL_QUEUE = 1024  # prefill --max-queued-tokens
 _shared: dict[str, Mesh] = {}
@@ -218,7 +219,10 @@ def limited_mesh(request, tmp_path_factory) -> Iterator[Mesh]:
             tmp_path_factory.mktemp("limited-logs"),
             prefill=["--max-queued-tokens", str(LIMITED_PREFILL_QUEUE)],
             decode=["--max-total-tokens", str(LIMITED_DECODE_TOKENS)],
-            gateway=["--max-inflight", str(LIMITED_MAX_INFLIGHT)],
+            gateway=[
+                *("--max-inflight", str(LIMITED_MAX_INFLIGHT)),
+                *("--max-queued", str(LIMITED_MAX_QUEUED)),
+            ],
         )
     try:
         yield mesh
