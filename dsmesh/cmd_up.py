@@ -207,7 +207,8 @@ ROLE_FLAGS: tuple[tuple[str, tuple[str, ...], type, str], ...] = (
         float,
         "longest wait for prefill to release a failed handoff's pages (decode)",
     ),
-    ("--max-inflight", ("gateway",), int, "requests in flight at the gateway at most (429 past)"),
+    ("--max-inflight", ("gateway",), int, "requests the gateway dispatches at most (more queue)"),
+    ("--max-queued", ("gateway",), int, "requests queued at the gateway at most (429 past)"),
     ("--max-queued-tokens", ("prefill",), int, "prompt tokens queued per prefill at most"),
 )
 
