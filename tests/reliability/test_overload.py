@@ -97,7 +97,9 @@ class RssSampler:
 def overload_mesh(request, tmp_path_factory):
     for mesh in limited_mesh(request, tmp_path_factory):
         # warm-up: one request of each shape the bursts use, so buffers exist before RSS is read
-        run(burst(mesh, [("grpc", 8, 8), ("grpc", 700, 1), ("rest", 700, 1), ("rest", 16, 8)]))
+        # (the 700-token prompts go through prefill one after another, as in the burst)
+        long_prompts = [("grpc" if n % 2 else "rest", 700, 1) for n in range(MAX_INFLIGHT)]
+        run(burst(mesh, [("grpc", 8, 8), ("rest", 16, 8), *long_prompts]))
         wait_idle(mesh.url)
         yield mesh
 
