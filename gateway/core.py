@@ -229,7 +229,8 @@ class GenerationCore:
     async def _admit(self, inp: GenerationInput, ctx: Context) -> Placement:
         """Wait until the admission queue hands this request a target; raises GatewayError
         (RESOURCE_EXHAUSTED when the queue is full, INVALID_ARGUMENT when no instance could
-        ever hold it, UNAVAILABLE when no instance can serve for ``route_wait_s``)."""
+        ever hold it, UNAVAILABLE when no instance can serve for ``route_wait_s``,
+        DEADLINE_EXCEEDED after ``request_timeout_s`` in the queue)."""
         prompt = len(inp.prompt_ids)
         total = min(prompt + inp.params.max_new_tokens, self.model_config.max_position_embeddings)
         ticket = Ticket(inp.request_id, prompt, total)
@@ -244,7 +245,12 @@ class GenerationCore:
         self.metrics.queued.inc()
         try:
             with telemetry.tracer().start_as_current_span("gateway.queue", context=ctx):
-                return await future
+                return await asyncio.wait_for(future, self.limits.request_timeout_s)
+        except TimeoutError:
+            raise GatewayError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"waited {self.limits.request_timeout_s:g} s in the gateway queue",
+            ) from None
         finally:
             self._queued.pop(inp.request_id, None)
             self.metrics.queued.dec()
