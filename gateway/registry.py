@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import grpc
 
 from dsmesh.grpc_server import channel
-from dsmesh.v1 import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from dsmesh.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
 from gateway.admission import MeshLoads
@@ -193,9 +193,19 @@ class InstanceRegistry:
                 inst.instance_id,
                 msg.free_pages,
                 msg.total_pages,
-                msg.running_requests,
+                requests_held(inst.role, msg),
                 msg.page_size,
                 msg.max_running_requests,
             )
         inst.asked_at = asked_at
         inst.healthy = True
+
+
+def requests_held(role: int, load: decode_pb2.DecodeLoad) -> int:
+    """Requests that hold (or wait for) one of the instance's ``max_running_requests`` slots.
+    A decode's ``running_requests`` is its running batch only: those reserved and waiting for
+    their KV, or waiting for room (``waiting_handoffs``), take slots too. A unified
+    instance's ``running_requests`` already counts the requests queued in its engine."""
+    if role == kb.ROLE_DECODE:
+        return load.running_requests + load.waiting_handoffs
+    return load.running_requests

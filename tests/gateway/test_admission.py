@@ -6,6 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dsmesh.v1 import decode_pb2
+from dsmesh.v1 import kv_broker_pb2 as kb
 from gateway.admission import (
     AdmissionQueue,
     Ledger,
@@ -15,6 +17,7 @@ from gateway.admission import (
     TooLarge,
     Unroutable,
 )
+from gateway.registry import requests_held
 from gateway.routing import (
     DecodeLoad,
     PrefillLoad,
@@ -284,3 +287,10 @@ def test_an_instance_without_a_free_slot_has_no_room() -> None:
     ]
     q.release("r0", 1.0)  # a slot is free again, before the next report
     assert [t.request_id for t, _ in q.pump(mesh, 1.0, 5).dispatched] == ["r2"]
+
+
+def test_a_decode_counts_its_reserved_and_waiting_requests_as_slots_held() -> None:
+    load = decode_pb2.DecodeLoad(running_requests=60, waiting_handoffs=4, max_running_requests=64)
+    assert requests_held(kb.ROLE_DECODE, load) == 64  # reserved, awaiting KV: no slot left
+    # a unified instance's running_requests counts its engine's queue already
+    assert requests_held(kb.ROLE_UNIFIED, load) == 60
