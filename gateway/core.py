@@ -87,7 +87,6 @@ class CoreLimits:
 class Placement:
     """Where an admitted request runs: ``prefill`` is None on a unified instance."""
 
-    target: Target
     decode: Instance  # the decode or unified instance: it streams the tokens
     prefill: Instance | None
 
@@ -282,7 +281,7 @@ class GenerationCore:
         )
         if decode is None or (target.prefill_id is not None and prefill is None):
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, "the chosen instance just left")
-        return Placement(target, decode, prefill)
+        return Placement(decode, prefill)
 
     async def _stream(
         self, inp: GenerationInput, placed: Placement, start: float, state: dict, ctx: Context
