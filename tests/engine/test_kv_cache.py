@@ -34,6 +34,18 @@ def test_freed_pages_are_reused() -> None:
     assert alloc.num_free_pages == 0
 
 
+def test_freed_runs_come_back_ascending() -> None:
+    """A request's pages, freed in any order, are handed out again as an ascending run (one
+    transfer segment per layer), most recently freed first."""
+    alloc = PageAllocator(16)
+    first, second = alloc.allocate(4), alloc.allocate(4)
+    assert (first, second) == ([0, 1, 2, 3], [4, 5, 6, 7])
+    alloc.free(list(reversed(second)))
+    alloc.free([first[2], first[0], first[3], first[1]])
+    assert alloc.allocate(4) == [0, 1, 2, 3]
+    assert alloc.allocate(5) == [4, 5, 6, 7, 8]
+
+
 def test_can_allocate() -> None:
     alloc = PageAllocator(5)
     alloc.allocate(2)
