@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,11 @@ class EngineConfig:
     # CPU, with tbo, with attention_mode "naive" and under expert parallelism).
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256  # larger decode batches run eagerly
+    # Decode graphs for every batch bucket and contexts up to this many tokens are captured
+    # at start-up (the rest on first use, which stalls the running batch); 0 = all on first
+    # use. Contexts up to cuda_graph_min_tokens share one page table.
+    cuda_graph_warmup_tokens: int = 4096
+    cuda_graph_min_tokens: int = 1024
     # MLA decode attention, in graphs and for eager decode rows: "auto" (FlashInfer where it
     # is installed and fits, else dsmesh's Triton kernel; engine/decode_attention.py),
     # "kernel" (Triton), "flashinfer" (needs flashinfer-python) or "torch" (the reference)
@@ -109,10 +115,15 @@ class EngineConfig:
             "max_running_requests",
             "max_batch_tokens",
             "cuda_graph_max_batch",
+            "cuda_graph_min_tokens",
         )
         for name in names:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.cuda_graph_warmup_tokens < 0:
+            raise ValueError(
+                f"cuda_graph_warmup_tokens must be >= 0, got {self.cuda_graph_warmup_tokens}"
+            )
 
 
 @dataclass(frozen=True)
@@ -210,6 +221,7 @@ class LLMEngine:
         # micro-batches): FlashInfer's kernel when chosen, planned once per forward; else
         # the Triton kernel (engine/decode_attention.py).
         self.eager_decode_attention = self._make_eager_decode_attention()
+        self._warm_up_graphs()
         self._inflight: _Inflight | None = None  # a decode step launched ahead (overlap)
         self.num_launched_ahead = 0  # decode steps launched before the previous one's end
 
@@ -265,6 +277,28 @@ class LLMEngine:
             max_batch=min(cfg.cuda_graph_max_batch, cfg.max_running_requests),
             max_tokens_per_request=min(self.max_context, self.kv_pool.num_pages * cfg.page_size),
             attention=cfg.decode_attention,
+            min_page_bucket=pages_for(cfg.cuda_graph_min_tokens, cfg.page_size),
+        )
+
+    def _warm_up_graphs(self) -> None:
+        """Capture the common decode graphs before serving (EngineConfig.cuda_graph_warmup_
+        tokens); a capture failure turns graphs off here rather than mid-request."""
+        runner = self.graph_runner
+        if runner is None or self.config.cuda_graph_warmup_tokens <= 0:
+            return
+        start = time.perf_counter()
+        try:
+            captured = runner.warm_up(self.config.cuda_graph_warmup_tokens)
+        except GraphCaptureError:
+            log.exception("CUDA graphs off for this engine; decode runs eagerly")
+            self.graph_runner = None
+            return
+        log.info(
+            "captured %d decode graphs (batches up to %d, contexts up to %d tokens) in %.1f s",
+            captured,
+            runner.max_batch,
+            self.config.cuda_graph_warmup_tokens,
+            time.perf_counter() - start,
         )
 
     def _make_eager_decode_attention(self) -> FlashInferMLADecode | None:
