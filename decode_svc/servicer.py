@@ -17,7 +17,7 @@ from dsmesh import telemetry
 from dsmesh.background import BackgroundTasks
 from dsmesh.broker_link import BrokerLink
 from dsmesh.convert import require_request_id, sampling_from_proto
-from dsmesh.engine_worker import EngineWorker
+from dsmesh.engine_worker import EngineWorker, drain_outputs
 from dsmesh.transfer import RemotePool
 from dsmesh.v1 import decode_pb2, decode_pb2_grpc, generation_pb2, prefill_pb2
 from dsmesh.v1 import kv_broker_pb2 as kb
@@ -276,17 +276,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def _decode_stream(self, rid: str, first_token: int) -> AsyncIterator[_Out]:
         loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
+        streams: list[asyncio.Queue[StepOutput]] = []
         count = 0
 
         def activate(engine: LLMEngine) -> StepOutput:
-            self.worker.listen(rid, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o))
+            streams.append(self.worker.stream(rid, loop))
             out = engine.activate(rid, first_token)
             if out.finished:
                 self.worker.unlisten(rid)
             return out
 
         out = await self.worker.call(activate)
+        outputs = streams[0]
         while True:
             count += len(out.new_token_ids)
             if self.metrics is not None:
@@ -296,7 +297,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             yield _Out(out.new_token_ids, out.finished, out.finish_reason, count)
             if out.finished:
                 return
-            out = await outputs.get()
+            out = drain_outputs(await outputs.get(), outputs)
 
     # ---- cleanup --------------------------------------------------------------------------
 

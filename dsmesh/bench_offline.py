@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 from dsmesh.bench_serving import Backend, RequestError
 from dsmesh.convert import sampling_from_proto
-from dsmesh.engine_worker import EngineWorker
+from dsmesh.engine_worker import EngineWorker, drain_outputs
 from dsmesh.v1 import generation_pb2 as pb
 from engine.errors import InvalidRequestError
 from engine.llm_engine import EngineConfig, LLMEngine, StepOutput, resolve_model_dir
@@ -41,7 +41,7 @@ class OfflineBackend(Backend):
         assert self.worker is not None and self.tokenizer is not None
         worker = self.worker
         loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
+        streams: list[asyncio.Queue[StepOutput]] = []
         rid = f"offline-{next(self._ids)}"
         try:
             params = sampling_from_proto(request.sampling)
@@ -51,7 +51,7 @@ class OfflineBackend(Backend):
 
         def submit(engine: LLMEngine) -> None:
             engine.add_request(ids, params, request_id=rid)
-            worker.listen(rid, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o))
+            streams.append(worker.stream(rid, loop))
 
         try:
             await worker.call(submit)
@@ -60,7 +60,8 @@ class OfflineBackend(Backend):
         count = 0
         try:
             while True:
-                out = await asyncio.wait_for(outputs.get(), timeout_s)
+                first = await asyncio.wait_for(streams[0].get(), timeout_s)
+                out = drain_outputs(first, streams[0])
                 if not out.new_token_ids and not out.finished:
                     continue  # a prompt chunk without a token yet
                 count += len(out.new_token_ids)

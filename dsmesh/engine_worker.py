@@ -3,7 +3,12 @@
 The engine is not thread-safe and its forward blocks, so one thread owns it: it runs queued
 commands between steps and steps while there is work. Servicers on the event loop submit
 commands with :meth:`EngineWorker.call` and receive per-request step outputs through
-listeners, which run on the engine thread (keep them short: hand off to a queue).
+listeners, which run on the engine thread (keep them short), or through queues on their
+event loop (:meth:`EngineWorker.stream`): one loop wake-up per step carries every stream's
+output, instead of one per request, which would load the loop (and the GIL the engine
+thread needs) in proportion to the batch.
+
+Every ``stats_interval_s`` the worker logs where its time went (dsmesh/step_stats.py).
 
 In an expert-parallel group every rank's worker steps in lockstep: each loop the ranks vote
 (``group_vote``, one all-reduce) whether any of them has work, and if so all of them step,
@@ -18,9 +23,12 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from dsmesh.step_stats import StepStats
 from engine.llm_engine import LLMEngine, StepOutput
 
 if TYPE_CHECKING:
@@ -42,6 +50,32 @@ T = TypeVar("T")
 Listener = Callable[[StepOutput], None]
 
 
+@dataclass(frozen=True)
+class _Stream:
+    """A request's outputs go to ``queue``, on ``loop``'s thread."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[StepOutput]
+
+
+def _put_all(items: list[tuple[asyncio.Queue[StepOutput], StepOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
+
+
+def drain_outputs(first: StepOutput, outputs: asyncio.Queue[StepOutput]) -> StepOutput:
+    """``first`` merged with every output already queued behind it (their tokens in order,
+    the last one's finish): a stream that fell behind catches up in one message."""
+    if outputs.empty():
+        return first
+    tokens = list(first.new_token_ids)
+    last = first
+    while not outputs.empty() and not last.finished:
+        last = outputs.get_nowait()
+        tokens += last.new_token_ids
+    return StepOutput(last.request_id, tokens, last.finished, last.finish_reason, last.computed)
+
+
 class EngineWorker:
     def __init__(
         self,
@@ -51,6 +85,7 @@ class EngineWorker:
         on_fatal: Callable[[BaseException], None] | None = None,
         group_hook: GroupHook | None = None,
         idle_poll_s: float = 0.005,
+        stats_interval_s: float = 10.0,
     ) -> None:
         self.engine = engine
         self.name = name
@@ -63,9 +98,10 @@ class EngineWorker:
         )
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._listeners: dict[str, Listener] = {}
+        self._listeners: dict[str, Listener | _Stream] = {}
         self._thread: threading.Thread | None = None
         self.num_steps = 0
+        self.stats = StepStats(stats_interval_s)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
@@ -105,6 +141,13 @@ class EngineWorker:
         """
         self._listeners[request_id] = listener
 
+    def stream(self, request_id: str, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[StepOutput]:
+        """Like :meth:`listen`, but the outputs arrive in the returned queue on ``loop``
+        (batched with the other streams of that loop, one wake-up per step)."""
+        outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
+        self._listeners[request_id] = _Stream(loop, outputs)
+        return outputs
+
     def unlisten(self, request_id: str) -> None:
         self._listeners.pop(request_id, None)
 
@@ -113,8 +156,11 @@ class EngineWorker:
         stream waiting for its next token ends instead of hanging."""
         aborted = engine.abort(request_id)
         listener = self._listeners.pop(request_id, None)
-        if listener is not None:
-            listener(StepOutput(request_id, [], True, reason))
+        out = StepOutput(request_id, [], True, reason)
+        if isinstance(listener, _Stream):
+            listener.loop.call_soon_threadsafe(listener.queue.put_nowait, out)
+        elif listener is not None:
+            listener(out)
         return aborted
 
     def _run_commands(self) -> None:
@@ -138,6 +184,7 @@ class EngineWorker:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
+            start = time.perf_counter()
             try:
                 outputs = self.engine.step()
             except Exception:
@@ -145,6 +192,7 @@ class EngineWorker:
                 self._abort_all("engine error")
                 continue
             self._deliver(outputs)
+            self._count(start, outputs)
 
     def _main_group(self) -> None:
         assert self.group_vote is not None
@@ -160,7 +208,10 @@ class EngineWorker:
                     self._wake.wait(self.idle_poll_s)
                     self._wake.clear()
                     continue
-                self._deliver(self.engine.step(idle_forward=True))
+                start = time.perf_counter()
+                outputs = self.engine.step(idle_forward=True)
+                self._deliver(outputs)
+                self._count(start, outputs)
                 if hook is not None:
                     hook.after_step()
         except BaseException as exc:  # noqa: BLE001 - the group cannot go on
@@ -173,16 +224,32 @@ class EngineWorker:
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         self.num_steps += 1
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             listener = self._listeners.get(out.request_id)
             if listener is None:
                 continue
             if out.finished:
                 self._listeners.pop(out.request_id, None)
+            if isinstance(listener, _Stream):
+                batches.setdefault(listener.loop, []).append((listener.queue, out))
+                continue
             try:
                 listener(out)
             except Exception:
                 log.exception("listener for %s failed", out.request_id)
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop is closed: its streams are gone
+                log.debug("event loop closed; %d outputs dropped", len(items))
+
+    def _count(self, start: float, outputs: list[StepOutput]) -> None:
+        now = time.perf_counter()
+        self.stats.add(now - start, outputs, now)
+        line = self.stats.report(now)
+        if line is not None:
+            log.info("%s", line)
 
     def _abort_all(self, reason: str) -> None:
         for request_id in list(self.engine.requests):

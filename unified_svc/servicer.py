@@ -10,7 +10,7 @@ import grpc
 
 from dsmesh.background import BackgroundTasks
 from dsmesh.convert import require_request_id, sampling_from_proto
-from dsmesh.engine_worker import EngineWorker
+from dsmesh.engine_worker import EngineWorker, drain_outputs
 from dsmesh.service_metrics import InstanceMetrics
 from dsmesh.v1 import decode_pb2, decode_pb2_grpc, generation_pb2, prefill_pb2
 from engine.errors import InvalidRequestError
@@ -40,11 +40,11 @@ class UnifiedServicer(decode_pb2_grpc.DecodeServicer):
         self.active.add(rid)  # claimed before the first await: a concurrent duplicate is refused
         prompt = list(request.input_ids)
         loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
+        streams: list[asyncio.Queue[StepOutput]] = []
 
         def submit(engine: LLMEngine) -> None:
             engine.add_request(prompt, params, request_id=rid)
-            self.worker.listen(rid, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o))
+            streams.append(self.worker.stream(rid, loop))
 
         settled = False  # nothing left in the engine: finished, or never queued
         try:
@@ -55,7 +55,7 @@ class UnifiedServicer(decode_pb2_grpc.DecodeServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             completion = 0
             while not settled:
-                out = await outputs.get()
+                out = drain_outputs(await streams[0].get(), streams[0])
                 if not out.new_token_ids and not out.finished:
                     continue  # a prompt chunk: no token yet
                 if completion == 0 and self.metrics is not None:
