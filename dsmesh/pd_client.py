@@ -51,15 +51,15 @@ async def generate_pd(
     timeout_s: float = 120.0,
     handoff_timeout_s: float = 0.0,
     broker: kv_broker_pb2_grpc.KVBrokerStub | None = None,
-    on_prefilled: Callable[[], None] | None = None,
+    on_prefilled: Callable[[prefill_pb2.PrefillResponse], None] | None = None,
 ) -> AsyncIterator[decode_pb2.DecodeResponse]:
     """Yield decode's messages; raise :class:`PDError` on failure. Cancelling the iterator
     (or leaving it early) cancels both calls, which frees pages on both sides.
 
     ``broker``: kv_broker, told that the handoff FAILED when prefill becomes unreachable
     (e.g. it died), before decode's call is cancelled; without it the handoff ends ABORTED.
-    ``on_prefilled``: called when prefill has answered successfully (the request has left
-    prefill's queue by then).
+    ``on_prefilled``: called with prefill's answer when it succeeded (the request has left
+    prefill's queue by then; the answer says what its KV handoff cost).
     """
     decode_call = decode.Decode(
         decode_pb2.DecodeRequest(
@@ -83,7 +83,7 @@ async def generate_pd(
         # then aborts the handoff and frees its pages); _explain reports prefill's error.
         exc = None if task.cancelled() else task.exception()
         if not task.cancelled() and exc is None and on_prefilled is not None:
-            on_prefilled()
+            on_prefilled(task.result())
         if not isinstance(exc, grpc.aio.AioRpcError) or exc.code() in (
             grpc.StatusCode.CANCELLED,
             grpc.StatusCode.ABORTED,  # an abort reaches decode through kv_broker

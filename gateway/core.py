@@ -22,7 +22,7 @@ from opentelemetry.context import Context
 from dsmesh import telemetry
 from dsmesh.convert import sampling_to_proto
 from dsmesh.pd_client import PDError, generate_pd, generate_unified
-from dsmesh.v1 import generation_pb2
+from dsmesh.v1 import generation_pb2, prefill_pb2
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError, check_prompt
 from engine.sampling_params import SamplingParams
@@ -302,9 +302,10 @@ class GenerationCore:
             )
         else:
 
-            def on_prefilled() -> None:  # it left prefill's queue: the next may go there
-                self.admission.prefilled(inp.request_id)
-                self._pump()
+            def on_prefilled(answer: prefill_pb2.PrefillResponse) -> None:
+                self.admission.prefilled(inp.request_id)  # left prefill's queue: the next
+                self._pump()  # may go there
+                self.metrics.kv_handoff(answer)
 
             stream = generate_pd(
                 placed.prefill.stub,  # type: ignore[arg-type]

@@ -8,6 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from dsmesh.v1 import prefill_pb2
+
 LATENCY_BUCKETS = (
     0.001,
     0.0025,
@@ -72,6 +74,19 @@ class GatewayMetrics:
         self.requests = Counter(
             "dsmesh_requests", "finished requests by outcome", ["outcome"], registry=r
         )
+        self.handoff_seconds = Histogram(
+            "dsmesh_kv_handoff_seconds",
+            "what each request's KV handoff added to its TTFT (prefill's last forward to its "
+            "commit)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.transfer_bytes = Counter(
+            "dsmesh_kv_transfer_bytes", "KV bytes prefill wrote into decode's pages", registry=r
+        )
+        self.write_seconds = Counter(
+            "dsmesh_kv_write_seconds", "time prefill spent writing those bytes", registry=r
+        )
         self.running = Gauge("dsmesh_requests_running", "requests streaming tokens", registry=r)
         self.waiting = Gauge(
             "dsmesh_requests_waiting",
@@ -84,3 +99,9 @@ class GatewayMetrics:
             registry=r,
         )
         r.register(_KVPages(kv_pages))
+
+    def kv_handoff(self, answer: prefill_pb2.PrefillResponse) -> None:
+        """Record one request's handoff from prefill's answer."""
+        self.handoff_seconds.observe(answer.handoff_us / 1e6)
+        self.transfer_bytes.inc(answer.kv_bytes)
+        self.write_seconds.inc(answer.kv_write_us / 1e6)

@@ -198,6 +198,12 @@ def test_grpc_streaming_32_concurrent_equal_offline(gw, offline) -> None:
     assert metric(after, "dsmesh_ttft_seconds_count") - metric(
         before, "dsmesh_ttft_seconds_count"
     ) == len(prompts)
+    # every request's KV handoff, as prefill reported it
+    assert metric(after, "dsmesh_kv_handoff_seconds_count") - metric(
+        before, "dsmesh_kv_handoff_seconds_count"
+    ) == len(prompts)
+    for name in ("dsmesh_kv_transfer_bytes_total", "dsmesh_kv_write_seconds_total"):
+        assert metric(after, name) > metric(before, name), name
 
 
 def test_kv_pages_return_to_zero_when_idle(gw) -> None:
