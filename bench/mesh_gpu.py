@@ -20,6 +20,10 @@ the same checkpoint, in one command.
 4. Reports req/s, output and total tokens/s, TTFT and TPOT p50 / p99, per request handoff
    time and KV bytes/s (from the gateway's /metrics), as a table and ``DIR/mesh_gpu.json``.
 
+``--variant NAME:KIND:FLAGS`` adds a mesh of kind ``pd`` or ``unified`` with more
+``dsmesh up`` flags (an A/B in the same run); ``--py-spy SECONDS`` samples every engine
+process's Python stacks during the first run at ``--py-spy-level`` (py-spy on the PATH).
+
 Every mesh's logs land in ``DIR/logs/<target>``. ``--shape tiny --device cpu`` runs every
 code path on the CPU in a minute (a smoke test; its numbers mean nothing).
 """
@@ -34,6 +38,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -154,6 +159,8 @@ def mesh_up(
         sys.executable,
         "-m",
         "dsmesh",
+        "--log-level",
+        "info",  # the engines' periodic step summaries go to their logs
         "up",
         "--model",
         model,
@@ -286,10 +293,12 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return ordered[(len(ordered) - 1) // 2]
 
 
-def bench_mesh(target: str, model: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def bench_mesh(
+    target: str, kind: str, extra: list[str], model: str, args: argparse.Namespace, out: Path
+) -> dict[str, Any]:
     up_args = ["--device", args.device, *shlex.split(args.engine_args)]
-    up_args += shlex.split(args.pd_args if target == "pd" else args.unified_args)
-    if target == "unified":
+    up_args += shlex.split(args.pd_args if kind == "pd" else args.unified_args) + extra
+    if kind == "unified":
         up_args += ["--prefill", "0", "--decode", "0", "--unified", "1"]
     result: dict[str, Any] = {"up_args": up_args, "levels": []}
     with mesh_up(model, up_args, out / "logs" / target, args.start_timeout) as mesh:
@@ -298,7 +307,12 @@ def bench_mesh(target: str, model: str, args: argparse.Namespace, out: Path) -> 
             for repeat in range(level.repeats):
                 before = scrape(mesh.metrics_url)
                 path = out / f"{target}-c{level.concurrency}-r{repeat}.json"
+                spies = []
+                if args.py_spy and repeat == 0 and level.concurrency == args.py_spy_level:
+                    spies = py_spy(mesh.log, out / f"pyspy-{target}", args.py_spy)
                 run = condense(dsmesh_bench(mesh.grpc_addr, level, run_seed(i, repeat), args, path))
+                for spy in spies:
+                    spy.wait(60)
                 run["handoff"] = handoff_figures(before, scrape(mesh.metrics_url))
                 runs.append(run)
                 print(f"  {target} c={level.concurrency} run {repeat}: {brief(run)}", flush=True)
@@ -311,6 +325,38 @@ def bench_mesh(target: str, model: str, args: argparse.Namespace, out: Path) -> 
             result["overload"] = {"level": vars(args.overload), **run}
             print(f"  {target} overload: {run['outcomes']}", flush=True)
     return result
+
+
+def py_spy(up_log: Path, prefix: Path, seconds: float) -> list[subprocess.Popen]:
+    """Sample the Python stacks of every engine process of a mesh (pids from ``dsmesh up``'s
+    ready lines) for ``seconds``, per thread, as collapsed stacks in ``PREFIX-NAME.txt``."""
+    if shutil.which("py-spy") is None:
+        print("  py-spy is not on the PATH: no stack samples", flush=True)
+        return []
+    spies = []
+    for name, pid in re.findall(
+        r"^\s+((?:prefill|decode|unified)-\d+)\s+ready at \S+\s+pid (\d+)", up_log.read_text(), re.M
+    ):
+        command = [
+            "py-spy",
+            "record",
+            "--pid",
+            pid,
+            "--duration",
+            str(int(seconds)),
+            "--rate",
+            "100",
+            "--threads",
+            "--format",
+            "raw",
+            "--nonblocking",
+            "--output",
+            f"{prefix}-{name}.txt",
+        ]
+        spies.append(
+            subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        )
+    return spies
 
 
 def brief(run: dict[str, Any]) -> str:
@@ -506,7 +552,7 @@ def table(results: dict[str, Any]) -> str:
         f"{'handoff ms':>10} {'KV GB/s':>8} {'ok/refused/timeout/other':>25}"
     )
     lines = [head, "-" * len(head)]
-    for target in TARGETS:
+    for target in results.get("targets", {}):
         res = results.get("targets", {}).get(target)
         if not res or "levels" not in res:
             continue
@@ -599,6 +645,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--unified-args", default="", help="more `dsmesh up` flags for unified")
     ap.add_argument("--overload", type=Level.parse, default=None, metavar="CONC:PROMPTS")
     ap.add_argument("--kernel-ref", action="store_true", help="engine: kernel-level prediction")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:KIND:FLAGS",
+        help="another mesh (KIND pd or unified) with more dsmesh up flags; repeatable",
+    )
+    ap.add_argument("--py-spy", type=float, default=0.0, metavar="SECONDS")
+    ap.add_argument("--py-spy-level", type=int, default=64, metavar="CONCURRENCY")
     ap.add_argument("--kernel-ref-prompts", type=int, default=16)
     ap.add_argument("--v3-layers", type=int, default=4)
     ap.add_argument("--engine-child", type=Path, default=None, help=argparse.SUPPRESS)
@@ -625,15 +680,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "targets": {},
     }
     results["levels"] = args.levels
+    runs: list[tuple[str, str, list[str]]] = []
     for target in [t for t in args.targets.split(",") if t]:
         if target not in TARGETS:
             raise SystemExit(f"--targets: unknown {target!r} (known: {', '.join(TARGETS)})")
+        runs.append((target, target, []))
+    for spec in args.variant:
+        name, kind, flags = spec.split(":", 2)
+        if kind not in ("pd", "unified"):
+            raise SystemExit(f"--variant {spec}: KIND must be pd or unified")
+        runs.append((name, kind, shlex.split(flags)))
+    for target, kind, extra in runs:
         start = time.perf_counter()
         try:
             if target == "engine":
                 res = bench_engine(model, args, out)
             else:
-                res = bench_mesh(target, model, args, out)
+                res = bench_mesh(target, kind, extra, model, args, out)
         except Exception as exc:  # keep the other targets' figures
             res = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"{target} failed: {exc}", flush=True)

@@ -20,6 +20,7 @@ from dsmesh import (
     cmd_unified,
     cmd_up,
 )
+from dsmesh.cli_common import apply_process_flags
 
 Registrar = Callable[[argparse._SubParsersAction], None]
 COMMANDS: tuple[Registrar, ...] = (
@@ -58,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        apply_process_flags(args)
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from dsmesh.security import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -107,6 +108,23 @@ def add_engine_args(
         help="FP8 checkpoints: keep routed experts in FP8 and use the FP8 grouped GEMM on "
         "CUDA (default: dequantise to --dtype at load)",
     )
+    g.add_argument(
+        "--gil-switch-ms",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="Python's thread switch interval in this process (default: Python's, 5 ms): "
+        "how long the engine thread may wait for the GIL while the gRPC thread streams",
+    )
+
+
+def apply_process_flags(args: argparse.Namespace) -> None:
+    """Process-wide settings an engine command takes, applied once at start-up."""
+    switch_ms = getattr(args, "gil_switch_ms", None)
+    if switch_ms is not None:
+        if not switch_ms > 0:
+            raise ValueError(f"--gil-switch-ms must be positive, got {switch_ms}")
+        sys.setswitchinterval(switch_ms / 1000)
 
 
 def engine_config_from(args: argparse.Namespace) -> EngineConfig:

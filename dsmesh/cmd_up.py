@@ -27,6 +27,7 @@ FORWARDED_ENGINE_FLAGS = (
     "max_batch_tokens",
     "attention_mode",
     "decode_attention",
+    "gil_switch_ms",
 )
 # --x / --no-x
 FORWARDED_ENGINE_SWITCHES = ("prefix_cache", "cuda_graphs", "overlap_decode", "fp8_experts")
