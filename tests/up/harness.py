@@ -85,9 +85,10 @@ def list_instances(broker: str) -> list[kv_broker_pb2.Instance]:
 class UpProcess:
     """``dsmesh up ARGS`` with its merged stdout/stderr collected line by line."""
 
-    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+    def __init__(self, args: list[str], env: dict[str, str], log_level: str = "") -> None:
+        level = ["--log-level", log_level] if log_level else []
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "dsmesh", "up", *args],
+            [sys.executable, "-m", "dsmesh", *level, "up", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

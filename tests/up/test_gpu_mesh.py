@@ -94,6 +94,7 @@ def test_mesh_on_gpu_matches_the_engine(cache_env, expected, topology: list[str]
             *topology,
         ],
         cache_env,
+        log_level="info",  # the instances log the transport they chose
     )
     try:
         up.wait_for(r"dsmesh mesh ready", timeout=300)
