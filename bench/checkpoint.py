@@ -5,9 +5,10 @@
 Shapes: ``v2-lite`` (DeepSeek-V2-Lite's released config, bf16, 15.7B parameters, about
 31 GB), ``v3-layers`` (DeepSeek-V3's layer shape, a few MoE layers, routed experts in
 block-scaled FP8 as DeepSeek-V3 ships them), and ``tiny`` / ``tiny-v3`` (the same
-structures at toy sizes: CPU smoke tests). Weights are drawn on ``device`` (fast for billions of parameters) and
-written shard by shard; the byte-level tokenizer goes beside them, so every dsmesh command
-(``up``, ``generate``, ``bench``) takes the folder as ``--model``. A folder written before
+structures at toy sizes: CPU smoke tests). Weights are drawn on ``device`` (fast for
+billions of parameters) and written shard by shard; the byte-level tokenizer goes beside
+them, so every dsmesh command (``up``, ``generate``, ``bench``) takes the folder as
+``--model``. A folder written before
 with the same shape and seed is reused.
 """
 

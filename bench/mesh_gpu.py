@@ -7,7 +7,9 @@ the same checkpoint, in one command.
 1. Writes (or reuses) a random-weight checkpoint of ``--shape`` (bench/checkpoint.py).
 2. For each target, the same requests (random token ids, ``--input-len`` prompt tokens,
    ``--output-len`` new tokens, EOS ignored, greedy) at each level ``CONCURRENCY:PROMPTS``
-   (``:REPEATS`` runs it several times with fresh prompts; medians are reported):
+   (``:REPEATS`` runs it several times with fresh prompts; medians are reported), each run
+   after an untimed wave of ``CONCURRENCY`` requests (a warm server: graphs and Triton
+   kernels for those batch shapes exist):
    - ``pd``: ``dsmesh up`` (kv_broker, prefill, decode, gateway), measured with
      ``dsmesh bench --backend grpc``, as a user runs them;
    - ``unified``: ``dsmesh up --prefill 0 --decode 0 --unified 1``, the same way;
@@ -246,7 +248,9 @@ def dsmesh_bench(
         "--seed",
         str(seed),
         "--warmup",
-        str(args.warmup),
+        str(max(args.warmup, level.concurrency)),
+        "--warmup-concurrency",
+        str(level.concurrency),
         "--request-timeout",
         str(args.request_timeout),
         "--no-progress",
@@ -423,7 +427,8 @@ async def _engine_levels(model: str, args: argparse.Namespace, out: Path) -> Non
                 bench = BenchConfig(
                     backend="offline",
                     max_concurrency=level.concurrency,
-                    warmup=args.warmup,
+                    warmup=max(args.warmup, level.concurrency),
+                    warmup_concurrency=level.concurrency,
                     seed=run_seed(i, repeat),
                     request_timeout_s=args.request_timeout,
                     engine=config,

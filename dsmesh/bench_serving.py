@@ -42,7 +42,8 @@ class BenchConfig:
     url: str = "http://127.0.0.1:8000"  # REST base URL
     request_rate: float = math.inf  # requests/s of the Poisson arrivals; inf = all at once
     max_concurrency: int | None = None  # requests in flight at most (client-side semaphore)
-    warmup: int = 1  # requests sent one by one before timing, not counted
+    warmup: int = 1  # requests sent before timing, not counted
+    warmup_concurrency: int = 1  # warm-up requests in flight at once
     seed: int = 0
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 600.0  # deadline of each request
@@ -523,6 +524,25 @@ def warmup_request(request: BenchRequest) -> BenchRequest:
     return dataclasses.replace(request, input_ids=tuple(reversed(request.input_ids)))
 
 
+async def _warm_up(backend: Backend, config: BenchConfig, requests: Sequence[BenchRequest]) -> None:
+    """``config.warmup`` untimed requests (twins of the first timed ones), at most
+    ``config.warmup_concurrency`` at once: at the run's concurrency they take the server
+    through the batch sizes and shapes the run will hit (graphs, JIT-compiled kernels)."""
+    limit = asyncio.Semaphore(max(1, config.warmup_concurrency))
+
+    async def one(i: int) -> RequestRecord:
+        async with limit:
+            warm = warmup_request(requests[i % len(requests)])
+            return await send_request(
+                backend, warm, -1, time.perf_counter(), config.request_timeout_s
+            )
+
+    records = await asyncio.gather(*(one(i) for i in range(config.warmup)))
+    failed = [r for r in records if not r.success]
+    if failed:
+        raise BenchError(f"warm-up request failed: {failed[0].error}")
+
+
 async def run_benchmark(
     config: BenchConfig,
     requests: Sequence[BenchRequest],
@@ -545,13 +565,7 @@ async def run_benchmark(
     try:
         if owned:
             await backend.connect(config.connect_timeout_s)
-        for i in range(config.warmup):
-            warm = warmup_request(requests[i % len(requests)])
-            rec = await send_request(
-                backend, warm, -1, time.perf_counter(), config.request_timeout_s
-            )
-            if not rec.success:
-                raise BenchError(f"warm-up request failed: {rec.error}")
+        await _warm_up(backend, config, requests)
 
         limit = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
         t0 = time.perf_counter()

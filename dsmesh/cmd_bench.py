@@ -133,8 +133,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=d.warmup,
         metavar="N",
-        help="untimed requests sent first, one by one: the first prompts with their token "
+        help="untimed requests sent first: the first prompts with their token "
         "ids reversed, so no cache holds a timed prompt (default: %(default)s)",
+    )
+
+    g.add_argument(
+        "--warmup-concurrency",
+        type=int,
+        default=d.warmup_concurrency,
+        metavar="C",
+        help="warm-up requests in flight at once (default: %(default)s); the run's "
+        "concurrency warms the batch sizes it will hit",
     )
 
     g = p.add_argument_group("output")
@@ -157,6 +166,8 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         raise ValueError("--max-concurrency must be at least 1")
     if args.warmup < 0:
         raise ValueError("--warmup must not be negative")
+    if args.warmup_concurrency < 1:
+        raise ValueError("--warmup-concurrency must be at least 1")
     return BenchConfig(
         backend=args.backend,
         grpc_addr=args.grpc_addr,
@@ -164,6 +175,7 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         request_rate=args.request_rate,
         max_concurrency=args.max_concurrency,
         warmup=args.warmup,
+        warmup_concurrency=args.warmup_concurrency,
         seed=args.seed,
         connect_timeout_s=args.connect_timeout,
         request_timeout_s=args.request_timeout,

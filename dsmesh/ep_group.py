@@ -73,6 +73,7 @@ def _rank_main(
     ready_queue: mp.Queue,
     log_level: int,
     threads: int,
+    switch_interval_s: float,
 ) -> None:
     logging.basicConfig(
         level=log_level,
@@ -84,6 +85,7 @@ def _rank_main(
 
     if threads:
         torch.set_num_threads(threads)
+    sys.setswitchinterval(switch_interval_s)  # as the parent's command set it
     code = 0
     try:
         init_group(spec.ep, spec.rank, rank_device(target.engine_config, spec.rank))
@@ -155,7 +157,14 @@ def run_group(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(target, spec, ready_queue, logging.getLogger().level, threads),
+            args=(
+                target,
+                spec,
+                ready_queue,
+                logging.getLogger().level,
+                threads,
+                sys.getswitchinterval(),
+            ),
             name=f"ep-rank-{spec.rank}",
             daemon=False,
         )

@@ -173,8 +173,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             with telemetry.tracer().start_as_current_span(
                 "kv.commit", attributes={"dsmesh.request_id": rid, "dsmesh.kv.bytes": nbytes}
             ):
-                await self._commit(job, first_token, nbytes)
-            handoff_s = max(0, time.monotonic_ns() - job.last_forward_ns) / 1e9
+                handoff_s = await self._commit(job, first_token, nbytes)
             if self.metrics is not None:
                 self.metrics.handoff_seconds.observe(handoff_s)
             return prefill_pb2.PrefillResponse(
@@ -369,12 +368,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             )
         return engine.abort(job.request_id)
 
-    async def _commit(self, job: _Job, first_token: int, nbytes: int) -> None:
+    async def _commit(self, job: _Job, first_token: int, nbytes: int) -> float:
+        """Commit the first token, then free the pages; returns the seconds from the end of
+        the last forward to the commit (what the handoff added to the request's TTFT)."""
         req = kb.CommitRequest(
             request_id=job.request_id, first_token_id=first_token, bytes_written=nbytes
         )
         try:
             await self.broker.stub.Commit(req, timeout=self.limits.broker_rpc_timeout_s)
+            handoff_s = max(0, time.monotonic_ns() - job.last_forward_ns) / 1e9
         except grpc.aio.AioRpcError as exc:
             await self._fail(job, f"commit refused: {exc.details()}", tell_broker=False)
             raise PrefillFailed(
@@ -385,6 +387,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             ) from exc
         # Everything was written (the final job ran after every chunk): pages may be reused.
         await self.worker.call(lambda e: e.release(job.request_id))
+        return handoff_s
 
     # ---- failure paths --------------------------------------------------------------------
 

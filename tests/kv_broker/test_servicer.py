@@ -503,7 +503,8 @@ async def test_prometheus_metrics() -> None:
 async def test_prefills_estimate_keeps_the_handoff_alive(broker: Broker) -> None:
     """A 0.3 s handoff whose prefill expects 0.4 s more lives past 0.3 s; a negative
     estimate is refused naming the field."""
-    decode, prefill = await broker.decode("d1"), await broker.prefill("p1")
+    decode = await broker.decode("d1")
+    await broker.prefill("p1")
     await broker.stub.Reserve(reserve_request("r1", timeout_ms=300))
     request = resolve_request("r1")
     request.expected_ms = 400
