@@ -396,12 +396,16 @@ def engine_child(spec_path: Path) -> None:
 
 
 def _engine_config(model: str, args: argparse.Namespace):
-    from dsmesh.cli_common import add_engine_args, engine_config_from
+    """The engine flags as ``dsmesh bench --backend offline`` takes them, with their
+    process-wide settings (the GIL switch interval) applied to this process too."""
+    from dsmesh.cli_common import add_engine_args, apply_process_flags, engine_config_from
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     engine_args = ["--model", model, "--device", args.device, *shlex.split(args.engine_args)]
-    return engine_config_from(parser.parse_args(engine_args))
+    parsed = parser.parse_args(engine_args)
+    apply_process_flags(parsed)
+    return engine_config_from(parsed)
 
 
 async def _engine_levels(model: str, args: argparse.Namespace, out: Path) -> None:
