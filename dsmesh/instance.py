@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from dsmesh.broker_link import BrokerLink
@@ -169,3 +170,35 @@ async def health_follows_broker(
             await asyncio.wait_for(
                 broker.attached.wait() if not attached else asyncio.sleep(0.2), 0.2
             )
+
+
+async def serve_attached(
+    role: str,
+    service: str,
+    server: RunningServer,
+    broker: BrokerLink,
+    instance_id: str,
+    host: str,
+    stop: asyncio.Event,
+    ready: Callable[[str, int], None] | None,
+    drain: Callable[[], Awaitable[None]],
+) -> None:
+    """An instance's life once its server is up: attach to kv_broker, health that follows
+    the link, announce the port, serve until ``stop``. Then health goes NOT_SERVING, the
+    server stops (in-flight calls get 5 s), ``drain`` waits for the servicer's background
+    work and the link closes; the caller stops its engine and transport after."""
+    broker.start()
+    health = asyncio.create_task(health_follows_broker(server, broker, (service,)))
+    log.info("%s %s listening on %s:%d", role, instance_id, host, server.port)
+    if ready is not None:
+        ready(instance_id, server.port)
+    try:
+        await stop.wait()
+    finally:
+        await server.set_serving(False, ("", service))
+        health.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await health
+        await server.server.stop(grace=5)
+        await drain()
+        await broker.close()

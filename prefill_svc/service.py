@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -12,7 +11,7 @@ from dataclasses import dataclass, field
 from dsmesh.broker_link import BrokerLink
 from dsmesh.ep_group import RankSpec
 from dsmesh.grpc_server import set_channel_defaults, start_server
-from dsmesh.instance import TransferConfig, build_instance, health_follows_broker, new_instance_id
+from dsmesh.instance import TransferConfig, build_instance, new_instance_id, serve_attached
 from dsmesh.kv_layout import layout_of
 from dsmesh.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
 from dsmesh.service_metrics import InstanceMetrics
@@ -98,21 +97,19 @@ async def _serve(
         transfers.metrics = metrics
         port = metrics.serve(config.metrics_port, config.host)
         log.info("prefill metrics on http://%s:%d/metrics", config.host, port)
-    broker.start()
-    health = asyncio.create_task(health_follows_broker(server, broker, (SERVICE,)))
-    log.info("prefill %s listening on %s:%d", instance_id, config.host, server.port)
-    if ready is not None:
-        ready(instance_id, server.port)
     try:
-        await stop.wait()
+        await serve_attached(
+            "prefill",
+            SERVICE,
+            server,
+            broker,
+            instance_id,
+            config.host,
+            stop,
+            ready,
+            servicer.drain,
+        )
     finally:
-        await server.set_serving(False, ("", SERVICE))
-        health.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await health
-        await server.server.stop(grace=5)
-        await servicer.drain()
-        await broker.close()
         parts.worker.stop()
         await parts.close_eplb()
         transfers.stop()

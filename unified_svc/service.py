@@ -7,7 +7,6 @@ link is for discovery (the gateway finds it there) and liveness (health follows 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,7 +14,7 @@ from dataclasses import dataclass, field
 from dsmesh.broker_link import BrokerLink
 from dsmesh.engine_worker import EngineWorker
 from dsmesh.grpc_server import set_channel_defaults, start_server
-from dsmesh.instance import health_follows_broker, new_instance_id
+from dsmesh.instance import new_instance_id, serve_attached
 from dsmesh.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
 from dsmesh.service_metrics import InstanceMetrics
 from dsmesh.telemetry import tracing
@@ -72,19 +71,17 @@ async def _serve(
         servicer.metrics = metrics
         port = metrics.serve(config.metrics_port, config.host)
         log.info("unified metrics on http://%s:%d/metrics", config.host, port)
-    broker.start()
-    health = asyncio.create_task(health_follows_broker(server, broker, (SERVICE,)))
-    log.info("unified %s listening on %s:%d", instance_id, config.host, server.port)
-    if ready is not None:
-        ready(instance_id, server.port)
     try:
-        await stop.wait()
+        await serve_attached(
+            "unified",
+            SERVICE,
+            server,
+            broker,
+            instance_id,
+            config.host,
+            stop,
+            ready,
+            servicer.drain,
+        )
     finally:
-        await server.set_serving(False, ("", SERVICE))
-        health.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await health
-        await server.server.stop(grace=5)
-        await servicer.drain()
-        await broker.close()
         worker.stop()
