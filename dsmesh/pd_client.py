@@ -108,35 +108,23 @@ async def generate_pd(
             decode_call.cancel()
 
     prefill_task.add_done_callback(prefill_done)
-    finished = False
+    done = [False]
     messages = decode_call.__aiter__()
     try:
-        while True:
-            try:
-                message = await anext(messages)
-            except StopAsyncIteration:
-                finished = True
-                break
-            if message.finish_reason:
-                # Let the stream end (its trailers follow at once) before handing over the
-                # last message, so the call completes even if the caller stops here.
-                await _drain(messages, 1.0)
-                finished = True
-                yield message
-                break
+        async for message in _relay(messages, done):
             yield message
     except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
         if isinstance(exc, asyncio.CancelledError) and not _failed(prefill_task):
             raise  # our caller was cancelled
         raise await _explain(exc, prefill_task) from None
     finally:
-        if not finished:
+        if not done[0]:
             decode_call.cancel()
             # Resume the (possibly intercepted) response iterator once, so whatever wraps
             # it - e.g. a tracing span - ends now rather than when it is garbage-collected.
             await _drain(messages, 0.5)
         try:
-            if finished and not prefill_task.done():
+            if done[0] and not prefill_task.done():
                 await asyncio.wait({prefill_task}, timeout=PREFILL_SETTLE_S)
         finally:
             if not prefill_task.done():
@@ -162,31 +150,39 @@ async def generate_unified(
         decode_pb2.DecodeRequest(request_id=request_id, input_ids=input_ids, sampling=sampling),
         timeout=timeout_s,
     )
-    finished = False
+    done = [False]
     messages = call.__aiter__()
     try:
-        while True:
-            try:
-                message = await anext(messages)
-            except StopAsyncIteration:
-                finished = True
-                break
-            if message.finish_reason:
-                await _drain(messages, 1.0)  # as in generate_pd: the call completes first
-                finished = True
-                yield message
-                break
+        async for message in _relay(messages, done):
             yield message
     except grpc.aio.AioRpcError as exc:
         raise PDError(exc.code(), f"unified: {exc.details()}") from None
     finally:
-        if not finished:
+        if not done[0]:
             call.cancel()
             await _drain(messages, 0.5)
 
 
 def _failed(task: asyncio.Future) -> bool:
     return task.done() and not task.cancelled() and task.exception() is not None
+
+
+async def _relay(messages: AsyncIterator, done: list[bool]) -> AsyncIterator:
+    """``messages`` up to the one with a ``finish_reason``; ``done[0]`` becomes True once the
+    stream ended or finished. The stream is let end (its trailers follow at once) before the
+    last message is handed over, so the call completes even if the caller stops there."""
+    while True:
+        try:
+            message = await anext(messages)
+        except StopAsyncIteration:
+            done[0] = True
+            return
+        if message.finish_reason:
+            await _drain(messages, 1.0)
+            done[0] = True
+            yield message
+            return
+        yield message
 
 
 async def _drain(messages: AsyncIterator, timeout_s: float) -> None:
