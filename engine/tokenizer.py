@@ -1,8 +1,9 @@
 """Text <-> token ids for DeepSeek checkpoints, without depending on transformers.
 
-``Tokenizer`` reads a checkpoint's ``tokenizer.json`` (with the ``tokenizers`` library) and its
-``tokenizer_config.json`` and behaves like transformers' ``PreTrainedTokenizerFast`` on the
-same folder: same ids, same decoded text, same rendered chat template.
+``Tokenizer`` reads a checkpoint's ``tokenizer.json`` (with the ``tokenizers`` library), its
+``tokenizer_config.json`` and its chat template files, and behaves like transformers 5's
+``AutoTokenizer`` on the same folder: same ids, same decoded text, same rendered chat template
+(DeepSeek-V3's, tool calls included, is tested token for token).
 ``IncrementalDetokenizer`` turns a stream of generated ids into text deltas that never split a
 UTF-8 character. ``write_byte_level_tokenizer`` writes the tiny tokenizer of dsmesh's default
 test model.
@@ -13,12 +14,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
@@ -26,6 +27,9 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+CHAT_TEMPLATE_DIR = "additional_chat_templates"  # more named templates, one <name>.jinja each
+DEFAULT_TEMPLATE = "default"
+TOOL_USE_TEMPLATE = "tool_use"  # picked over the default when the request has tools
 
 # The named special tokens transformers hands to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
 _NAMED_SPECIAL_TOKENS = (
@@ -37,16 +41,20 @@ _NAMED_SPECIAL_TOKENS = (
     "cls_token",
     "mask_token",
 )
+# Names a message's reasoning goes by; transformers fills each from the first one set.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _REPLACEMENT_CHAR = "\ufffd"
 
 
 class Tokenizer:
-    """A ``tokenizers`` backend plus the special tokens and chat template of one checkpoint.
+    """A ``tokenizers`` backend plus the special tokens and chat templates of one checkpoint.
 
     Special tokens on ``encode(..., add_special_tokens=True)`` come from the backend's
-    post-processor, exactly as in transformers 5. When ``tokenizer.json`` has no post-processor,
-    one is built from ``add_bos_token`` / ``add_eos_token`` (as Llama-style tokenizers do);
-    transformers 5 would add nothing in that case.
+    post-processor, exactly as in transformers 5 (which ignores ``add_bos_token`` when
+    ``tokenizer.json`` exists; DeepSeek-V3's has ``add_bos_token: false`` and a post-processor
+    that adds nothing, so its prompts get BOS from the chat template only). When
+    ``tokenizer.json`` has no post-processor, one is built from ``add_bos_token`` /
+    ``add_eos_token`` (as Llama-style tokenizers do); transformers 5 would add nothing there.
     """
 
     def __init__(
@@ -55,16 +63,23 @@ class Tokenizer:
         special_tokens: Mapping[str, str | None] | None = None,
         add_bos_token: bool | None = None,
         add_eos_token: bool = False,
-        chat_template: str | None = None,
+        chat_template: str | Mapping[str, str] | None = None,
     ) -> None:
         """Wrap ``backend``, which this object takes ownership of and may modify.
 
         ``special_tokens`` maps names such as ``"bos_token"`` to token strings (None: unset);
-        ``add_bos_token`` defaults to True when a bos token is given.
+        ``add_bos_token`` defaults to True when a bos token is given. ``chat_template`` is one
+        template, or named ones (``"default"``, ``"tool_use"``, ...).
         """
         self._backend = backend
         self._special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
-        self._chat_template = chat_template
+        if chat_template is None or isinstance(chat_template, str):
+            self._chat_templates = (
+                {} if chat_template is None else {DEFAULT_TEMPLATE: chat_template}
+            )
+        else:
+            self._chat_templates = dict(chat_template)
+        self._compiled: dict[str, jinja2.Template] = {}
         # transformers adds named special tokens missing from the vocab as new special tokens.
         missing = [t for t in self._special_tokens.values() if backend.token_to_id(t) is None]
         if missing:
@@ -88,7 +103,9 @@ class Tokenizer:
     def from_dir(cls, path: str | Path) -> Tokenizer:
         """Load ``tokenizer.json`` and the optional ``tokenizer_config.json`` from ``path``.
 
-        A ``chat_template.jinja`` file, when present, overrides the config's template.
+        Chat templates, as transformers 5 finds them: ``chat_template.jinja`` (the default) and
+        ``additional_chat_templates/<name>.jinja``, when any exists, replace the config's
+        ``chat_template`` (one string, or a list of ``{"name", "template"}``).
         """
         folder = Path(path)
         tokenizer_file = folder / TOKENIZER_FILE
@@ -99,11 +116,7 @@ class Tokenizer:
         config: dict[str, Any] = {}
         if config_file.is_file():
             config = json.loads(config_file.read_text(encoding="utf-8"))
-        template_file = folder / CHAT_TEMPLATE_FILE
-        if template_file.is_file():
-            chat_template: str | None = template_file.read_text(encoding="utf-8")
-        else:
-            chat_template = _select_chat_template(config.get("chat_template"))
+        chat_template = _template_files(folder) or _config_templates(config.get("chat_template"))
         add_bos_token = config.get("add_bos_token")
         return cls(
             backend,
@@ -138,7 +151,13 @@ class Tokenizer:
 
     @property
     def chat_template(self) -> str | None:
-        return self._chat_template
+        """The default chat template (None when the checkpoint has none)."""
+        return self._chat_templates.get(DEFAULT_TEMPLATE)
+
+    @property
+    def chat_templates(self) -> dict[str, str]:
+        """Every chat template by name; a single template is named ``"default"``."""
+        return dict(self._chat_templates)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; with ``add_special_tokens``, BOS/EOS as the checkpoint says."""
@@ -153,42 +172,61 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
         **extra: Any,
     ) -> str | list[int]:
-        """Render ``messages`` with the checkpoint's chat template, as transformers does.
+        """Render ``messages`` with the checkpoint's chat template, as transformers 5 does.
 
-        The template sees ``messages``, ``add_generation_prompt``, ``tools`` and ``documents``
-        (None unless given), the named special tokens and every ``extra`` keyword. With
-        ``tokenize`` the rendered text is encoded without adding special tokens, since the
-        template writes them itself.
+        The ``"tool_use"`` template when ``tools`` is given and the checkpoint names one, else
+        the default. The template sees ``messages`` (keys whose value is None dropped, the
+        reasoning under all its names), ``add_generation_prompt``, ``tools``, ``documents``,
+        the named special tokens (``bos_token``, ``eos_token``, ...) and every ``extra``
+        keyword, with transformers' globals (``raise_exception``, ``strftime_now``) and
+        filters (``tojson``). With ``tokenize`` the text is encoded without adding special
+        tokens, since the template writes them itself. Template errors raise
+        ``jinja2.TemplateError`` (``raise_exception``) or other exceptions from Jinja.
         """
-        if self._chat_template is None:
-            raise ValueError("this checkpoint has no chat template (tokenizer_config.json)")
         if not messages:
             raise ValueError("cannot apply the chat template to an empty conversation")
-        # Like transformers: drop keys whose value is None, which templates handle badly.
-        chat = [{k: v for k, v in message.items() if v is not None} for message in messages]
-        variables: dict[str, Any] = {"tools": None, "documents": None}
-        variables.update(self._special_tokens)
+        variables: dict[str, Any] = dict(self._special_tokens)
         variables.update(extra)
-        text = self._compiled_template.render(
-            messages=chat, add_generation_prompt=add_generation_prompt, **variables
+        text = self._compiled_template(self._template_name(tools)).render(
+            messages=_template_messages(messages),
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
-    @cached_property
-    def _compiled_template(self) -> jinja2.Template:
-        assert self._chat_template is not None
-        return _compile_chat_template(self._chat_template)
+    def _template_name(self, tools: list[dict[str, Any]] | None) -> str:
+        """Which template renders a request (transformers' ``get_chat_template``)."""
+        if not self._chat_templates:
+            raise ValueError("this checkpoint has no chat template (tokenizer_config.json)")
+        if tools is not None and TOOL_USE_TEMPLATE in self._chat_templates:
+            return TOOL_USE_TEMPLATE
+        if DEFAULT_TEMPLATE in self._chat_templates:
+            return DEFAULT_TEMPLATE
+        raise ValueError(
+            f"no {DEFAULT_TEMPLATE!r} chat template among {sorted(self._chat_templates)}"
+        )
+
+    def _compiled_template(self, name: str) -> jinja2.Template:
+        if name not in self._compiled:
+            self._compiled[name] = _compile_chat_template(self._chat_templates[name])
+        return self._compiled[name]
 
 
 class IncrementalDetokenizer:
     """Turns generated ids, pushed a few at a time, into text deltas.
 
-    Keeps a window ``ids[prefix:]`` where ``ids[:read]`` of the window is text already
-    returned, and returns ``decode(window)[len(decode(ids[prefix:read])):]`` once that text no
-    longer ends in U+FFFD, i.e. once no UTF-8 character is left half-decoded. Each push decodes
-    only the window, so its cost does not grow with the sequence. Concatenating every return
+    Keeps a window ``ids[prefix:]`` where the first ``read`` ids of the window are text already
+    returned (context for the decoder), and decodes only the window, so a push costs the same
+    however long the sequence. A push returns the window's new text up to the last complete
+    character: U+FFFD at the end of the decoded bytes may be half a UTF-8 character (a byte
+    token of a character split over several tokens), so that tail waits for the next ids. Once
+    the window decodes with no such tail, the window moves on. Concatenating every return
     value, ``flush()`` included, gives ``decode(all_ids, skip_special_tokens)``.
     """
 
@@ -197,24 +235,34 @@ class IncrementalDetokenizer:
         self._skip_special_tokens = skip_special_tokens
         self._window_ids: list[int] = []  # ids from the prefix offset on
         self._num_read = 0  # leading ids of the window whose text was already returned
+        self._num_pending_chars = 0  # characters returned beyond those ids' text
 
     def push(self, new_ids: Sequence[int]) -> str:
         """Add ``new_ids``; return the text they complete ("" while a character is partial)."""
         self._window_ids.extend(new_ids)
         prefix_text = self._decode(self._window_ids[: self._num_read])
         text = self._decode(self._window_ids)
-        if len(text) <= len(prefix_text) or text.endswith(_REPLACEMENT_CHAR):
+        shown = len(prefix_text) + self._num_pending_chars
+        if text.endswith(_REPLACEMENT_CHAR):
+            # Characters before the tail are final: later bytes cannot change them.
+            end = len(text.rstrip(_REPLACEMENT_CHAR))
+            delta = text[shown:end] if end > shown else ""
+            self._num_pending_chars += len(delta)
+            return delta
+        if len(text) < shown:
             return ""
         self._window_ids = self._window_ids[self._num_read :]
         self._num_read = len(self._window_ids)
-        return text[len(prefix_text) :]
+        self._num_pending_chars = 0
+        return text[shown:]
 
     def flush(self) -> str:
         """Return all text not yet returned, even a trailing incomplete character, and reset."""
         prefix_text = self._decode(self._window_ids[: self._num_read])
         text = self._decode(self._window_ids)
-        self._window_ids, self._num_read = [], 0
-        return text[len(prefix_text) :]
+        shown = len(prefix_text) + self._num_pending_chars
+        self._window_ids, self._num_read, self._num_pending_chars = [], 0, 0
+        return text[shown:]
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
@@ -319,16 +367,40 @@ def _token_content(value: Any) -> str | None:
     raise ValueError(f"cannot read a special token from {value!r}")
 
 
-def _select_chat_template(value: Any) -> str | None:
-    """The template from tokenizer_config.json: a string, or a list of named ones ("default")."""
+def _config_templates(value: Any) -> str | dict[str, str] | None:
+    """tokenizer_config.json's ``chat_template``: a string, or a list of named templates."""
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, list):
-        named = {item["name"]: item["template"] for item in value}
-        if "default" not in named:
-            raise ValueError(f"no 'default' chat template among {sorted(named)}")
-        return named["default"]
+        return {item["name"]: item["template"] for item in value}
     raise ValueError(f"chat_template must be a string or a list of named templates: {value!r}")
+
+
+def _template_files(folder: Path) -> dict[str, str]:
+    """``chat_template.jinja`` (as ``"default"``) and ``additional_chat_templates/*.jinja``."""
+    templates: dict[str, str] = {}
+    default = folder / CHAT_TEMPLATE_FILE
+    if default.is_file():
+        templates[DEFAULT_TEMPLATE] = default.read_text(encoding="utf-8")
+    more = folder / CHAT_TEMPLATE_DIR
+    if more.is_dir():
+        for path in sorted(more.glob("*.jinja")):
+            templates[path.name.removesuffix(".jinja")] = path.read_text(encoding="utf-8")
+    return templates
+
+
+def _template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as transformers 5 hands them to a template: keys whose value is None dropped
+    (templates handle a missing key better than None), and a reasoning given under one of
+    its names (``reasoning_content``, ``thinking``, ``reasoning``) given under the others."""
+    out = []
+    for message in messages:
+        plain = {k: v for k, v in message.items() if v is not None}
+        reasoning = next((plain[k] for k in _REASONING_FIELDS if k in plain), None)
+        if reasoning is not None:
+            plain = {"thinking": reasoning, **plain, "reasoning_content": reasoning}
+        out.append(plain)
+    return out
 
 
 def _template_processor(
@@ -345,6 +417,22 @@ def _template_processor(
     pair = f"{single} {wrap('$B', 1)}"
     special = [(t, i) for t, i in ((bos, bos_id), (eos, eos_id)) if t is not None and i is not None]
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: transformers' templates mark the assistant's
+    text with it (for assistant-token masks); rendered here as its body, as transformers does."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        call = self.call_method("_render")
+        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
 
 
 def _compile_chat_template(source: str) -> jinja2.Template:
@@ -373,7 +461,9 @@ def _compile_chat_template(source: str) -> jinja2.Template:
         return datetime.now().strftime(fmt)
 
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
     )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception

@@ -1,6 +1,14 @@
-"""Stop strings over streamed text: emit what is safe, hold back a possible stop prefix."""
+"""Stop strings over streamed text: emit what is safe, hold back a possible stop prefix.
+
+``OutputText`` is the whole path from generated ids to the text a client sees: incremental
+detokenization (never half a UTF-8 character), then stop strings.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class StopStringMatcher:
@@ -41,3 +49,29 @@ class StopStringMatcher:
                     best = k
                     break
         return best
+
+
+class OutputText:
+    """Generated ids, pushed as they stream, to the text a client sees: decoded without
+    special tokens, never splitting a UTF-8 character (``IncrementalDetokenizer``), and cut
+    before the first stop string, which may span any number of tokens. Everything returned,
+    ``finish()`` included, is ``decode(ids, skip_special_tokens=True)`` up to the first stop
+    string (all of it when none matched)."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
+        self._stops = StopStringMatcher(stops)
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string matched: nothing more will be returned."""
+        return self._stops.stopped
+
+    def push(self, ids: Sequence[int]) -> str:
+        """Add newly generated ``ids``; return the text that can be shown now."""
+        return self._stops.feed(self._detok.push(ids))
+
+    def finish(self) -> str:
+        """Generation ended: the text held back (a stop string may still match in it)."""
+        text = self._stops.feed(self._detok.flush())
+        return text if self._stops.stopped else text + self._stops.flush()
