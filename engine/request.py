@@ -12,9 +12,9 @@ from engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"  # queued, holds no pages
+    WAITING = "waiting"  # queued (new, or retracted to recompute), holds no pages
     RESERVED = "reserved"  # holds pages, waits for its KV to arrive (decode instance)
-    RUNNING = "running"  # holds its pages; prefilling or decoding
+    RUNNING = "running"  # holds its pages; prefilling, recomputing or decoding
     FINISHED = "finished"  # done; pages returned unless ``keep_pages``
 
 
@@ -23,7 +23,12 @@ class Request:
     """One request. ``num_computed`` counts tokens whose KV is already in the cache.
 
     The tokens still to be fed are ``all_ids[num_computed:]``: a slice of the prompt while
-    prefilling, then exactly the last sampled token at each decode step.
+    prefilling, then exactly the last sampled token at each decode step. A retracted request
+    starts again from ``num_computed == 0`` (or its cached prefix) with its output kept: it
+    recomputes prompt and output as one prefill, whose last position samples its next token.
+
+    ``pages`` grows as the tokens need it (scheduler); ``page_table`` is the same ids as an
+    int64 tensor, a view of a buffer that grows by doubling so appending a page costs O(1).
     """
 
     request_id: str
@@ -40,10 +45,15 @@ class Request:
     num_cached_pages: int = 0  # leading pages shared from the prefix cache
     prefill_only: bool = False  # finish after the first token (prefill instance)
     keep_pages: bool = False  # on finish, hold pages until the owner releases them
+    # Take pages for all of max_total_tokens at admission and never be retracted (PD: the
+    # prefill side sends from its pages, the decode side receives into them)
+    reserve_all: bool = False
+    arrival: int = 0  # order of arrival at the scheduler: the newest is retracted first
     _pages_np: np.ndarray = field(
         default_factory=lambda: np.empty(0, np.int32), repr=False, compare=False
     )
     _pages_src: list[int] | None = field(default=None, repr=False, compare=False)
+    _page_buf: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -55,7 +65,36 @@ class Request:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_computed < len(self.prompt_ids)
+        """More than the last sampled token to feed: the prompt, or a recompute after a
+        retraction."""
+        return self.num_computed < max(len(self.prompt_ids), self.num_tokens - 1)
+
+    @property
+    def known_ids(self) -> list[int]:
+        """Prompt and output so far (a new list)."""
+        return self.prompt_ids + self.output_ids
+
+    def set_pages(self, pages: list[int]) -> None:
+        """Hold exactly ``pages`` (token order); [] holds none."""
+        self.pages = []
+        self._page_buf = None
+        self.page_table = None
+        self.add_pages(pages)
+
+    def add_pages(self, pages: list[int]) -> None:
+        """Append ``pages`` after those held."""
+        if not pages:
+            return
+        self.pages.extend(pages)
+        n = len(self.pages)
+        buf = self._page_buf
+        if buf is None or buf.numel() < n:
+            grown = torch.empty(max(n, 2 * (0 if buf is None else buf.numel())), dtype=torch.int64)
+            grown[:n] = torch.tensor(self.pages, dtype=torch.int64)
+            self._page_buf = buf = grown
+        else:
+            buf[n - len(pages) : n] = torch.tensor(pages, dtype=torch.int64)
+        self.page_table = buf[:n]
 
     def pending_ids(self, limit: int) -> list[int]:
         """Up to ``limit`` of the next tokens to feed."""

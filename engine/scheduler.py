@@ -1,19 +1,27 @@
-"""Continuous batching with chunked prefill under a per-step token budget.
+"""Continuous batching with chunked prefill under a per-step token budget; pages on demand.
 
 Each step: every decoding request gets one token; prefilling requests (oldest first) get
 prompt chunks from what remains of ``max_batch_tokens``; then waiting requests are admitted in
-arrival order while pages and running slots allow. A request reserves KV pages for its whole
-life (prompt + ``max_new_tokens``, capped at the context) when admitted, so a running request
-never stalls or gets evicted for lack of memory; admission waits instead. With a prefix
-cache, a request's leading full prompt pages may be shared with earlier requests.
+arrival order while pages and running slots allow.
+
+Pages follow the tokens. Admission takes the pages of a request's known tokens (its prompt;
+after a retraction, prompt and output), and a decoding request takes one more page when its
+next token starts one. When the pool runs short for a decode step, the newest running
+requests are retracted: their pages go back (their computed full pages into the prefix cache,
+when there is one, so the recompute is cheap) and they wait at the front of the queue, to
+recompute prompt and output as one prefill when pages are free again. The oldest request is
+never retracted for a newer one, so every request finishes.
+
+A ``reserve_all`` request (PD: prefill-only, or reserved on a decode instance for KV that
+another process writes) takes pages for its whole life at admission and is never retracted.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import deque
 from dataclasses import dataclass
-
-import torch
 
 from engine.kv_cache import OutOfPagesError, PageAllocator, pages_for
 from engine.prefix_cache import PrefixCache
@@ -34,7 +42,22 @@ class ScheduledChunk:
     num_tokens: int
 
 
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Counters since the scheduler was made."""
+
+    num_retractions: int  # requests taken out of the running batch for lack of pages
+    num_retracted_tokens: int  # computed tokens those gave up (recomputed, less cache hits)
+
+
+def _arrival(request: Request) -> int:
+    return request.arrival
+
+
 class Scheduler:
+    """Owns the waiting queue, the running batch (both in arrival order) and who holds which
+    page. Not thread-safe: one engine thread."""
+
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator) -> None:
         self.config = config
         self.allocator = allocator
@@ -43,9 +66,18 @@ class Scheduler:
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._arrivals = itertools.count()
+        self.num_retractions = 0
+        self.num_retracted_tokens = 0
 
-    def pages_needed(self, request: Request) -> int:
-        return pages_for(request.max_total_tokens, self.config.page_size)
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(self.num_retractions, self.num_retracted_tokens)
+
+    def pages_to_admit(self, request: Request) -> int:
+        """Pages ``request`` takes when admitted (before prefix-cache hits): its whole life
+        for ``reserve_all``, else those of the tokens it knows now."""
+        tokens = request.max_total_tokens if request.reserve_all else request.num_tokens
+        return pages_for(tokens, self.config.page_size)
 
     @property
     def num_pages_in_use(self) -> int:
@@ -59,23 +91,53 @@ class Scheduler:
         return self.allocator.num_free_pages + idle
 
     def add(self, request: Request) -> None:
+        request.arrival = next(self._arrivals)
         self.waiting.append(request)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def assign_pages(self, request: Request) -> bool:
-        """Give ``request`` its pages (cached prefix first); False, holding nothing, if short."""
-        matched = self.prefix_cache.match(request.prompt_ids) if self.prefix_cache else []
-        need = self.pages_needed(request) - len(matched)
-        if need > self.allocator.num_free_pages and self.prefix_cache is not None:
-            self.prefix_cache.evict(need - self.allocator.num_free_pages)
-        if not self.allocator.can_allocate(need):
-            if self.prefix_cache is not None:
-                self.prefix_cache.release(matched)
+    # ---- pages --------------------------------------------------------------------------
+
+    def _take(self, request: Request, num: int) -> None:
+        """Give ``request`` ``num`` more pages, evicting idle cached pages as needed; the
+        caller checked that ``num <= num_pages_available``."""
+        short = num - self.allocator.num_free_pages
+        if short > 0:
+            assert self.prefix_cache is not None
+            self.prefix_cache.evict(short)
+        request.add_pages(self.allocator.allocate(num))
+
+    def try_grow(self, request: Request, num_tokens: int) -> bool:
+        """Pages for the first ``num_tokens`` tokens of ``request``, from free and idle cached
+        pages only; False, taking none, if short."""
+        need = pages_for(num_tokens, self.config.page_size) - len(request.pages)
+        if need <= 0:
+            return True
+        if need > self.num_pages_available:
             return False
-        request.pages = matched + self.allocator.allocate(need)
-        request.page_table = torch.tensor(request.pages, dtype=torch.int64)
+        self._take(request, need)
+        return True
+
+    def _headroom(self) -> int:
+        """Pages kept free at admission: one per running request that grows on demand, so
+        admitting never makes the next decode step retract."""
+        return sum(1 for r in self.running if not r.reserve_all)
+
+    def assign_pages(self, request: Request, headroom: int = 0) -> bool:
+        """Give ``request`` its admission pages (cached prefix first) if ``headroom`` pages
+        stay available after; False, holding nothing, if short."""
+        cache = self.prefix_cache
+        ids = request.known_ids if request.output_ids else request.prompt_ids
+        matched = cache.match(ids) if cache is not None else []
+        need = self.pages_to_admit(request) - len(matched)
+        if need + headroom > self.num_pages_available:
+            # Evict nothing: a request that must wait anyway leaves the cache whole.
+            if cache is not None:
+                cache.abandon(ids, matched)
+            return False
+        request.set_pages(matched)
+        self._take(request, need)
         request.num_cached_pages = len(matched)
         request.num_computed = len(matched) * self.config.page_size
         return True
@@ -84,8 +146,10 @@ class Scheduler:
         """Pages now, scheduling later (decode instance waiting for prefill's KV)."""
         if not self.assign_pages(request):
             raise OutOfPagesError(
-                f"need {self.pages_needed(request)} KV pages, {self.num_pages_available} available"
+                f"need {self.pages_to_admit(request)} KV pages, "
+                f"{self.num_pages_available} available"
             )
+        request.arrival = next(self._arrivals)
         request.status = RequestStatus.RESERVED
 
     def start_reserved(self, request: Request) -> None:
@@ -93,29 +157,67 @@ class Scheduler:
         if request.status is not RequestStatus.RESERVED:
             raise ValueError(f"request {request.request_id} is not reserved")
         request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        bisect.insort(self.running, request, key=_arrival)
+
+    # ---- retraction ---------------------------------------------------------------------
+
+    def retract(self, request: Request) -> None:
+        """Take a running request out of the batch for lack of pages: its computed tokens
+        go to the prefix cache (when on) and its pages back; it waits, in arrival order
+        ahead of every request that never ran, to recompute them."""
+        if request.reserve_all or request.status is not RequestStatus.RUNNING:
+            raise ValueError(f"request {request.request_id} cannot be retracted")
+        self.running.remove(request)
+        self.num_retractions += 1
+        self.num_retracted_tokens += request.num_computed
+        self.release_pages(request)
+        request.num_computed = 0
+        request.status = RequestStatus.WAITING
+        index = bisect.bisect(self.waiting, request.arrival, key=_arrival)
+        self.waiting.insert(index, request)
+
+    def _make_room(self, request: Request, num_tokens: int) -> bool:
+        """Pages for the first ``num_tokens`` tokens of running ``request``, retracting the
+        newest running requests while short; False if ``request`` itself was retracted (it
+        was the newest one left that can be)."""
+        while not self.try_grow(request, num_tokens):
+            victim = next((r for r in reversed(self.running) if not r.reserve_all), None)
+            assert victim is not None, "a reserve_all request holds pages for its whole life"
+            self.retract(victim)
+            if victim is request:
+                return False
+        return True
+
+    # ---- the step -----------------------------------------------------------------------
 
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.config.max_batch_tokens
         chunks: list[ScheduledChunk] = []
-        for req in self.running:
-            if not req.is_prefilling:
+        retractions = self.num_retractions
+        # Oldest first, so the pages go to the oldest and the newest are retracted (a victim
+        # is always at or after the request being served: never one already scheduled).
+        for req in list(self.running):
+            if req.status is not RequestStatus.RUNNING or req.is_prefilling:
+                continue  # retracted just now, or gets a prefill chunk below
+            if self._make_room(req, req.num_computed + 1):
                 chunks.append(ScheduledChunk(req, 1))
                 budget -= 1
-        for req in self.running:
+        for req in self.running:  # prefill and recompute: their pages came at admission
             if req.is_prefilling and budget > 0:
                 n = min(req.num_pending, budget)
                 chunks.append(ScheduledChunk(req, n))
                 budget -= n
+        if self.num_retractions != retractions:
+            return chunks  # short of pages: admit nothing this step
         while (
             self.waiting
             and budget > 0
             and len(self.running) < self.config.max_running_requests
-            and self.assign_pages(self.waiting[0])
+            and self.assign_pages(self.waiting[0], self._headroom())
         ):
             req = self.waiting.popleft()
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            bisect.insort(self.running, req, key=_arrival)
             n = min(req.num_pending, budget)
             chunks.append(ScheduledChunk(req, n))
             budget -= n
@@ -135,16 +237,14 @@ class Scheduler:
             self.release_pages(request)
 
     def release_pages(self, request: Request) -> None:
-        """Return a request's pages: full prompt pages to the prefix cache, the rest freed."""
+        """Return a request's pages: the full pages of its computed tokens (prompt and
+        output) to the prefix cache, the rest freed."""
         if not request.pages:
             return
         pages = request.pages
         if self.prefix_cache is not None:
-            computed_prompt = request.prompt_ids[
-                : min(request.num_computed, len(request.prompt_ids))
-            ]
-            pages = self.prefix_cache.insert(computed_prompt, pages, request.num_cached_pages)
+            computed = request.known_ids[: request.num_computed]
+            pages = self.prefix_cache.insert(computed, pages, request.num_cached_pages)
         self.allocator.free(pages)
-        request.pages = []
-        request.page_table = None
+        request.set_pages([])
         request.num_cached_pages = 0

@@ -153,8 +153,10 @@ def test_context_limit_finishes_with_length(tiny_dir: Path) -> None:
 
 
 def test_admission_waits_for_pages_and_never_leaks(tiny_model) -> None:
-    # 6 pages of 4 tokens: each request needs ceil((10 + 6) / 4) = 4 pages, so only one runs
-    # at a time; the others wait in the queue rather than fail.
+    # 6 pages of 4 tokens: a request takes ceil(10 / 4) = 3 pages for its prompt and grows to
+    # ceil((10 + 6) / 4) = 4. A second one would leave the first no page to grow into
+    # (admission keeps one free per running request), so only one runs at a time; the others
+    # wait in the queue rather than fail, and none is ever retracted.
     engine = LLMEngine(EngineConfig(page_size=4, max_total_tokens=24), model=tiny_model)
     ps = prompts([10, 10, 10], tiny_model.config.vocab_size, seed=4)
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
@@ -162,10 +164,13 @@ def test_admission_waits_for_pages_and_never_leaks(tiny_model) -> None:
         engine.add_request(p, params, request_id=f"r{i}")
     engine.step()
     assert len(engine.scheduler.running) == 1 and len(engine.scheduler.waiting) == 2
-    assert engine.kv_pool.allocator.num_used_pages == 4
+    assert engine.kv_pool.allocator.num_used_pages == 3
     while engine.has_unfinished():
         engine.step()
+        assert len(engine.scheduler.running) <= 1
+        assert engine.kv_pool.allocator.num_used_pages <= 4
     assert engine.kv_pool.allocator.num_used_pages == 0
+    assert engine.stats.num_retractions == 0
     with pytest.raises(OutOfPagesError):
         engine.kv_pool.allocator.allocate(7)
     assert engine.kv_pool.allocator.num_free_pages == 6

@@ -17,13 +17,13 @@ from tests.engine.hf_checkpoints import HFCheckpoint, random_prompts
 LENGTHS = [3, 9, 17, 30]
 
 
-def _engine(ckpt: HFCheckpoint, overlap: bool) -> LLMEngine:
+def _engine(ckpt: HFCheckpoint, overlap: bool, max_total_tokens: int = 1024) -> LLMEngine:
     cfg = EngineConfig(
         model=str(ckpt.path),
         device="cpu",
         dtype="float32",
         page_size=4,
-        max_total_tokens=1024,
+        max_total_tokens=max_total_tokens,
         overlap_decode=overlap,
     )
     engine = LLMEngine(cfg)
@@ -87,6 +87,16 @@ def test_abort_while_a_step_is_launched_ahead(v2_greedy_ckpt: HFCheckpoint) -> N
     assert engine.num_launched_ahead > 3
 
 
+def test_a_short_pool_retracts_between_launches(v2_greedy_ckpt: HFCheckpoint) -> None:
+    """With pages on demand a step launched ahead takes its next page from the free pages
+    only; when none is free the scheduler retracts instead. Tokens do not move."""
+    params = _greedy([30, 30, 30, 30])  # up to 60 tokens each, 179 in all, in a 64-token pool
+    want = _run(_engine(v2_greedy_ckpt, False), params)
+    engine = _engine(v2_greedy_ckpt, True, max_total_tokens=64)
+    assert _run(engine, params) == want
+    assert engine.stats.num_retractions > 0 and engine.num_launched_ahead > 5
+
+
 def test_a_sampled_row_turns_overlap_off_for_its_batch(v2_greedy_ckpt: HFCheckpoint) -> None:
     """Launching ahead needs the next inputs to be argmaxes; a batch with a sampled row runs
     step by step, with the same tokens as without overlap."""
@@ -102,7 +112,7 @@ def test_a_sampled_row_turns_overlap_off_for_its_batch(v2_greedy_ckpt: HFCheckpo
 def test_cli_switch(argv: list[str], want: bool) -> None:
     import argparse
 
-    from dsmesh.cli_common import add_engine_args, engine_config_from
+    from dsmesh.cli.common import add_engine_args, engine_config_from
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -1,0 +1,213 @@
+"""Pages on demand and retraction: a request takes pages as its tokens need them; when the
+pool runs short the newest running requests give theirs back and recompute later. Tokens
+equal an unlimited pool's, nothing fails or leaks, and a request that can never fit is
+refused at once."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.kv_cache import PageAllocator
+from engine.llm_engine import EngineConfig, GenerationResult, LLMEngine
+from engine.loader import load_model
+from engine.request import Request, RequestStatus
+from engine.sampling_params import INT32_MAX, SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.tiny_model import make_tiny_model
+
+GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
+
+
+# ---- the scheduler alone -----------------------------------------------------------------------
+
+
+def run_step(sched: Scheduler, next_token: int = 7) -> list[tuple[str, int]]:
+    """One schedule plus the engine's bookkeeping (no model): every chunk is computed, and a
+    request whose known tokens are all fed gets ``next_token``. Returns (id, tokens) per chunk."""
+    chunks = sched.schedule()
+    for c in chunks:
+        req = c.request
+        assert len(req.pages) * sched.config.page_size >= req.num_computed + c.num_tokens
+        req.num_computed += c.num_tokens
+        if req.num_computed == req.num_tokens:
+            req.output_ids.append(next_token)
+    return [(c.request.request_id, c.num_tokens) for c in chunks]
+
+
+def test_newest_is_retracted_and_resumes_where_it_stopped() -> None:
+    alloc = PageAllocator(8)
+    sched = Scheduler(SchedulerConfig(page_size=1, max_batch_tokens=64), alloc)
+    reqs = [Request(rid, [1, 2], GREEDY, max_total_tokens=10) for rid in "abc"]
+    for r in reqs:
+        sched.add(r)
+    a, b, c = reqs
+    # Prompt pages only: 2 + 2 + 2 of 8, each admission leaving a page per running request.
+    assert run_step(sched) == [("a", 2), ("b", 2), ("c", 2)]
+    assert alloc.num_free_pages == 2
+    # Each decode needs a third page: a and b take the last two, c (the newest) gives its back.
+    assert run_step(sched) == [("a", 1), ("b", 1)]
+    assert sched.stats().num_retractions == 1 and sched.stats().num_retracted_tokens == 2
+    assert c.status is RequestStatus.WAITING and list(sched.waiting) == [c]
+    assert (c.pages, c.num_computed, c.output_ids) == ([], 0, [7])  # its token is kept
+    assert alloc.num_free_pages == 2
+    run_step(sched)  # a and b take c's pages; c waits (it needs 3, plus room to grow)
+    assert [r.request_id for r in sched.running] == ["a", "b"]
+    sched.finish(a, "length")
+    sched.finish(b, "length")
+    # Re-admitted, c recomputes its prompt and its token as one chunk, then samples.
+    assert run_step(sched) == [("c", 3)]
+    assert (c.num_computed, c.output_ids, len(c.pages)) == (3, [7, 7], 3)
+
+
+def test_retraction_keeps_the_computed_prefix_in_the_cache() -> None:
+    alloc = PageAllocator(8)
+    sched = Scheduler(SchedulerConfig(page_size=1, max_batch_tokens=64, prefix_cache=True), alloc)
+    cache = sched.prefix_cache
+    assert cache is not None
+    reqs = [Request(rid, [i, 2], GREEDY, max_total_tokens=10) for i, rid in enumerate("abc")]
+    for r in reqs:
+        sched.add(r)
+    a, b, c = reqs
+    run_step(sched)
+    run_step(sched)  # c retracted: its two computed prompt pages stay cached
+    assert sched.stats().num_retractions == 1
+    assert cache.num_cached_pages == 2 and cache.num_evictable_pages == 2
+    sched.finish(a, "length")
+    sched.finish(b, "length")
+    assert run_step(sched) == [("c", 1)]  # only the sampled token is computed again
+    assert c.num_cached_pages == 2 and c.num_computed == 3
+
+
+def test_a_reserve_all_request_is_never_retracted() -> None:
+    alloc = PageAllocator(6)
+    sched = Scheduler(SchedulerConfig(page_size=1, max_batch_tokens=64), alloc)
+    held = Request("held", [1, 2], GREEDY, max_total_tokens=4, reserve_all=True)
+    grows = Request("grows", [1, 2], GREEDY, max_total_tokens=6)
+    sched.add(held)
+    sched.add(grows)
+    run_step(sched)
+    assert len(held.pages) == 4 and len(grows.pages) == 2  # 0 free
+    run_step(sched)  # grows needs a page: it is the only one that can give pages back
+    assert [r.request_id for r in sched.running] == ["held"]
+    assert list(sched.waiting) == [grows]
+    with pytest.raises(ValueError, match="cannot be retracted"):
+        sched.retract(held)
+
+
+# ---- through the engine ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "v3")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dir: Path):
+    return load_model(tiny_dir)
+
+
+def batch(vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompts sharing a 20-token system prefix (so retracted requests hit the cache), half
+    greedy and half seeded sampling, some stopping at EOS."""
+    g = torch.Generator().manual_seed(5)
+    system = torch.randint(0, vocab, (20,), generator=g).tolist()
+    lengths = [3, 11, 30, 1, 17, 25, 6, 40]
+    prompts = [system + torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+    params = []
+    for i in range(len(prompts)):
+        new = 24 + 3 * i
+        if i % 2:
+            params.append(
+                SamplingParams(
+                    temperature=0.9,
+                    top_p=0.95,
+                    seed=100 + i,
+                    max_new_tokens=new,
+                    ignore_eos=i % 3 != 0,
+                )
+            )
+        else:
+            params.append(SamplingParams(max_new_tokens=new, ignore_eos=i % 4 != 0))
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def unlimited_runs() -> dict[int, list[GenerationResult]]:
+    """The batch's results in an unlimited pool, by page size (filled on first use)."""
+    return {}
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_retraction_gives_the_tokens_of_an_unlimited_pool(
+    model, unlimited_runs, page_size: int, prefix_cache: bool
+) -> None:
+    prompts, params = batch(model.config.vocab_size)
+    unlimited = EngineConfig(
+        device="cpu", page_size=page_size, max_total_tokens=4096, max_batch_tokens=48
+    )
+    if page_size not in unlimited_runs:
+        unlimited_runs[page_size] = LLMEngine(unlimited, model=model).generate(prompts, params)
+    want = unlimited_runs[page_size]
+    # Room for the largest request alone (60 + 45 tokens), far from the whole batch's.
+    assert sum(len(p) for p in prompts) + sum(p.max_new_tokens for p in params) > 4 * 128
+    small = dataclasses.replace(unlimited, max_total_tokens=128, prefix_cache=prefix_cache)
+    engine = LLMEngine(small, model=model)
+    got = engine.generate(prompts, params)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
+    assert engine.stats.num_retractions > 0  # the pool really was short
+    assert engine.num_pages_in_use == 0
+    if prefix_cache:
+        cache = engine.scheduler.prefix_cache
+        assert cache is not None and cache.num_hit_tokens > 0
+
+
+def test_a_batch_far_beyond_the_pool_completes(model) -> None:
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 500, (8,), generator=g).tolist() for _ in range(16)]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)  # 16 x 48 tokens in 96
+    engine = LLMEngine(EngineConfig(device="cpu", page_size=4, max_total_tokens=96), model=model)
+    results = engine.generate(prompts, params)
+    assert all(len(r.output_ids) == 40 and r.finish_reason == "length" for r in results)
+    assert engine.stats.num_retractions > 0
+    assert engine.kv_pool.allocator.num_used_pages == 0
+
+
+def test_max_new_tokens_up_to_the_context_takes_no_pages_up_front(model) -> None:
+    """A client that omits max_tokens means "up to the context": such requests run side by
+    side, holding only the pages their tokens fill."""
+    engine = LLMEngine(EngineConfig(device="cpu", page_size=4, max_total_tokens=4096), model=model)
+    assert engine.max_context == 4096  # each may reach the whole pool
+    params = SamplingParams(max_new_tokens=INT32_MAX, ignore_eos=True)
+    ids = [engine.add_request([i + 1] * 10, params) for i in range(8)]
+    for _ in range(3):
+        engine.step()
+    assert len(engine.scheduler.running) == 8
+    assert engine.num_pages_in_use == 8 * 3  # 12 tokens each: 3 pages of 4
+    for rid in ids:
+        assert engine.abort(rid)
+    assert engine.num_pages_in_use == 0
+
+
+def test_a_request_that_can_never_fit_names_the_field(model) -> None:
+    engine = LLMEngine(EngineConfig(device="cpu", page_size=4, max_total_tokens=64), model=model)
+    with pytest.raises(InvalidRequestError, match="the pool has only 16") as err:
+        engine.add_request([1] * 64, GREEDY)  # 64 + 1 tokens: 17 pages
+    assert err.value.field == "input_ids"
+    with pytest.raises(InvalidRequestError, match="the pool has only 16") as err:
+        engine.add_request([1] * 60, SamplingParams(max_new_tokens=5))
+    assert err.value.field == "sampling.max_new_tokens"
+    with pytest.raises(InvalidRequestError) as err:
+        engine.add_request([1] * 4096, GREEDY)  # the context
+    assert err.value.field == "input_ids"
+    assert not engine.has_unfinished()
+    # Exactly the pool: it runs alone, to its end.
+    res = engine.generate([[1] * 60], SamplingParams(max_new_tokens=4, ignore_eos=True))[0]
+    assert len(res.output_ids) == 4 and engine.num_pages_in_use == 0
