@@ -24,9 +24,9 @@ import torch
 from safetensors.torch import save_file
 
 from bench.gpu import build_dsmesh, v2_lite_config, v3_layers_config
-from engine.fp8 import quantize_fp8_block
 from engine.tokenizer import write_byte_level_tokenizer
 from engine.weights import official_state_dict
+from kernels.fp8 import quantize_fp8_block
 
 SHAPES = ("v2-lite", "v3-layers", "tiny", "tiny-v3")
 SHARD_BYTES = 4 << 30

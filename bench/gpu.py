@@ -293,7 +293,7 @@ def use_fp8_experts(model: DeepseekForCausalLM) -> bool:
     """Quantise every layer's routed experts to block-scaled FP8 (128x128, as DeepSeek-V3
     ships them) and drop the dense copies, when the engine has an FP8 expert path."""
     try:
-        from kernels.moe_gemm import Fp8ExpertWeights
+        from kernels.fp8 import Fp8ExpertWeights
     except ImportError:
         return False
     layers = model.moe_layers()

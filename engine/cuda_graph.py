@@ -552,7 +552,7 @@ class CudaGraphRunner:
         low = self.router_weights.get(moe.moe_layer_idx)
         logits = moe.gate(x) if low is None else torch.mm(x, low.t(), out_dtype=torch.float32)
         weights, physical = select_experts(
-            logits, moe.moe_cfg, moe.gate.e_score_correction_bias, expert_map
+            logits, moe.routing, moe.gate.e_score_correction_bias, expert_map
         )
         if self.fused_moe is not None and moe.experts.fp8 is None:
             ex, mlp = moe.experts, moe.shared_experts

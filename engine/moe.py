@@ -14,9 +14,10 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.expert_location import ExpertLocation
 from engine.moe_dispatch import DispatchOutput, MoEDispatcher, Pending
-from engine.routing import select_experts
+from engine.routing import routing_config, select_experts
 from kernels._triton import use_triton
-from kernels.moe_gemm import Fp8ExpertWeights, expert_ffn, expert_ffn_fp8, grouped_mm_supported
+from kernels.fp8 import Fp8ExpertWeights
+from kernels.moe_gemm import expert_ffn, expert_ffn_fp8, grouped_mm_supported
 
 __all__ = ["DeepseekMoE", "DenseMLP", "MoEGate", "RoutedExperts", "grouped_mm_supported"]
 
@@ -103,7 +104,7 @@ class DeepseekMoE(nn.Module):
         ep_rank: int = 0,
     ) -> None:
         super().__init__()
-        self.moe_cfg = cfg.moe
+        self.routing = routing_config(cfg.moe)
         self.moe_layer_idx = moe_layer_idx
         self.location = location
         self.dispatcher = dispatcher
@@ -122,7 +123,7 @@ class DeepseekMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] float32, physical expert ids [T, k] int64)."""
         weights, logical = select_experts(
-            self.gate(x), self.moe_cfg, self.gate.e_score_correction_bias
+            self.gate(x), self.routing, self.gate.e_score_correction_bias
         )
         return weights, self.location.to_physical(self.moe_layer_idx, logical, self.ep_rank)
 

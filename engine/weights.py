@@ -21,8 +21,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.fp8 import dequantize_fp8_block
 from engine.model import DeepseekForCausalLM
+from kernels.fp8 import dequantize_fp8_block
 
 _EXPERT_RE = re.compile(
     r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"

@@ -1,6 +1,6 @@
 """FP8 (e4m3) activation quantisation per token group, in Triton.
 
-Same contract and the same bits as the torch references in :mod:`engine.fp8`: each run of
+Same contract and the same bits as the torch references in :mod:`kernels.fp8`: each run of
 ``group_size`` channels of a token gets ``scale = amax / 448`` (1 where the group is all zero)
 and ``q = clamp(x / scale, -448, 448)`` rounded to nearest e4m3. Divisions use round-to-nearest
 (``div_rn``) so the kernel matches torch bit for bit.
@@ -16,8 +16,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from engine.fp8 import FP8_DTYPE, FP8_MAX, quantize_fp8_per_token_group
 from kernels._triton import can_launch
+from kernels.fp8 import FP8_DTYPE, FP8_MAX, quantize_fp8_per_token_group
 
 __all__ = [
     "per_token_group_quant_fp8",
@@ -119,7 +119,7 @@ def per_token_group_quant_fp8(
 def per_token_group_quant_fp8_ref(
     x: torch.Tensor, group_size: int = 128
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference (:func:`engine.fp8.quantize_fp8_per_token_group`)."""
+    """The torch reference (:func:`kernels.fp8.quantize_fp8_per_token_group`)."""
     return quantize_fp8_per_token_group(x, group_size)
 
 

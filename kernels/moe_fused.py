@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["fused_moe", "fused_moe_ref", "moe_align", "moe_align_ref"]
 
-# Defaults chosen on the H200 (docs/BENCHMARKS.md, ``python -m kernels.bench --tune``).
+# Defaults chosen on the H200 (docs/BENCHMARKS.md, ``python -m bench.kernels --tune``).
 # V2-Lite, 256 tokens: 0.362 ms with 16x64x128 tiles for both, 0.285 ms with these (3.9 TB/s).
 _GEMM1 = {"block_m": 32, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3}
 _GEMM2 = {"block_m": 32, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3}
@@ -56,7 +56,7 @@ _KEYS = set(_GEMM1)
 @functools.cache
 def _file_configs() -> tuple[dict, dict]:
     """Block sizes from the JSON file named by ``$DSMESH_MOE_FUSED_CONFIG`` (as
-    ``kernels.bench --tune`` writes it: ``{"gate_up": {...}, "down": {...}}``), over the
+    ``bench.kernels --tune`` writes it: ``{"gate_up": {...}, "down": {...}}``), over the
     defaults; for trying tuned sizes on another GPU without editing code."""
     path = os.environ.get(CONFIG_ENV, "")
     if not path:

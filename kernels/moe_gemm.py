@@ -15,16 +15,20 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from engine.fp8 import FP8_DTYPE, dequantize_fp8_block, dequantize_fp8_per_token_group
 from kernels._triton import can_launch, next_pow2, use_triton
+from kernels.fp8 import (
+    BLOCK,
+    FP8_DTYPE,
+    Fp8ExpertWeights,
+    dequantize_fp8_block,
+    dequantize_fp8_per_token_group,
+)
 
 __all__ = [
-    "Fp8ExpertWeights",
     "expert_ffn",
     "expert_ffn_fp8",
     "expert_ffn_fp8_ref",
@@ -39,8 +43,6 @@ __all__ = [
     "unpermute_combine",
     "unpermute_tokens",
 ]
-
-BLOCK = 128  # FP8 scale block (weights 128x128, activations 1x128)
 
 
 @functools.cache
@@ -187,35 +189,6 @@ def expert_ffn_ref(
 
 
 # ---- FP8 -----------------------------------------------------------------------------------
-
-
-@dataclass
-class Fp8ExpertWeights:
-    """One rank's experts in the checkpoint's FP8 form, stacked like RoutedExperts.
-
-    w13 [E, 2I, H] e4m3 with w13_scale [E, 2I/128, H/128]; w2 [E, H, I] with w2_scale
-    [E, H/128, I/128] (float32 ``weight_scale_inv`` blocks)."""
-
-    w13: torch.Tensor
-    w13_scale: torch.Tensor
-    w2: torch.Tensor
-    w2_scale: torch.Tensor
-
-    @classmethod
-    def from_dense(cls, w13: torch.Tensor, w2: torch.Tensor) -> Fp8ExpertWeights:
-        """Quantise dense expert weights block-wise (benchmarks, tests)."""
-        from engine.fp8 import quantize_fp8_block
-
-        def stack(w):
-            pairs = [quantize_fp8_block(w[e]) for e in range(w.shape[0])]
-            return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
-
-        return cls(*stack(w13), *stack(w2))
-
-    @property
-    def usable(self) -> bool:
-        """The Triton path needs whole 128-blocks along every dimension."""
-        return all(d % BLOCK == 0 for d in (*self.w13.shape[1:], self.w2.shape[1]))
 
 
 def _tile_map(tokens_per_expert: torch.Tensor, num_rows: int, block_m: int):

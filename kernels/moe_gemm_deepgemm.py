@@ -37,7 +37,7 @@ from types import ModuleType
 
 import torch
 
-from kernels.moe_gemm import BLOCK, Fp8ExpertWeights
+from kernels.fp8 import BLOCK, Fp8ExpertWeights
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 # Mean routed rows per expert from which DeepGEMM's expert FFN beats the Triton one on the
-# H200 (kernels.bench --only moe_fp8_crossover; docs/BENCHMARKS.md): V3 widths 0.90x at 128
+# H200 (bench.kernels --only moe_fp8_crossover; docs/BENCHMARKS.md): V3 widths 0.90x at 128
 # and 1.10x at 256 rows per expert, V2-Lite widths 0.86x at 96 and 1.02x at 192.
 MIN_ROWS_PER_EXPERT = 192
 

@@ -1,32 +1,87 @@
-"""Fused MoE routing top-k in Triton: one launch from router logits to (weights, expert ids).
+"""DeepSeekMoE routing top-k: the policies as plain-torch references, and one fused Triton
+launch from router logits to (weights, expert ids).
 
-Covers every policy of :func:`engine.routing.select_experts_reference` (the plain-torch
-reference): ``noaux_tc`` (sigmoid, correction bias, groups ranked by the sum of their top-2
-biased scores), ``greedy`` and ``group_limited_greedy`` (softmax; groups ranked by their max).
-Selection is repeated arg-max, so ties go to the lower group / expert id; ``torch.topk`` gives
-the same ids on tie-free inputs. Ids come out in descending score order; the reference's order
-is unspecified (``sorted=False``), and dispatch/combine do not depend on it.
+- ``greedy`` (V2-Lite): softmax scores, plain top-k.
+- ``group_limited_greedy`` (V2): softmax scores, keep the ``topk_group`` groups with the highest
+  max score, top-k inside them.
+- ``noaux_tc`` (V3): sigmoid scores; selection uses scores + ``e_score_correction_bias``; groups
+  ranked by the sum of their top-2 biased scores; weights come from the unbiased scores.
+
+Weight post-processing follows the official code: V3 normalises (if ``norm_topk_prob``) and
+then always multiplies by ``routed_scaling_factor``; V2 normalises when ``top_k > 1`` and
+``norm_topk_prob``, and scales otherwise.
+
+:func:`fused_select_experts` covers every policy of :func:`select_experts_ref`. Selection is
+repeated arg-max, so ties go to the lower group / expert id; ``torch.topk`` gives the same ids
+on tie-free inputs. Ids come out in descending score order; the reference's order is
+unspecified (``sorted=False``), and dispatch/combine do not depend on it.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
-from engine.config import MoEConfig
 from kernels._triton import can_launch, next_pow2
 
-__all__ = ["fused_select_experts", "select_experts_ref"]
+__all__ = ["RoutingConfig", "fused_select_experts", "select_experts_ref"]
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """What routing reads of a MoE layer's config (the checkpoint's names)."""
+
+    n_routed_experts: int
+    num_experts_per_tok: int
+    topk_method: str  # "greedy", "group_limited_greedy" or "noaux_tc"
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
 
 
 def select_experts_ref(
-    router_logits: torch.Tensor, moe: MoEConfig, correction_bias: torch.Tensor | None = None
+    router_logits: torch.Tensor, cfg: RoutingConfig, correction_bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plain-torch reference (engine.routing)."""
-    from engine.routing import select_experts_reference
+    """router_logits [T, E] float32 -> (weights [T, k] float32, expert ids [T, k] int64), in
+    plain torch; the fused kernel must give the same ids and weights."""
+    if cfg.topk_method == "noaux_tc":
+        return _noaux_tc(router_logits, cfg, correction_bias)
+    scores = router_logits.softmax(dim=-1, dtype=torch.float32)
+    if cfg.topk_method == "group_limited_greedy":
+        group_scores = scores.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group).amax(-1)
+        scores = scores.masked_fill(~_group_mask(group_scores, cfg), 0.0)
+    weights, ids = torch.topk(scores, k=cfg.num_experts_per_tok, dim=-1, sorted=False)
+    if cfg.num_experts_per_tok > 1 and cfg.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        weights = weights * cfg.routed_scaling_factor
+    return weights, ids
 
-    return select_experts_reference(router_logits, moe, correction_bias)
+
+def _noaux_tc(
+    router_logits: torch.Tensor, cfg: RoutingConfig, correction_bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = router_logits.sigmoid()
+    biased = scores if correction_bias is None else scores + correction_bias
+    per_group = cfg.n_routed_experts // cfg.n_group
+    group_scores = biased.view(-1, cfg.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+    biased = biased.masked_fill(~_group_mask(group_scores, cfg), float("-inf"))
+    ids = torch.topk(biased, k=cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, ids
+
+
+def _group_mask(group_scores: torch.Tensor, cfg: RoutingConfig) -> torch.Tensor:
+    """group_scores [T, n_group] -> bool mask [T, E] of experts in the chosen groups."""
+    group_idx = torch.topk(group_scores, k=cfg.topk_group, dim=-1, sorted=False)[1]
+    chosen = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+    per_group = cfg.n_routed_experts // cfg.n_group
+    return chosen.unsqueeze(-1).expand(-1, cfg.n_group, per_group).reshape(-1, cfg.n_routed_experts)
 
 
 @functools.cache
@@ -119,20 +174,20 @@ def _kernels():
 
 def fused_select_experts(
     router_logits: torch.Tensor,
-    moe: MoEConfig,
+    cfg: RoutingConfig,
     correction_bias: torch.Tensor | None = None,
     expert_map: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (weights [T, k] float32, logical ids [T, k] int64), as the
     reference; with ``expert_map`` [E] (logical -> physical id), the ids come out mapped
     (``expert_map[ids]``) in the same launch. Capturable in a CUDA graph (no host sync)."""
-    if router_logits.dim() != 2 or router_logits.shape[1] != moe.n_routed_experts:
+    if router_logits.dim() != 2 or router_logits.shape[1] != cfg.n_routed_experts:
         raise ValueError(
-            f"router_logits must be [T, {moe.n_routed_experts}], got {tuple(router_logits.shape)}"
+            f"router_logits must be [T, {cfg.n_routed_experts}], got {tuple(router_logits.shape)}"
         )
     if not can_launch(router_logits):
         raise RuntimeError("fused routing needs a CUDA tensor (or TRITON_INTERPRET=1)")
-    k = moe.num_experts_per_tok
+    k = cfg.num_experts_per_tok
     t, e = router_logits.shape
     if router_logits.stride(1) != 1:
         router_logits = router_logits.contiguous()
@@ -140,14 +195,14 @@ def fused_select_experts(
     ids = torch.empty((t, k), dtype=torch.int64, device=router_logits.device)
     if t == 0:
         return weights, ids
-    noaux = moe.topk_method == "noaux_tc"
-    grouped = moe.topk_method in ("noaux_tc", "group_limited_greedy") and moe.n_group > 1
+    noaux = cfg.topk_method == "noaux_tc"
+    grouped = cfg.topk_method in ("noaux_tc", "group_limited_greedy") and cfg.n_group > 1
     if noaux:
-        normalize, scale = moe.norm_topk_prob, moe.routed_scaling_factor
-    elif k > 1 and moe.norm_topk_prob:
+        normalize, scale = cfg.norm_topk_prob, cfg.routed_scaling_factor
+    elif k > 1 and cfg.norm_topk_prob:
         normalize, scale = True, 1.0
     else:
-        normalize, scale = False, moe.routed_scaling_factor
+        normalize, scale = False, cfg.routed_scaling_factor
     has_bias = noaux and correction_bias is not None
     if expert_map is not None and tuple(expert_map.shape) != (e,):
         raise ValueError(f"expert_map must be [{e}], got {tuple(expert_map.shape)}")
@@ -164,9 +219,9 @@ def fused_select_experts(
         E=e,
         BLOCK_E=block_e,
         BLOCK_T=block_t,
-        N_GROUP=moe.n_group if grouped else 1,
-        BLOCK_G=next_pow2(moe.n_group if grouped else 1),
-        TOPK_GROUP=moe.topk_group if grouped else 1,
+        N_GROUP=cfg.n_group if grouped else 1,
+        BLOCK_G=next_pow2(cfg.n_group if grouped else 1),
+        TOPK_GROUP=cfg.topk_group if grouped else 1,
         TOP_K=k,
         BLOCK_K=next_pow2(k),
         SIGMOID=noaux,

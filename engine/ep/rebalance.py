@@ -33,9 +33,9 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from engine.expert_location import ExpertLocation
-from engine.fp8 import dequantize_fp8_block
 from engine.model import DeepseekForCausalLM
 from engine.weights import WeightError, checkpoint_files
+from kernels.fp8 import dequantize_fp8_block
 
 log = logging.getLogger(__name__)
 

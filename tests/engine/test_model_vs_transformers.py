@@ -17,7 +17,7 @@ import torch
 from engine.forward_batch import ForwardBatch, SequenceChunk
 from engine.kv_cache import pages_for
 from engine.loader import load_model
-from engine.routing import select_experts
+from engine.routing import routing_config, select_experts
 from tests.engine.hf_checkpoints import (
     HFCheckpoint,
     copy_checkpoint,
@@ -126,7 +126,7 @@ def test_routing_is_exercised(any_ckpt: HFCheckpoint) -> None:
     prompts = _prompts(any_ckpt)
     num_tokens = sum(map(len, prompts))
     model, routing = _capture_routing(any_ckpt, prompts)
-    moe = model.config.moe
+    moe = routing_config(model.config.moe)
     assert len(routing) == 2  # layers 1 and 2 (first_k_dense_replace = 1)
     for layer, (hf_logit, hf_ids, our_logit) in routing.items():
         assert hf_logit.shape == our_logit.shape == (num_tokens, moe.n_routed_experts)

@@ -26,9 +26,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.fp8 import dequantize_fp8_block, quantize_fp8_block
 from engine.loader import load_model
 from engine.weights import Fp8Weight, WeightError, official_state_dict, save_checkpoint_weights
+from kernels.fp8 import dequantize_fp8_block, quantize_fp8_block
 from tests.engine.hf_checkpoints import (
     HFCheckpoint,
     edit_config,

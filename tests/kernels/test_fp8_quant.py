@@ -1,11 +1,11 @@
-"""Triton per-token-group FP8 quantisation equals engine.fp8's torch reference bit for bit."""
+"""Triton per-token-group FP8 quantisation equals kernels.fp8's torch reference bit for bit."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.fp8 import FP8_MAX, dequantize_fp8_per_token_group
+from kernels.fp8 import FP8_MAX, dequantize_fp8_per_token_group
 from kernels.fp8_quant import (
     per_token_group_quant_fp8,
     per_token_group_quant_fp8_ref,

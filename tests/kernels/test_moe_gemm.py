@@ -8,13 +8,17 @@ import dataclasses
 import pytest
 import torch
 
-from engine.fp8 import dequantize_fp8_block, quantize_fp8_block, quantize_fp8_per_token_group
 from engine.loader import build_model, init_random
 from engine.tiny_model import tiny_config
 from engine.weights import Fp8Weight
+from kernels.fp8 import (
+    Fp8ExpertWeights,
+    dequantize_fp8_block,
+    quantize_fp8_block,
+    quantize_fp8_per_token_group,
+)
 from kernels.fp8_quant import per_token_group_quant_fp8, silu_mul_quant_fp8
 from kernels.moe_gemm import (
-    Fp8ExpertWeights,
     _tile_map,
     attach_fp8_experts,
     expert_ffn,

@@ -12,10 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.fp8 import quantize_fp8_block
 from kernels.backends import available
+from kernels.fp8 import Fp8ExpertWeights, quantize_fp8_block
 from kernels.moe_gemm import (
-    Fp8ExpertWeights,
     expert_ffn_fp8,
     expert_ffn_fp8_ref,
     fp8_expert_backend,

@@ -1,59 +1,52 @@
-"""The fused routing kernel picks the same experts with the same weights as
-engine.routing's torch reference, for every routing policy DeepSeek uses."""
+"""The fused routing kernel picks the same experts with the same weights as the torch
+reference (kernels.routing.select_experts_ref), for every routing policy DeepSeek uses."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.config import MoEConfig
-from kernels.routing import fused_select_experts, select_experts_ref
+from kernels.routing import RoutingConfig, fused_select_experts, select_experts_ref
 from tests.kernels.conftest import needs_cuda, needs_triton
 
 
-def moe_cfg(**kw) -> MoEConfig:
+def routing_cfg(**kw) -> RoutingConfig:
     base = dict(
         n_routed_experts=256,
         num_experts_per_tok=8,
-        n_shared_experts=1,
-        moe_intermediate_size=2048,
         topk_method="noaux_tc",
-        scoring_func="sigmoid",
         n_group=8,
         topk_group=4,
         norm_topk_prob=True,
         routed_scaling_factor=2.5,
-        first_k_dense_replace=3,
     )
     base.update(kw)
-    return MoEConfig(**base)
+    return RoutingConfig(**base)
 
 
 CONFIGS = {
-    "v3": moe_cfg(),
-    "v3_unnormalised": moe_cfg(norm_topk_prob=False),
-    "tiny_v3": moe_cfg(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2),
-    "v2_lite_greedy": moe_cfg(
+    "v3": routing_cfg(),
+    "v3_unnormalised": routing_cfg(norm_topk_prob=False),
+    "tiny_v3": routing_cfg(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2),
+    "v2_lite_greedy": routing_cfg(
         n_routed_experts=64,
         num_experts_per_tok=6,
         topk_method="greedy",
-        scoring_func="softmax",
         n_group=1,
         topk_group=1,
         norm_topk_prob=False,
         routed_scaling_factor=1.0,
     ),
-    "v2_group_limited": moe_cfg(
+    "v2_group_limited": routing_cfg(
         n_routed_experts=160,
         num_experts_per_tok=6,
         topk_method="group_limited_greedy",
-        scoring_func="softmax",
         n_group=8,
         topk_group=3,
         norm_topk_prob=False,
         routed_scaling_factor=16.0,
     ),
-    "greedy_normalised": moe_cfg(
+    "greedy_normalised": routing_cfg(
         n_routed_experts=64, num_experts_per_tok=6, topk_method="greedy", n_group=1, topk_group=1
     ),
 }
@@ -65,7 +58,7 @@ def by_id(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch
     return weights.cpu().gather(1, order), ids
 
 
-def inputs(cfg: MoEConfig, t: int, device: str, seed: int = 0):
+def inputs(cfg: RoutingConfig, t: int, device: str, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(t, cfg.n_routed_experts, generator=g) * 2
     bias = torch.randn(cfg.n_routed_experts, generator=g) * 0.1

@@ -4,18 +4,21 @@ for activations.
 Checkpoints store ``weight`` as float8_e4m3fn [N, K] beside ``weight_scale_inv`` float32
 [ceil(N / 128), ceil(K / 128)]; the real weight is ``weight * weight_scale_inv`` block-wise.
 Scales map each block's absolute maximum onto the largest finite e4m3 value, 448. These are
-plain-torch references; fused kernels are tested against them.
+plain-torch references; the Triton kernels (:mod:`kernels.fp8_quant`, :mod:`kernels.moe_gemm`)
+are tested against them.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
+BLOCK = 128  # DeepSeek's FP8 scale block (weights 128x128, activations 1x128)
 
 
 def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
@@ -106,3 +109,31 @@ def dequantize_fp8_per_token_group(
         raise ValueError(f"scale must have shape {expected}, got {tuple(scale.shape)}")
     groups = q.float().reshape(expected + (group_size,))
     return (groups * scale.float().unsqueeze(-1)).reshape(q.shape).to(dtype)
+
+
+@dataclass
+class Fp8ExpertWeights:
+    """One rank's experts in the checkpoint's FP8 form, stacked like RoutedExperts.
+
+    w13 [E, 2I, H] e4m3 with w13_scale [E, 2I/128, H/128]; w2 [E, H, I] with w2_scale
+    [E, H/128, I/128] (float32 ``weight_scale_inv`` blocks)."""
+
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+
+    @classmethod
+    def from_dense(cls, w13: torch.Tensor, w2: torch.Tensor) -> Fp8ExpertWeights:
+        """Quantise dense expert weights block-wise (benchmarks, tests)."""
+
+        def stack(w):
+            pairs = [quantize_fp8_block(w[e]) for e in range(w.shape[0])]
+            return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+
+        return cls(*stack(w13), *stack(w2))
+
+    @property
+    def usable(self) -> bool:
+        """The Triton path needs whole 128-blocks along every dimension."""
+        return all(d % BLOCK == 0 for d in (*self.w13.shape[1:], self.w2.shape[1]))

@@ -1,7 +1,7 @@
 # ruff: noqa: B023 - every lambda here is timed inside the loop iteration that defines it
 """Micro-benchmarks of the kernels against their torch references on one CUDA GPU.
 
-    python3 -m kernels.bench [--out results.json] [--quick]
+    python3 -m bench.kernels [--out results.json] [--quick]
 
 Each row: the kernel's median time (``triton.testing.do_bench``), the torch reference's (or
 the engine's previous torch path), the speed-up, and achieved GB/s or TFLOP/s from the bytes /
@@ -331,8 +331,8 @@ def routing_bench() -> None:
 
 
 def moe_bench(quick: bool) -> None:
+    from kernels.fp8 import Fp8ExpertWeights
     from kernels.moe_gemm import (
-        Fp8ExpertWeights,
         expert_ffn,
         expert_ffn_fp8,
         expert_ffn_ref,
@@ -415,12 +415,8 @@ def moe_fp8_crossover(quick: bool) -> None:
     if not available("deep_gemm"):
         print("moe_fp8_crossover: deep_gemm is not installed; skipped", flush=True)
         return
-    from kernels.moe_gemm import (
-        Fp8ExpertWeights,
-        expert_ffn_fp8,
-        fp8_expert_backend,
-        permute_tokens,
-    )
+    from kernels.fp8 import Fp8ExpertWeights
+    from kernels.moe_gemm import expert_ffn_fp8, fp8_expert_backend, permute_tokens
 
     shapes = [
         ("v3", 256, 7168, 2048, 8, (256, 1024, 2048, 4096, 8192, 16384)),
