@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from dsmesh.transfer import RemotePool
-from dsmesh.transfer.mooncake import MooncakeTransport
+from dsmesh.runtime.transfer import RemotePool
+from dsmesh.runtime.transfer.mooncake import MooncakeTransport
 from engine.kv_cache import MLAKVPool, pages_for
 
 REPLY_TIMEOUT_S = 120.0

@@ -398,7 +398,7 @@ def engine_child(spec_path: Path) -> None:
 def _engine_config(model: str, args: argparse.Namespace):
     """The engine flags as ``dsmesh bench --backend offline`` takes them, with their
     process-wide settings (the GIL switch interval) applied to this process too."""
-    from dsmesh.cli_common import add_engine_args, apply_process_flags, engine_config_from
+    from dsmesh.cli.common import add_engine_args, apply_process_flags, engine_config_from
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
@@ -409,8 +409,8 @@ def _engine_config(model: str, args: argparse.Namespace):
 
 
 async def _engine_levels(model: str, args: argparse.Namespace, out: Path) -> None:
-    from dsmesh.bench_offline import OfflineBackend
-    from dsmesh.bench_serving import (
+    from bench.offline import OfflineBackend
+    from bench.serving import (
         BenchConfig,
         result_json,
         run_benchmark,

@@ -7,21 +7,24 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from decode_svc.handoff import DecodeHandoffs
 from decode_svc.servicer import DecodeLimits, DecodeServicer
-from dsmesh.broker_link import BrokerLink
-from dsmesh.ep_group import RankSpec
-from dsmesh.grpc_server import set_channel_defaults, start_server
-from dsmesh.instance import TransferConfig, build_instance, new_instance_id, serve_attached
-from dsmesh.kv_layout import layout_of
-from dsmesh.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
-from dsmesh.service_metrics import InstanceMetrics
-from dsmesh.telemetry import tracing
-from dsmesh.v1 import decode_pb2_grpc
+from dsmesh.clients.broker import BrokerLink
+from dsmesh.instance.attach import TransferConfig, build_instance, new_instance_id, serve_attached
+from dsmesh.instance.ep_group import RankSpec
+from dsmesh.instance.metrics import start_metrics
+from dsmesh.runtime.grpc_server import channel, set_channel_defaults
+from dsmesh.runtime.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
+from dsmesh.runtime.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
+from dsmesh.runtime.telemetry import tracing
+from dsmesh.v1 import decode_pb2, decode_pb2_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
+from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
 from engine.llm_engine import EngineConfig
 
 log = logging.getLogger(__name__)
-SERVICE = "dsmesh.v1.Decode"
+_SERVICE = decode_pb2.DESCRIPTOR.services_by_name["Decode"]
+SERVICE = _SERVICE.full_name
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class DecodeConfig:
     reserve_wait_s: float = 10.0
     tls: TLSConfig = TLSConfig()  # every gRPC server and channel of the process; off by default
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # requests in flight at SIGTERM finish
     ep_rank: RankSpec | None = None  # set on each rank of an expert-parallel group
 
 
@@ -53,45 +57,34 @@ async def _serve(
 ) -> None:
     set_channel_defaults(config.tls, config.max_message_bytes)  # before the broker channel
     parts = await build_instance(config.engine, config.transfer, config.ep_rank)
-    instance_id = config.instance_id or new_instance_id("decode")
-    limits = DecodeLimits(
-        instance_id,
-        handoff_timeout_s=config.handoff_timeout_s,
-        release_quarantine_s=config.release_quarantine_s,
-        reserve_wait_s=config.reserve_wait_s,
+    instance = parts.member(config.instance_id or new_instance_id("decode"), kb.ROLE_DECODE)
+    handoffs = DecodeHandoffs(config.reserve_wait_s, config.release_quarantine_s)
+    metrics = start_metrics(
+        parts.engine, "decode", config.metrics_port, config.host, lambda _: handoffs.num_waiting
     )
-    instance = kb.Instance(
-        instance_id=instance_id, role=kb.ROLE_DECODE, transfer_session=parts.pool.session
-    )
-    broker = BrokerLink(config.broker_address, instance)
+    broker_channel = channel(config.broker_address)
     servicer = DecodeServicer(
-        parts.worker, broker, layout_of(parts.engine, parts.transport.signature), parts.pool, limits
+        parts.worker,
+        kb_grpc.KVBrokerStub(broker_channel),
+        parts.layout(),
+        parts.pool,
+        DecodeLimits(instance.instance_id, handoff_timeout_s=config.handoff_timeout_s),
+        handoffs,
+        metrics,
     )
-    server = await start_server(
-        lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, s),
-        [SERVICE],
-        config.host,
-        config.port,
-        tls=config.tls,
-        max_message_bytes=config.max_message_bytes,
-    )
-    instance.grpc_address = f"{config.host}:{server.port}"
-    if config.metrics_port:
-        metrics = InstanceMetrics(parts.engine, "decode", lambda: servicer.waiting_handoffs)
-        servicer.metrics = metrics
-        port = metrics.serve(config.metrics_port, config.host)
-        log.info("decode metrics on http://%s:%d/metrics", config.host, port)
+    broker = BrokerLink(config.broker_address, instance, channel=broker_channel)
     try:
         await serve_attached(
             "decode",
-            SERVICE,
-            server,
+            _SERVICE,
+            lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, s),
+            config,
+            instance,
             broker,
-            instance_id,
-            config.host,
             stop,
             ready,
-            servicer.drain,
+            refused=("Decode", "GetLoad"),
+            background=servicer.drain,
         )
     finally:
         parts.worker.stop()

@@ -1,4 +1,8 @@
-"""dsmesh.v1.Decode: reserve pages, wait for prefill's KV through kv_broker, stream tokens."""
+"""dsmesh.v1.Decode: reserve pages, wait for prefill's KV through kv_broker, stream tokens.
+
+The handoff's rules live in decode_svc/handoff.py as plain Python; this servicer converts
+protos, calls kv_broker and the engine worker, and carries out what the handoff decides.
+"""
 
 from __future__ import annotations
 
@@ -6,22 +10,28 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
 from opentelemetry.trace import Status, StatusCode
 
-from dsmesh import telemetry
-from dsmesh.background import BackgroundTasks
-from dsmesh.broker_link import BrokerLink
-from dsmesh.convert import require_request_id, sampling_from_proto
-from dsmesh.engine_worker import EngineWorker, drain_outputs
-from dsmesh.transfer import RemotePool
+from decode_svc.handoff import (
+    DecodeHandoff,
+    DecodeHandoffs,
+    HandoffEnd,
+    Release,
+    broker_unreachable,
+)
+from dsmesh.instance.metrics import InstanceMetrics
+from dsmesh.instance.rpc import parse_request, server_stream, unary
+from dsmesh.instance.worker import EngineWorker, drain_outputs
+from dsmesh.runtime import telemetry
+from dsmesh.runtime.background import BackgroundTasks
+from dsmesh.runtime.transfer import RemotePool
 from dsmesh.v1 import decode_pb2, decode_pb2_grpc, generation_pb2, prefill_pb2
 from dsmesh.v1 import kv_broker_pb2 as kb
-from engine.errors import InvalidRequestError
+from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
 from engine.kv_cache import OutOfPagesError
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.request import RequestStatus
@@ -29,201 +39,131 @@ from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-_FAILED_STATES = {
-    kb.HANDOFF_FAILED: grpc.StatusCode.UNAVAILABLE,
-    kb.HANDOFF_TIMED_OUT: grpc.StatusCode.DEADLINE_EXCEEDED,
-    kb.HANDOFF_ABORTED: grpc.StatusCode.CANCELLED,
-}
+AWAIT_WAIT_MS = 10_000  # one long poll of kv_broker's Await
+RELEASE_POLL_S = 0.05  # how often to ask kv_broker whether prefill released a failed handoff
 
 
 @dataclass(frozen=True)
 class DecodeLimits:
     instance_id: str
     handoff_timeout_s: float = 30.0
-    release_quarantine_s: float = 10.0  # longest wait for prefill's release before page reuse
     broker_rpc_timeout_s: float = 5.0
-    # a request waits this long (in arrival order) for pages and a running slot; then
-    # RESOURCE_EXHAUSTED. Routers that follow GetLoad rarely make it wait at all.
-    reserve_wait_s: float = 10.0
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    """Construct inside the running event loop. ``handoffs`` holds the reserve wait and the
+    release quarantine; ``broker`` is a stub on the kv_broker link's channel."""
+
     def __init__(
         self,
         worker: EngineWorker,
-        broker: BrokerLink,
+        broker: kb_grpc.KVBrokerStub,
         layout: kb.KVLayout,
         pool: RemotePool,
         limits: DecodeLimits,
+        handoffs: DecodeHandoffs,
+        metrics: InstanceMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.worker = worker
         self.broker = broker
         self.layout = layout
         self.pool = pool
         self.limits = limits
-        self.active: set[str] = set()
-        self.waiting_handoffs = 0
-        self._room_queue: deque[object] = deque()  # requests waiting for pages, oldest first
+        self.handoffs = handoffs
+        self.metrics = metrics
+        self._clock = clock
         self._room_freed = asyncio.Event()  # pages or a slot may have come free
-        self.metrics = None  # dsmesh.service_metrics.InstanceMetrics, when served
         self._background = BackgroundTasks()
 
     # ---- Decode ---------------------------------------------------------------------------
 
+    @server_stream
     async def Decode(  # noqa: N802 - gRPC method name
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
-        rid = request.request_id
-        try:
-            require_request_id(rid)
-            params = sampling_from_proto(request.sampling)
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if rid in self.active:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already active")
-        # Claimed before the first await, so a concurrent duplicate is refused above.
-        self.active.add(rid)
+        rid, params = parse_request(request)
+        # Opened before the first await, so a concurrent duplicate is refused.
+        handoff = self.handoffs.open(rid, self._clock())
         prompt = list(request.input_ids)
-        timeout_s = (
-            request.handoff_timeout_ms / 1000
-            if request.handoff_timeout_ms > 0
-            else self.limits.handoff_timeout_s
-        )
+        timeout_s = self.limits.handoff_timeout_s
+        if request.handoff_timeout_ms > 0:
+            timeout_s = request.handoff_timeout_ms / 1000
+        cancelled = False
         try:
-            pages = await self._reserve(rid, prompt, params)
-        except InvalidRequestError as exc:
-            self.active.discard(rid)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except OutOfPagesError as exc:
-            self.active.discard(rid)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode is full: {exc}")
+            pages = await self._reserve(handoff, prompt, params)
+            first_token = await self._handoff(handoff, len(prompt), pages, timeout_s)
+            stream = self._generate(handoff, len(prompt), first_token)
+            async with contextlib.aclosing(stream) as messages:  # its span ends with the call
+                async for message in messages:
+                    yield message
         except asyncio.CancelledError:
-            # The engine may still take the pages: free them after it (its commands are FIFO).
-            self._spawn(self._forget_after(rid, self.worker.call(lambda e: e.abort(rid))))
-            raise
-        except BaseException:
-            self.active.discard(rid)
-            raise
-        settled = False  # pages freed or handed to the running batch, nothing left to clean
-        prefill_may_write = False
-        freeing: Coroutine[None, None, None] | None = None  # frees the pages after the stream
-        try:
-            try:
-                status = await self._handoff(rid, prompt, pages, timeout_s, context)
-            except _Refused as exc:
-                # kv_broker refused the reservation: the handoff (if any) is not ours to
-                # abort - it may be a live duplicate's. Our pages are already free.
-                settled = True
-                await context.abort(exc.code, exc.message)
-            if self.metrics is not None:
-                self.metrics.handoffs.labels(kb.HandoffState.Name(status.state)).inc()
-                if status.state == kb.HANDOFF_DONE:
-                    self.metrics.prompt_tokens.inc(len(prompt))
-            if status.state != kb.HANDOFF_DONE:
-                code = _FAILED_STATES.get(status.state, grpc.StatusCode.UNAVAILABLE)
-                if "layout mismatch" in status.message:
-                    code = grpc.StatusCode.FAILED_PRECONDITION
-                state = kb.HandoffState.Name(status.state)
-                # End the stream now; the pages follow once prefill can no longer write them.
-                freeing = self._release_after_prefill(rid, status)
-                settled = True
-                await context.abort(code, f"KV handoff {state}: {status.message}".strip(": "))
-            span = telemetry.tracer().start_span(
-                "decode.generate",
-                attributes={"dsmesh.request_id": rid, "dsmesh.prompt_tokens": len(prompt)},
-            )
-            completion_tokens = 0
-            try:
-                async for out in self._decode_stream(rid, status.first_token_id):
-                    settled = out.finished
-                    completion_tokens = out.completion_tokens
-                    if out.finished:
-                        span.set_attribute("dsmesh.finish_reason", out.finish_reason or "")
-                    yield decode_pb2.DecodeResponse(
-                        request_id=rid,
-                        token_ids=out.new_token_ids,
-                        finish_reason=out.finish_reason or "",
-                        prompt_tokens=len(prompt),
-                        completion_tokens=out.completion_tokens,
-                    )
-            finally:
-                span.set_attribute("dsmesh.completion_tokens", completion_tokens)
-                if not settled:
-                    span.set_status(Status(StatusCode.ERROR, "stream ended before the last token"))
-                span.end()
-        except asyncio.CancelledError:
-            prefill_may_write = True  # cancelled mid-handoff: prefill may be writing
+            cancelled = True
             raise
         finally:
-            if not settled:
-                freeing = self._cleanup(rid, prefill_may_write)
-            if freeing is None:
-                self.active.discard(rid)
-            else:  # the id stays taken until its pages are free
-                self._spawn(self._forget_after(rid, freeing))
+            release = handoff.call_ended(cancelled)
+            if release is Release.NONE:
+                self.handoffs.close(handoff)
+            else:  # the id stays taken until the pages are back
+                self._background.spawn(self._give_back(handoff, release))
 
-    async def _reserve(self, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
-        """Pages (and a running slot) for the request: at once, or when enough come free, in
-        arrival order, for up to ``reserve_wait_s``; OutOfPagesError after that."""
-        ticket = object()
-        self._room_queue.append(ticket)
-        deadline = time.monotonic() + self.limits.reserve_wait_s
+    async def _reserve(
+        self, handoff: DecodeHandoff, prompt: list[int], params: SamplingParams
+    ) -> list[int]:
+        """Pages (and a running slot) for the request, once every request before it has
+        them; RESOURCE_EXHAUSTED when none come within the reserve wait."""
+        rid = handoff.request_id
         try:
             while True:
-                if self._room_queue[0] is ticket:
+                why = None
+                if self.handoffs.first_in_line(handoff):
                     got = await self.worker.call(lambda e: _try_reserve(e, prompt, params, rid))
                     if isinstance(got, list):
+                        handoff.reserved()
                         return got
                     why = got
-                else:
-                    why = "requests before it are still waiting for room"
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise OutOfPagesError(f"{why} (waited {self.limits.reserve_wait_s:g} s)")
+                wait_s = self.handoffs.wait_for_room(handoff, why, self._clock())
                 self._room_freed.clear()
-                with contextlib.suppress(TimeoutError):  # also catches frees we do not see
-                    await asyncio.wait_for(self._room_freed.wait(), min(remaining, 0.05))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._room_freed.wait(), wait_s)
         finally:
-            self._room_queue.remove(ticket)
+            self.handoffs.leave_line(handoff)
             self._room_freed.set()  # the next in line tries now
 
     async def _handoff(
-        self,
-        rid: str,
-        prompt: list[int],
-        pages: list[int],
-        timeout_s: float,
-        context: grpc.aio.ServicerContext,
-    ) -> kb.HandoffStatus:
-        """Register the reservation with kv_broker and wait until the handoff ends, inside a
-        ``decode.wait_kv`` span (the Reserve and Await RPCs are its children)."""
+        self, handoff: DecodeHandoff, num_prompt: int, pages: list[int], timeout_s: float
+    ) -> int:
+        """Register the reservation with kv_broker and wait for the handoff's end, inside a
+        ``decode.wait_kv`` span (the Reserve and Await calls are its children); returns the
+        first token, or raises the call's failure."""
+        rid = handoff.request_id
         with telemetry.tracer().start_as_current_span(
             "decode.wait_kv", attributes={"dsmesh.request_id": rid, "dsmesh.kv.pages": len(pages)}
         ) as span:
-            status = await self._reserve_and_wait(rid, prompt, pages, timeout_s, context)
-            state = kb.HandoffState.Name(status.state).removeprefix("HANDOFF_")
+            await self._register(handoff, num_prompt, pages, timeout_s)
+            end = await self._await_end(rid)
+            state = kb.HandoffState.Name(end.state)
             span.set_attributes(
                 {
-                    "dsmesh.handoff.state": state,  # as kv-broker's kv.handoff span has it
-                    "dsmesh.kv.bytes": status.bytes_written,
-                    "dsmesh.prefill_instance_id": status.prefill_instance_id,
+                    # as kv-broker's kv.handoff span has it
+                    "dsmesh.handoff.state": state.removeprefix("HANDOFF_"),
+                    "dsmesh.kv.bytes": end.bytes_written,
+                    "dsmesh.prefill_instance_id": end.prefill_instance_id,
                 }
             )
-            if status.state != kb.HANDOFF_DONE:
-                span.set_status(Status(StatusCode.ERROR, status.message))
-            return status
+            if end.state != kb.HANDOFF_DONE:
+                span.set_status(Status(StatusCode.ERROR, end.message))
+        if self.metrics is not None:
+            self.metrics.handoffs.labels(state).inc()
+            if end.state == kb.HANDOFF_DONE:
+                self.metrics.prompt_tokens.inc(num_prompt)
+        return handoff.ended(end)
 
-    async def _reserve_and_wait(
-        self,
-        rid: str,
-        prompt: list[int],
-        pages: list[int],
-        timeout_s: float,
-        context: grpc.aio.ServicerContext,
-    ) -> kb.HandoffStatus:
-        stub = self.broker.stub
+    async def _register(
+        self, handoff: DecodeHandoff, num_prompt: int, pages: list[int], timeout_s: float
+    ) -> None:
         reserve = kb.ReserveRequest(
-            request_id=rid,
+            request_id=handoff.request_id,
             decode_instance_id=self.limits.instance_id,
             layout=self.layout,
             pool=kb.RemotePool(
@@ -233,51 +173,69 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 page_bytes=self.pool.page_bytes,
             ),
             page_ids=pages,
-            num_tokens=len(prompt),
+            num_tokens=num_prompt,
             timeout_ms=int(timeout_s * 1000),
         )
         try:
-            await stub.Reserve(reserve, timeout=self.limits.broker_rpc_timeout_s)
+            await self.broker.Reserve(reserve, timeout=self.limits.broker_rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
-            code = exc.code()
-            if code in (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.INVALID_ARGUMENT):
-                # Certainly not registered: no prefill can write into these pages.
-                await self.worker.call(lambda e: e.abort(rid))
-                message = f"kv_broker refused the reservation: {exc.details()}"
-                raise _Refused(code, message) from None
-            if code == grpc.StatusCode.ABORTED:
-                code = grpc.StatusCode.CANCELLED  # the request was aborted before we got here
-            else:
-                code = grpc.StatusCode.UNAVAILABLE
-            # The reservation may have reached the broker (a lost answer): the cleanup aborts
-            # it there and frees the pages only once no prefill can be writing them.
-            await context.abort(code, f"kv_broker refused the reservation: {exc.details()}")
-        self.waiting_handoffs += 1
-        try:
-            # kv_broker owns the deadline, which follows prefill's work (docs/PD.md); the
-            # call's own deadline (the client's) bounds this loop too.
-            wait_ms = 10_000
-            while True:
-                status = await stub.Await(
-                    kb.AwaitRequest(request_id=rid, wait_ms=wait_ms),
-                    timeout=wait_ms / 1000 + self.limits.broker_rpc_timeout_s,
-                )
-                if status.state not in (kb.HANDOFF_RESERVED, kb.HANDOFF_TRANSFERRING):
-                    return status
-        except grpc.aio.AioRpcError as exc:
-            return kb.HandoffStatus(
-                request_id=rid,
-                state=kb.HANDOFF_FAILED,
-                message=f"kv_broker unreachable: {exc.code().name}",
-                prefill_instance_id="unknown",  # cannot tell whether prefill is writing
-            )
-        finally:
-            self.waiting_handoffs -= 1
+            raise handoff.refused(exc.code().name, exc.details() or "") from None
+        handoff.registered()
 
-    async def _decode_stream(self, rid: str, first_token: int) -> AsyncIterator[_Out]:
+    async def _await_end(self, rid: str) -> HandoffEnd:
+        """Long-poll kv_broker until the handoff is terminal. kv_broker owns its deadline,
+        which follows prefill's work (docs/PD.md); the call's own deadline bounds this too."""
+        try:
+            while True:
+                status = await self.broker.Await(
+                    kb.AwaitRequest(request_id=rid, wait_ms=AWAIT_WAIT_MS),
+                    timeout=AWAIT_WAIT_MS / 1000 + self.limits.broker_rpc_timeout_s,
+                )
+                end = _end_of(status)
+                if end.terminal:
+                    return end
+        except grpc.aio.AioRpcError as exc:
+            return broker_unreachable(exc.code().name)
+
+    async def _generate(
+        self, handoff: DecodeHandoff, num_prompt: int, first_token: int
+    ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        """Join the running batch from ``first_token`` and stream the tokens, inside a
+        ``decode.generate`` span."""
+        rid = handoff.request_id
+        span = telemetry.tracer().start_span(
+            "decode.generate",
+            attributes={"dsmesh.request_id": rid, "dsmesh.prompt_tokens": num_prompt},
+        )
+        completion = 0
+        finished = False
+        try:
+            async for out in self._outputs(rid, first_token):
+                finished = out.finished
+                completion += len(out.new_token_ids)
+                if self.metrics is not None:
+                    self.metrics.generated_tokens.inc(len(out.new_token_ids))
+                if out.finished:
+                    handoff.finished()
+                    self._room_freed.set()  # its pages and slot are free
+                    span.set_attribute("dsmesh.finish_reason", out.finish_reason or "")
+                yield decode_pb2.DecodeResponse(
+                    request_id=rid,
+                    token_ids=out.new_token_ids,
+                    finish_reason=out.finish_reason or "",
+                    prompt_tokens=num_prompt,
+                    completion_tokens=completion,
+                )
+        finally:
+            span.set_attribute("dsmesh.completion_tokens", completion)
+            if not finished:
+                span.set_status(Status(StatusCode.ERROR, "stream ended before the last token"))
+            span.end()
+
+    async def _outputs(self, rid: str, first_token: int) -> AsyncIterator[StepOutput]:
+        """The request's step outputs from its activation to its last token."""
         loop = asyncio.get_running_loop()
         streams: list[asyncio.Queue[StepOutput]] = []
-        count = 0
 
         def activate(engine: LLMEngine) -> StepOutput:
             streams.append(self.worker.stream(rid, loop))
@@ -287,112 +245,109 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             return out
 
         out = await self.worker.call(activate)
-        outputs = streams[0]
         while True:
-            count += len(out.new_token_ids)
-            if self.metrics is not None:
-                self.metrics.generated_tokens.inc(len(out.new_token_ids))
-            if out.finished:
-                self._room_freed.set()  # its pages and slot are free
-            yield _Out(out.new_token_ids, out.finished, out.finish_reason, count)
+            yield out
             if out.finished:
                 return
-            out = drain_outputs(await outputs.get(), outputs)
+            out = drain_outputs(await streams[0].get(), streams[0])
 
-    # ---- cleanup --------------------------------------------------------------------------
+    # ---- giving pages back ----------------------------------------------------------------
 
-    async def _release_after_prefill(self, rid: str, status: kb.HandoffStatus) -> None:
-        """Free a failed handoff's pages, but only once prefill can no longer write them."""
-        if status.prefill_instance_id and not status.prefill_released:
-            await self._wait_prefill_release(rid)
-        await self.worker.call(lambda e: e.abort(rid))
-
-    async def _wait_prefill_release(self, rid: str) -> None:
-        """Until kv_broker says prefill released the handoff, or the quarantine passes. A
-        broker that cannot say (unreachable, or restarted and without the record) proves
-        nothing: prefill may still be writing, so that waits out the quarantine."""
-        deadline = time.monotonic() + self.limits.release_quarantine_s
-        while time.monotonic() < deadline:
+    async def _give_back(self, handoff: DecodeHandoff, release: Release) -> None:
+        """Free the pages of a call that ended early, as ``release`` says, then free its id."""
+        rid = handoff.request_id
+        try:
+            if release is Release.ABORT_FIRST:
+                answer = await self._broker_call("Abort", kb.HandoffRequest(request_id=rid))
+                release = handoff.after_abort(None if answer is None else _end_of(answer))
+            if release is Release.AFTER_PREFILL:
+                await self._wait_prefill_release(handoff)
+            elif release is Release.QUARANTINE:
+                await asyncio.sleep(self.handoffs.release_quarantine_s)
+        finally:
             try:
-                status = await self.broker.stub.Get(
-                    kb.HandoffRequest(request_id=rid), timeout=self.limits.broker_rpc_timeout_s
-                )
-                if status.prefill_released:
-                    return
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(0.05)
-        log.warning("prefill never released handoff %s; reusing its pages after quarantine", rid)
+                await self.worker.call(lambda e: e.abort(rid))
+            finally:
+                self.handoffs.close(handoff)
+                self._room_freed.set()
 
-    async def _forget_after(self, rid: str, freeing: Coroutine[None, None, None]) -> None:
-        try:
-            await freeing
-        finally:
-            self.active.discard(rid)
-            self._room_freed.set()
-
-    async def _cleanup(self, rid: str, prefill_may_write: bool) -> None:
-        """Client went away or the stream failed: abort on both sides, free pages safely."""
-        try:
-            status = await self.broker.stub.Abort(
-                kb.HandoffRequest(request_id=rid), timeout=self.limits.broker_rpc_timeout_s
+    async def _wait_prefill_release(self, handoff: DecodeHandoff) -> None:
+        """Until kv_broker says prefill released the handoff, or the quarantine passes. A
+        broker that cannot say (unreachable, or restarted without the record) proves nothing:
+        prefill may still be writing, so that waits out the quarantine."""
+        rid = handoff.request_id
+        released = False
+        while handoff.keep_waiting(self._clock(), released):
+            status = await self._broker_call("Get", kb.HandoffRequest(request_id=rid))
+            released = status is not None and status.prefill_released
+            if not released:
+                await asyncio.sleep(RELEASE_POLL_S)
+        if not released:
+            log.warning(
+                "prefill never released handoff %s; reusing its pages after quarantine", rid
             )
-            writing = prefill_may_write or bool(status.prefill_instance_id)
-            if writing and not status.prefill_released and status.state != kb.HANDOFF_DONE:
-                await self._wait_prefill_release(rid)
-        except grpc.aio.AioRpcError:
-            if prefill_may_write:
-                await asyncio.sleep(self.limits.release_quarantine_s)
-        finally:
-            await self.worker.call(lambda e: e.abort(rid))
 
-    def _spawn(self, coro) -> None:
-        self._background.spawn(coro)
+    async def _broker_call(
+        self, method: str, request: kb.HandoffRequest
+    ) -> kb.HandoffStatus | None:
+        """kv_broker's answer, or None when it gave none."""
+        try:
+            return await getattr(self.broker, method)(
+                request, timeout=self.limits.broker_rpc_timeout_s
+            )
+        except grpc.aio.AioRpcError:
+            return None
 
     async def drain(self) -> None:
         await self._background.drain()
 
     # ---- Abort / GetLoad ------------------------------------------------------------------
 
+    @unary
     async def Abort(  # noqa: N802
         self, request: generation_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.AbortResponse:
         rid = request.request_id
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            await self.broker.stub.Abort(
-                kb.HandoffRequest(request_id=rid), timeout=self.limits.broker_rpc_timeout_s
-            )
-        # A waiting Decode call sees the ABORTED handoff and frees safely; a running one is
-        # stopped here.
-        running = await self.worker.call(
-            lambda e: (r := e.get(rid)) is not None and r.status is RequestStatus.RUNNING
-        )
-        aborted = False
-        if running:
-            aborted = await self.worker.call(lambda e: self.worker.abort_request(e, rid))
-        return generation_pb2.AbortResponse(aborted=aborted or rid in self.active)
+        # A call waiting for its handoff sees it ABORTED and frees safely; a running request
+        # is stopped here, and its stream ends with finish_reason "abort".
+        await self._broker_call("Abort", kb.HandoffRequest(request_id=rid))
 
+        def stop_running(engine: LLMEngine) -> bool:
+            req = engine.get(rid)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                return False
+            return self.worker.abort_request(engine, rid)
+
+        aborted = await self.worker.call(stop_running)
+        return generation_pb2.AbortResponse(aborted=aborted or rid in self.handoffs)
+
+    @unary
     async def GetLoad(  # noqa: N802
         self, request: prefill_pb2.LoadRequest, context: grpc.aio.ServicerContext
     ) -> decode_pb2.DecodeLoad:
-        def load(e: LLMEngine) -> tuple[int, int, int]:
-            return (
-                e.scheduler.num_pages_available,
-                e.kv_pool.num_pages,
-                len(e.scheduler.running),
-            )
-
-        free, total, running = await self.worker.call(load)
+        load = await self.worker.call(lambda e: e.load())
         engine_config = self.worker.engine.config
         return decode_pb2.DecodeLoad(
             instance_id=self.limits.instance_id,
-            free_pages=free,
-            total_pages=total,
-            running_requests=running,
-            waiting_handoffs=self.waiting_handoffs + len(self._room_queue),
+            free_pages=load.free_pages,
+            total_pages=load.total_pages,
+            running_requests=load.num_running,
+            waiting_handoffs=self.handoffs.num_waiting + self.handoffs.num_in_line,
             page_size=engine_config.page_size,
             max_running_requests=engine_config.max_running_requests,
         )
+
+
+def _end_of(status: kb.HandoffStatus) -> HandoffEnd:
+    return HandoffEnd(
+        state=status.state,
+        cause=status.cause,
+        message=status.message,
+        first_token_id=status.first_token_id,
+        bytes_written=status.bytes_written,
+        prefill_instance_id=status.prefill_instance_id,
+        prefill_released=status.prefill_released,
+    )
 
 
 def _try_reserve(
@@ -408,20 +363,3 @@ def _try_reserve(
         return list(engine.reserve(prompt, params, rid).pages)
     except OutOfPagesError as exc:
         return str(exc)
-
-
-class _Refused(Exception):
-    """kv_broker refused the reservation outright; our pages were freed."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-@dataclass(frozen=True)
-class _Out:
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    completion_tokens: int

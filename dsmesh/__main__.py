@@ -1,5 +1,5 @@
 import sys
 
-from dsmesh.cli import main
+from dsmesh.cli.main import main
 
 sys.exit(main())

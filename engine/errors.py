@@ -4,11 +4,18 @@ from __future__ import annotations
 
 
 class InvalidRequestError(ValueError):
-    """A request is malformed; ``field`` names the offending input (e.g. ``input_ids``)."""
+    """A request is malformed: ``field`` names the offending input (``input_ids``,
+    ``sampling.top_p``) and ``reason`` says what is wrong with it. Every layer maps it the
+    same way: gRPC INVALID_ARGUMENT / HTTP 400 with the message ``"<field>: <reason>"``."""
 
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
         self.field = field
+        self.reason = reason
+
+    def within(self, parent: str) -> InvalidRequestError:
+        """The same error for a field nested in ``parent`` (``top_p`` -> ``sampling.top_p``)."""
+        return type(self)(f"{parent}.{self.field}", self.reason)
 
 
 def check_prompt(

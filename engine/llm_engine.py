@@ -29,13 +29,14 @@ from engine.kv_budget import (
     kv_pool_tokens,
 )
 from engine.kv_cache import MLAKVPool, pages_for
+from engine.load import EngineLoad, engine_load
 from engine.loader import load_model
 from engine.mla import ATTENTION_MODES
 from engine.model import DeepseekForCausalLM
 from engine.request import Request, RequestStatus
 from engine.sampler import GREEDY_BELOW, Sampler, advance_generator, make_generator
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerStats
 
 if TYPE_CHECKING:
     from kernels.mla_decode_flashinfer import FlashInferMLADecode
@@ -337,17 +338,25 @@ class LLMEngine:
         check_prompt(ids, self.model_config.vocab_size, self.max_context)
         try:
             params.validate()
-        except ValueError as exc:
-            field = str(exc).split(" ", 1)[0]
-            raise InvalidRequestError(f"sampling.{field}", str(exc)) from exc
+        except InvalidRequestError as exc:
+            raise exc.within("sampling") from exc
+        # Pages come as the tokens need them, but a request must fit the pool alone: the
+        # oldest request can always reclaim every page by retracting the newer ones.
+        num_pages = self.kv_pool.num_pages
+        first = pages_for(len(ids) + 1, self.config.page_size)
+        if first > num_pages:
+            raise InvalidRequestError(
+                "input_ids",
+                f"prompt has {len(ids)} tokens; with its first new token it needs {first} KV "
+                f"pages but the pool has only {num_pages}",
+            )
         new_tokens = 1 if prefill_only else params.max_new_tokens
         total = min(len(ids) + new_tokens, self.max_context)
         need = pages_for(total, self.config.page_size)
-        if need > self.kv_pool.num_pages:
+        if need > num_pages:
             raise InvalidRequestError(
                 "sampling.max_new_tokens",
-                f"prompt + max_new_tokens needs {need} KV pages but the pool has only "
-                f"{self.kv_pool.num_pages}",
+                f"prompt + max_new_tokens needs {need} KV pages but the pool has only {num_pages}",
             )
         return Request(
             request_id=request_id,
@@ -357,6 +366,7 @@ class LLMEngine:
             generator=make_generator(params.seed, self.device),
             prefill_only=prefill_only,
             keep_pages=prefill_only,
+            reserve_all=prefill_only,  # the KV transfer reads its pages: never retracted
         )
 
     def add_request(
@@ -377,8 +387,11 @@ class LLMEngine:
         self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str
     ) -> Request:
         """Validate and take pages now for a request whose prompt KV will be written into
-        them by someone else (decode instance). Raises OutOfPagesError when short."""
+        them by someone else (decode instance): pages for its whole life (prompt +
+        ``max_new_tokens``, capped at the context), and it is never retracted, since its
+        prompt KV exists only where it was sent. Raises OutOfPagesError when short."""
         req = self.make_request(prompt_ids, params, request_id)
+        req.reserve_all = True
         self._settle_launched_ahead()
         self.scheduler.reserve(req)
         self.requests[req.request_id] = req
@@ -434,6 +447,16 @@ class LLMEngine:
     @property
     def num_pages_in_use(self) -> int:
         return self.scheduler.num_pages_in_use
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """Scheduling counters (retractions) since the engine started, for metrics."""
+        return self.scheduler.stats()
+
+    def load(self) -> EngineLoad:
+        """What this engine holds now: pages, running and queued requests (for load reports
+        and metrics; safe to call from another thread)."""
+        return engine_load(self.scheduler, self.kv_pool.num_pages)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -548,11 +571,12 @@ class LLMEngine:
             and all(c.request.params.temperature < GREEDY_BELOW for c in chunks)
         )
 
-    def _next_is_certain(self, reqs: list[Request]) -> bool:
-        """The step after this one will run exactly ``reqs``, one token each, unless one of
-        them samples a stop token: nothing waits to join, no other request runs, and no
-        request reaches its length limit in this step (so the next token's KV slot lies in
-        pages it holds)."""
+    def _next_is_certain(self, reqs: list[Request], positions: list[int]) -> bool:
+        """The step after this one (feeding ``reqs[i]`` at ``positions[i]``) will run exactly
+        ``reqs``, one token each, unless one of them samples a stop token: nothing waits to
+        join, no other request runs, no request reaches its length limit in this step, and
+        the next token's KV slot lies in pages it holds (taken now, from free pages only:
+        a step that would need a retraction is left to the scheduler)."""
         sched = self.scheduler
         if sched.waiting or len(sched.running) != len(reqs):
             return False
@@ -561,7 +585,7 @@ class LLMEngine:
                 return False
             if r.num_tokens + 1 >= r.max_total_tokens:
                 return False
-        return True
+        return all(sched.try_grow(r, p + 1) for r, p in zip(reqs, positions, strict=True))
 
     def _launch(
         self, reqs: list[Request], positions: list[int], device_ids: torch.Tensor | None
@@ -587,7 +611,8 @@ class LLMEngine:
         """Launch the step after ``current`` for its rows ``rows`` (row order kept), fed the
         tokens ``current`` is computing, when that step is certain."""
         reqs = [current.reqs[i] for i in rows]
-        if not reqs or not self._next_is_certain(reqs):
+        positions = [current.positions[i] + 1 for i in rows]
+        if not reqs or not self._next_is_certain(reqs, positions):
             return
         if len(rows) == len(current.reqs):
             device_ids = current.tokens
@@ -596,7 +621,6 @@ class LLMEngine:
             if current.tokens.is_cuda:
                 index = index.pin_memory().to(current.tokens.device, non_blocking=True)
             device_ids = current.tokens.index_select(0, index)
-        positions = [current.positions[i] + 1 for i in rows]
         try:
             self._inflight = self._launch(reqs, positions, device_ids)
             self.num_launched_ahead += 1

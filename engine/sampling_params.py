@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from engine.errors import InvalidRequestError
+
 INT32_MAX = 2**31 - 1  # the wire format's int32 fields
 
 
@@ -27,24 +29,28 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first invalid field."""
+        """Raise :class:`InvalidRequestError` naming the first invalid field."""
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+            raise InvalidRequestError(
+                "temperature", f"must be a finite number >= 0, got {self.temperature}"
+            )
         if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+            raise InvalidRequestError("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
         if not (0.0 <= self.min_p < 1.0):
-            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+            raise InvalidRequestError("min_p", f"must be in [0, 1), got {self.min_p}")
         if not 1 <= self.max_new_tokens <= INT32_MAX:
-            raise ValueError(f"max_new_tokens must be in [1, 2**31 - 1], got {self.max_new_tokens}")
+            raise InvalidRequestError(
+                "max_new_tokens", f"must be in [1, 2**31 - 1], got {self.max_new_tokens}"
+            )
         if self.top_k > INT32_MAX:
-            raise ValueError(f"top_k must be at most 2**31 - 1, got {self.top_k}")
+            raise InvalidRequestError("top_k", f"must be at most 2**31 - 1, got {self.top_k}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+            raise InvalidRequestError("seed", f"must be in [0, 2**63), got {self.seed}")
         if any(not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
-            raise ValueError(
-                f"stop_token_ids must be in [0, 2**31 - 1], got {list(self.stop_token_ids)}"
+            raise InvalidRequestError(
+                "stop_token_ids", f"must be in [0, 2**31 - 1], got {list(self.stop_token_ids)}"
             )
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+            raise InvalidRequestError("stop", "stop strings must not be empty")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.errors import InvalidRequestError
 from eplb_svc.algorithm import (
     balancedness,
     check_shape,
@@ -25,12 +26,8 @@ from eplb_svc.algorithm import (
 )
 
 
-class InvalidLoad(ValueError):
+class InvalidLoad(InvalidRequestError):
     """A report that cannot be used; ``field`` names the offending report field."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
-"""Protos <-> the controller's plain values (shared by the servicer and the client)."""
+"""Protos <-> the controller's plain values."""
 
 from __future__ import annotations
 
 import torch
 
+from dsmesh.clients.eplb import load_report
 from dsmesh.v1 import eplb_pb2 as pb
 from eplb_svc.controller import InstanceShape, InvalidLoad, LoadSample
 
@@ -52,19 +53,17 @@ def sample_from_report(report: pb.ExpertLoadReport) -> LoadSample:
 
 def report_from_sample(sample: LoadSample) -> pb.ExpertLoadReport:
     s = sample.shape
-    return pb.ExpertLoadReport(
-        instance_id=sample.instance_id,
-        num_moe_layers=s.num_moe_layers,
-        num_physical_experts=s.num_physical,
-        tokens_per_expert=sample.physical_counts.reshape(-1).tolist(),
-        window_steps=sample.num_steps,
-        num_logical_experts=s.num_logical,
-        ep_size=s.ep_size,
-        num_nodes=s.num_nodes,
-        num_groups=s.num_groups,
-        physical_to_logical=sample.physical_to_logical.reshape(-1).tolist(),
-        applied_version=sample.applied_version,
-        last_swap_seconds=sample.last_swap_seconds,
+    return load_report(
+        sample.instance_id,
+        sample.physical_counts,
+        sample.num_steps,
+        sample.physical_to_logical,
+        s.num_logical,
+        s.ep_size,
+        sample.applied_version,
+        sample.last_swap_seconds,
+        s.num_nodes,
+        s.num_groups,
     )
 
 
@@ -79,14 +78,4 @@ def placement_proto(
         physical_to_logical=p2l.reshape(-1).tolist(),
         balancedness_before=before,
         balancedness_after=after,
-    )
-
-
-def placement_tensor(placement: pb.Placement) -> torch.Tensor:
-    """[num_moe_layers, num_physical_experts] int64."""
-    return _matrix(
-        placement.physical_to_logical,
-        placement.num_moe_layers,
-        placement.num_physical_experts,
-        "physical_to_logical",
     )

@@ -24,7 +24,7 @@ from eplb_svc.convert import placement_proto, sample_from_report
 from eplb_svc.metrics import EPLBMetrics
 
 if TYPE_CHECKING:
-    from eplb_svc.service import EPLBConfig
+    from eplb_svc.config import EPLBConfig
 
 log = logging.getLogger(__name__)
 

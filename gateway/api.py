@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from dsmesh.convert import sampling_from_proto
+import grpc
+
+from dsmesh.runtime.convert import sampling_from_proto
 from dsmesh.v1 import generation_pb2 as pb
 from engine.errors import InvalidRequestError
 from gateway.core import GatewayError, GenerationCore, invalid
@@ -14,7 +16,7 @@ def prepare(core: GenerationCore, request: pb.GenerateRequest):
     try:
         params = sampling_from_proto(request.sampling)
     except InvalidRequestError as exc:
-        raise invalid(exc.field, str(exc).split(": ", 1)[-1]) from exc
+        raise invalid(exc.field, exc.reason) from exc
     return core.prepare(request.request_id, request.text, list(request.input_ids), params)
 
 
@@ -44,7 +46,8 @@ async def abort(core: GenerationCore, request: pb.AbortRequest) -> pb.AbortRespo
 def aggregate(messages: list[pb.GenerateResponse]) -> pb.GenerateResponse:
     """One response holding every new token and all the text (REST, stream=false)."""
     if not messages:
-        raise GatewayError(13, "no response")  # pragma: no cover - generate always yields
+        # pragma: no cover - generate always yields
+        raise GatewayError(grpc.StatusCode.INTERNAL, "no response")
     out = pb.GenerateResponse(request_id=messages[-1].request_id)
     for m in messages:
         out.token_ids.extend(m.token_ids)

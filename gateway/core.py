@@ -19,14 +19,14 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from dsmesh import telemetry
-from dsmesh.convert import sampling_to_proto
-from dsmesh.pd_client import PDError, generate_pd, generate_unified
+from dsmesh.clients.pd import PDError, generate_pd, generate_unified
+from dsmesh.runtime import telemetry
+from dsmesh.runtime.convert import sampling_to_proto
 from dsmesh.v1 import generation_pb2, prefill_pb2
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError, check_prompt
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.tokenizer import Tokenizer
 from gateway.admission import (
     AdmissionError,
     AdmissionQueue,
@@ -37,8 +37,8 @@ from gateway.admission import (
 )
 from gateway.metrics import GatewayMetrics
 from gateway.registry import Instance, InstanceRegistry
-from gateway.routing import Target
-from gateway.stop_strings import StopStringMatcher
+from gateway.routing import Target, largest_request_tokens
+from gateway.stop_strings import OutputText
 
 log = logging.getLogger(__name__)
 
@@ -148,13 +148,27 @@ class GenerationCore:
                 ids, self.model_config.vocab_size, self.model_config.max_position_embeddings, field
             )
         except InvalidRequestError as exc:
-            raise invalid(exc.field, str(exc).split(": ", 1)[1]) from exc
+            raise invalid(exc.field, exc.reason) from exc
         try:
             params.validate()
-        except ValueError as exc:
-            name = str(exc).split(" ", 1)[0]
-            raise invalid(f"sampling.{name}", str(exc)) from exc
+        except InvalidRequestError as exc:
+            raise invalid(f"sampling.{exc.field}", exc.reason) from exc
         return GenerationInput(request_id, ids, params)
+
+    def room_to_generate(self, num_prompt_tokens: int) -> int:
+        """How many tokens a prompt of ``num_prompt_tokens`` may generate when the client sets
+        no limit (OpenAI's meaning of an omitted ``max_tokens``): the room left in the model's
+        context after the prompt, and no more than the largest KV pool that can serve holds
+        beside it (an instance refuses a request larger than its pool). At least 1: a prompt
+        with no room left fails its own check in ``prepare``."""
+        loads = self.registry.loads()
+        largest = largest_request_tokens(
+            list(loads.prefills), list(loads.decodes), list(loads.unifieds)
+        )
+        room = self.model_config.max_position_embeddings - num_prompt_tokens
+        if largest is not None:
+            room = min(room, largest - num_prompt_tokens)
+        return max(1, room)
 
     # ---- generation -------------------------------------------------------------------------
 
@@ -287,8 +301,7 @@ class GenerationCore:
         self, inp: GenerationInput, placed: Placement, start: float, state: dict, ctx: Context
     ) -> AsyncIterator[Delta]:
         m = self.metrics
-        detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
-        stops = StopStringMatcher(inp.params.stop)
+        output = OutputText(self.tokenizer, inp.params.stop)
         completion = 0
         last = start
         sampling: generation_pb2.SamplingParams = sampling_to_proto(inp.params)
@@ -339,19 +352,17 @@ class GenerationCore:
                     last = now
                     completion += len(tokens)
                     m.generated_tokens.inc(len(tokens))
-                text = stops.feed(detok.push(tokens))
-                if stops.stopped:
+                text = output.push(tokens)
+                if output.stopped:
                     state["outcome"] = "stop"
                     m.e2e.observe(time.monotonic() - start)
                     yield Delta(tokens, text, "stop", len(inp.prompt_ids), completion)
                     return
                 reason = msg.finish_reason or None
                 if reason is not None:
-                    text += stops.feed(detok.flush())
-                    if stops.stopped:
+                    text += output.finish()
+                    if output.stopped:
                         reason = "stop"
-                    else:
-                        text += stops.flush()
                     state["outcome"] = reason
                     m.e2e.observe(time.monotonic() - start)
                     yield Delta(tokens, text, reason, len(inp.prompt_ids), completion)

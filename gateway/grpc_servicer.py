@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from dsmesh import telemetry
+from dsmesh.runtime import telemetry
 from dsmesh.v1 import generation_pb2 as pb
 from dsmesh.v1 import generation_pb2_grpc
 from gateway import api

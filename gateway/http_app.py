@@ -8,8 +8,9 @@ import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from dsmesh.security import bearer_matches
-from dsmesh.telemetry import context_from_headers
+from dsmesh.runtime.drain import DRAINING_MESSAGE, Drain
+from dsmesh.runtime.security import bearer_matches
+from dsmesh.runtime.telemetry import context_from_headers
 from dsmesh.v1 import generation_pb2
 from gateway import api
 from gateway.core import GenerationCore
@@ -25,12 +26,16 @@ def build_app(
     model_name: str,
     max_body_bytes: int,
     api_keys: Sequence[str] = (),
+    drain: Drain | None = None,
 ) -> web.Application:
     """``api_keys`` non-empty: every route but /health and /metrics needs
-    ``Authorization: Bearer <key>`` (401 otherwise). A body over ``max_body_bytes`` is 413."""
+    ``Authorization: Bearer <key>`` (401 otherwise). A body over ``max_body_bytes`` is 413.
+    ``drain`` (shared with the gRPC port) counts requests in flight; once it drains, new
+    requests get 503 and /health answers 503 ``draining``."""
+    drain = drain if drain is not None else Drain()
     openai_routes = OpenAIRoutes(core, model_name).routes()
     openai_paths = frozenset(route.path for route in openai_routes)  # type: ignore[attr-defined]
-    middlewares = [body_limit(max_body_bytes, openai_paths)]
+    middlewares = [admit(drain, openai_paths), body_limit(max_body_bytes, openai_paths)]
     if api_keys:
         middlewares.insert(0, require_api_key(tuple(api_keys), openai_paths))  # before reading
     app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
@@ -51,6 +56,8 @@ def build_app(
 
     async def health(request: web.Request) -> web.Response:
         reg = core.registry
+        if drain.draining:
+            return web.json_response({"status": "draining"}, status=503)
         if reg.is_healthy():
             return web.json_response({"status": "ok"})
         from dsmesh.v1 import kv_broker_pb2 as kb
@@ -85,6 +92,28 @@ def require_api_key(keys: tuple[str, ...], openai_paths: Collection[str]):
             resp = error_response(grpc.StatusCode.UNAUTHENTICATED, message)
         resp.headers["WWW-Authenticate"] = "Bearer"
         return resp
+
+    return middleware
+
+
+def admit(drain: Drain, openai_paths: Collection[str]):
+    """Counts requests in flight for the drain; once draining, new ones get 503."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in OPEN_PATHS:
+            return await handler(request)
+        if drain.draining:
+            if request.path in openai_paths:
+                resp = OpenAIError(
+                    503, DRAINING_MESSAGE, code="service_unavailable", kind="server_error"
+                ).response()
+            else:
+                resp = error_response(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
+            resp.headers["Retry-After"] = "1"
+            return resp
+        with drain.track():
+            return await handler(request)
 
     return middleware
 

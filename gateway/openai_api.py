@@ -1,8 +1,11 @@
 """OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions.
 
-Follows the OpenAI API's request and response shapes (and its defaults: temperature 1,
-max_tokens 16), with dsmesh extensions ``top_k``, ``min_p``, ``ignore_eos``. Unsupported
-options (n > 1, echo, logprobs, penalties, suffix) are refused with 400 naming the parameter.
+Follows the OpenAI API's request and response shapes (and its defaults: temperature 1; with
+``max_tokens`` omitted, generation runs up to the room left in the context after the prompt),
+with dsmesh extensions ``top_k``, ``min_p``, ``ignore_eos``. Chat prompts are the checkpoint's
+chat template rendered over the messages as sent (tool calls and tool messages included).
+Unsupported options (n > 1, echo, logprobs, penalties, suffix) are refused with 400 naming the
+parameter.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from dsmesh.convert import MAX_STOP_STRINGS
-from dsmesh.telemetry import context_from_headers
+from dsmesh.runtime.convert import MAX_STOP_STRINGS
+from dsmesh.runtime.telemetry import context_from_headers
+from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from gateway.core import GatewayError, GenerationCore
 from gateway.rest import http_status, read_json, sse
@@ -112,8 +116,10 @@ def _number(body: dict[str, Any], name: str, default: float) -> float:
 
 
 def sampling_from_openai(
-    body: dict[str, Any], max_tokens_key: str = "max_tokens"
+    body: dict[str, Any], default_max_tokens: int, max_tokens_key: str = "max_tokens"
 ) -> SamplingParams:
+    """The request's sampling; ``default_max_tokens`` when it sets no ``max_tokens`` (chat:
+    ``max_completion_tokens``, else ``max_tokens``)."""
     for name, ok in (("n", 1), ("best_of", 1)):
         if _get(body, name, (int,), ok) != ok:
             raise _bad(name, "only 1 is supported")
@@ -130,7 +136,7 @@ def sampling_from_openai(
     if max_tokens is None and max_tokens_key != "max_tokens":
         max_tokens = body.get("max_tokens")
     if max_tokens is None:
-        max_tokens = 16
+        max_tokens = default_max_tokens
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
         raise _bad(max_tokens_key, "must be an integer")
     seed = _get(body, "seed", (int,), None)
@@ -146,10 +152,9 @@ def sampling_from_openai(
     )
     try:
         params.validate()
-    except ValueError as exc:
-        name = str(exc).split(" ", 1)[0]
-        name = max_tokens_key if name == "max_new_tokens" else name
-        raise _bad(name, str(exc)) from exc
+    except InvalidRequestError as exc:
+        name = max_tokens_key if exc.field == "max_new_tokens" else exc.field
+        raise _bad(name, exc.reason) from exc
     return params
 
 
@@ -198,10 +203,11 @@ class OpenAIRoutes:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await self._body(request)
-            params = sampling_from_openai(body)
-            prompt = body.get("prompt")
-            text, ids = _prompt(prompt)
-            inp = self.core.prepare("", text, ids, params)
+            text, ids = _prompt(body.get("prompt"))
+            if ids is None:
+                ids = self.core.tokenizer.encode(text)
+            params = sampling_from_openai(body, self.core.room_to_generate(len(ids)))
+            inp = self.core.prepare("", None, ids, params)
         except OpenAIError as exc:
             return exc.response()
         except GatewayError as exc:
@@ -237,14 +243,19 @@ class OpenAIRoutes:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await self._body(request)
-            params = sampling_from_openai(body, max_tokens_key="max_completion_tokens")
             messages = _messages(body.get("messages"))
+            tools = _tools(body.get("tools"))
             try:
                 ids = self.core.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True
+                    messages, add_generation_prompt=True, tokenize=True, tools=tools
                 )
             except Exception as exc:  # template errors are the request's fault
                 raise _bad("messages", f"cannot apply the chat template: {exc}") from exc
+            params = sampling_from_openai(
+                body,
+                self.core.room_to_generate(len(ids)),
+                max_tokens_key="max_completion_tokens",
+            )
             inp = self.core.prepare("", None, list(ids), params)
         except OpenAIError as exc:
             return exc.response()
@@ -364,6 +375,10 @@ def _prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
 
 
 def _messages(messages: Any) -> list[dict[str, Any]]:
+    """The conversation for the chat template: each message with every key the client sent
+    (``tool_calls``, ``tool_call_id``, ``name``, ...), its content parts joined into one
+    string, and a null content as "" (DeepSeek's template renders an assistant turn of tool
+    calls with empty content exactly as one with none)."""
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "must be a non-empty list")
     out = []
@@ -386,5 +401,19 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
             raise _bad(f"messages[{i}].content", "must be a string or a list of text parts")
         if content:
             _utf8(f"messages[{i}].content", content)
-        out.append({"role": m["role"], "content": content or ""})
+        tool_calls = m.get("tool_calls")
+        if tool_calls is not None and not (
+            isinstance(tool_calls, list) and all(isinstance(c, dict) for c in tool_calls)
+        ):
+            raise _bad(f"messages[{i}].tool_calls", "must be a list of objects")
+        out.append({**m, "content": content or ""})
     return out
+
+
+def _tools(tools: Any) -> list[dict[str, Any]] | None:
+    """The request's tool definitions, handed to the chat template as transformers does."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise _bad("tools", "must be a list of objects")
+    return tools

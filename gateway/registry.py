@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from dsmesh.grpc_server import channel
+from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc

@@ -127,6 +127,18 @@ def largest_pool_tokens(
     return max((x.total_pages * max(x.page_size, 1) for x in pools), default=0)
 
 
+def largest_request_tokens(
+    prefills: list[PrefillLoad], decodes: list[DecodeLoad], unifieds: list[DecodeLoad]
+) -> int | None:
+    """The most tokens (prompt + new) one request can take on some instance that can serve
+    (decodes count only beside a prefill): its whole pool. None when unknown: no such
+    instance, or one of unknown page size (which ``could_hold`` lets take any request)."""
+    pools = list(unifieds) + (list(decodes) if prefills else [])
+    if not pools or any(not x.page_size for x in pools):
+        return None
+    return max(x.total_pages * x.page_size for x in pools)
+
+
 def could_ever_fit(
     prefills: list[PrefillLoad],
     decodes: list[DecodeLoad],

@@ -11,10 +11,17 @@ from pathlib import Path
 
 from aiohttp import web
 
-from dsmesh import telemetry
-from dsmesh.grpc_server import set_channel_defaults, start_server
-from dsmesh.security import DEFAULT_MAX_MESSAGE_BYTES, ApiKeyInterceptor, TLSConfig
-from dsmesh.v1 import generation_pb2_grpc
+from dsmesh.runtime import telemetry
+from dsmesh.runtime.drain import Drain
+from dsmesh.runtime.grpc_server import method_paths, set_channel_defaults, start_server
+from dsmesh.runtime.lifecycle import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    STOP_GRACE_S,
+    check_drain_timeout,
+    serve_until_stopped,
+)
+from dsmesh.runtime.security import DEFAULT_MAX_MESSAGE_BYTES, ApiKeyInterceptor, TLSConfig
+from dsmesh.v1 import generation_pb2, generation_pb2_grpc
 from engine.config import load_config
 from engine.tokenizer import Tokenizer
 from gateway.core import CoreLimits, GenerationCore
@@ -24,7 +31,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.registry import InstanceRegistry
 
 log = logging.getLogger(__name__)
-SERVICE = "dsmesh.v1.Generation"
+_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
+SERVICE = _SERVICE.full_name
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,10 @@ class GatewayConfig:
     tls: TLSConfig = TLSConfig()  # the public gRPC port and every channel; off by default
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no key needed
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # requests in flight at SIGTERM finish
+
+    def __post_init__(self) -> None:
+        check_drain_timeout(self.drain_timeout_s)
 
 
 async def serve(
@@ -70,6 +82,7 @@ async def serve(
             max_queued=config.max_queued,
         ),
     )
+    drain = Drain(method_paths(_SERVICE, "Generate"))  # Abort concerns accepted work
     grpc_server = await start_server(
         lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(core), s),
         [SERVICE],
@@ -77,10 +90,13 @@ async def serve(
         config.grpc_port,
         tls=config.tls,
         max_message_bytes=config.max_message_bytes,
-        interceptors=[ApiKeyInterceptor(config.api_keys)] if config.api_keys else (),
+        interceptors=[
+            *([ApiKeyInterceptor(config.api_keys)] if config.api_keys else []),
+            drain.interceptor(),
+        ],
     )
     runner = web.AppRunner(
-        build_app(core, name, config.max_body_bytes, config.api_keys),
+        build_app(core, name, config.max_body_bytes, config.api_keys, drain),
         handler_cancellation=True,  # a client that disconnects cancels its request
         access_log=None,
     )
@@ -99,10 +115,11 @@ async def serve(
     if ready is not None:
         ready(grpc_server.port, http_port)
     try:
-        await stop.wait()
+        await serve_until_stopped(
+            "gateway", grpc_server, (SERVICE,), drain, stop, config.drain_timeout_s
+        )
     finally:
-        await grpc_server.set_serving(False, ("", SERVICE))
-        await grpc_server.server.stop(grace=5)
+        await grpc_server.server.stop(STOP_GRACE_S)  # when serving never started
         with contextlib.suppress(Exception):
             await runner.cleanup()
         await registry.close()

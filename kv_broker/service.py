@@ -6,14 +6,21 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dsmesh.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
-from dsmesh.service_loop import serve_until_stopped
-from dsmesh.telemetry import tracing
+from dsmesh.runtime.drain import Drain
+from dsmesh.runtime.grpc_server import method_paths
+from dsmesh.runtime.lifecycle import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    check_drain_timeout,
+    serve_control_plane,
+)
+from dsmesh.runtime.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
+from dsmesh.runtime.telemetry import tracing
 from dsmesh.v1 import kv_broker_pb2, kv_broker_pb2_grpc
 from kv_broker.metrics import BrokerMetrics
 from kv_broker.servicer import KVBrokerServicer
 
-SERVICE_NAME = kv_broker_pb2.DESCRIPTOR.services_by_name["KVBroker"].full_name
+_SERVICE = kv_broker_pb2.DESCRIPTOR.services_by_name["KVBroker"]
+SERVICE_NAME = _SERVICE.full_name
 DEFAULT_PORT = 50054  # the CLI's default; BrokerConfig's 0 picks any free port
 
 
@@ -26,7 +33,7 @@ class BrokerConfig:
     liveness_grace_s: float = 2.0  # time to re-attach before an instance counts as lost
     terminal_ttl_s: float = 60.0  # how long finished handoffs stay readable (Get, Await)
     metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0 = off
-    shutdown_grace_s: float = 5.0  # in-flight RPCs get this long after a stop
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # live handoffs get this long after a stop
     tls: TLSConfig = TLSConfig()  # TLS / mTLS on the server; off by default
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
@@ -41,10 +48,11 @@ class BrokerConfig:
             value = getattr(self, name)
             if value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
-        for name in ("liveness_grace_s", "shutdown_grace_s"):
+        for name in ("liveness_grace_s",):
             value = getattr(self, name)
             if value < 0:
                 raise ValueError(f"{name} must not be negative, got {value}")
+        check_drain_timeout(self.drain_timeout_s)
 
 
 async def serve(
@@ -54,15 +62,16 @@ async def serve(
 ) -> None:
     """Serve ``dsmesh.v1.KVBroker`` (plus health and reflection) until ``stop`` is set.
 
-    ``ready(port)`` is called once the server accepts calls, with the bound port. On stop:
-    health goes NOT_SERVING, Attach streams end with OK, in-flight calls get
-    ``config.shutdown_grace_s`` to finish. Traces go wherever the ``OTEL_*`` environment says
+    ``ready(port)`` is called once the server accepts calls, with the bound port. On stop
+    (dsmesh.runtime.lifecycle): health goes NOT_SERVING, new ``Reserve`` calls get
+    UNAVAILABLE, the live handoffs get ``config.drain_timeout_s`` to end; then Attach streams
+    end with OK and waiting calls are answered. Traces go wherever the ``OTEL_*`` environment says
     (service name ``kv-broker``); off by default.
     """
     metrics = BrokerMetrics()
     servicer = KVBrokerServicer(config, metrics)
     async with tracing("kv-broker"):  # before the server: it picks its interceptors
-        await serve_until_stopped(
+        await serve_control_plane(
             "kv-broker",
             SERVICE_NAME,
             lambda server: kv_broker_pb2_grpc.add_KVBrokerServicer_to_server(servicer, server),
@@ -70,5 +79,7 @@ async def serve(
             metrics.registry,
             config,
             stop,
+            Drain(method_paths(_SERVICE, "Reserve"), untracked=method_paths(_SERVICE, "Attach")),
             ready,
+            busy=servicer.live_handoffs,
         )

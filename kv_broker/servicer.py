@@ -22,13 +22,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 from opentelemetry import trace
 
-from dsmesh import telemetry
+from dsmesh.runtime import telemetry
 from dsmesh.v1 import kv_broker_pb2 as pb
 from dsmesh.v1 import kv_broker_pb2_grpc
 from kv_broker.metrics import BrokerMetrics
 from kv_broker.state import (
     ErrorCode,
     Handoff,
+    HandoffCause,
     HandoffError,
     HandoffState,
     HandoffTable,
@@ -113,6 +114,7 @@ def _status(h: Handoff) -> pb.HandoffStatus:
         prefill_instance_id=h.prefill_instance_id,
         bytes_written=h.bytes_written,
         prefill_released=h.prefill_released,
+        cause=int(h.cause),
     )
 
 
@@ -123,7 +125,15 @@ def _event(h: Handoff) -> pb.BrokerEvent:
         first_token_id=0 if h.first_token_id is None else h.first_token_id,
         message=h.message,
         prefill_released=h.prefill_released,
+        cause=int(h.cause),
     )
+
+
+def _cause(value: int) -> HandoffCause:
+    try:
+        return HandoffCause(value)
+    except ValueError:
+        raise _invalid(f"cause {value} is not a dsmesh.v1.HandoffCause") from None
 
 
 def _expected_s(expected_ms: int) -> float:
@@ -232,6 +242,10 @@ class KVBrokerServicer(kv_broker_pb2_grpc.KVBrokerServicer):
 
     def start(self) -> None:
         self._housekeeping = asyncio.get_running_loop().create_task(self._housekeep())
+
+    def live_handoffs(self) -> int:
+        """Handoffs not yet in a terminal state (what a drain waits for)."""
+        return self._table.active()
 
     async def close(self) -> None:
         """End every Attach stream cleanly, answer waiting calls now (Await with the current
@@ -498,7 +512,8 @@ class KVBrokerServicer(kv_broker_pb2_grpc.KVBrokerServicer):
     async def Fail(
         self, request: pb.FailRequest, context: grpc.aio.ServicerContext
     ) -> pb.HandoffStatus:
-        t = self._table.fail(request.request_id, request.reason, self._clock())
+        cause = _cause(request.cause)
+        t = self._table.fail(request.request_id, request.reason, self._clock(), cause)
         self._publish([t])
         return _status(t.handoff)
 

@@ -17,7 +17,9 @@ and a prefill that stops reporting is.
 No gRPC, no asyncio, no clock: every method that needs the time takes ``now`` (seconds,
 any monotonic origin). Mutating methods return a :class:`Transition` (or a list of them)
 saying what changed and whom to tell; refusals raise :class:`HandoffError` with an
-:class:`ErrorCode` that the servicer maps onto a gRPC status.
+:class:`ErrorCode` that the servicer maps onto a gRPC status. Every record that ends other than
+DONE carries a :class:`HandoffCause` beside its message, so the parties choose their status
+from the cause, never from the text.
 """
 
 from __future__ import annotations
@@ -45,6 +47,24 @@ class HandoffState(enum.IntEnum):
     @property
     def terminal(self) -> bool:
         return self >= HandoffState.DONE
+
+
+class HandoffCause(enum.IntEnum):
+    """Why a handoff ended other than DONE. Values equal the proto's ``dsmesh.v1.HandoffCause``
+    numbers; the table sets the first seven, a party's ``Fail`` names the others."""
+
+    UNSPECIFIED = 0  # live, DONE, or a Fail that named no cause
+    LAYOUT_MISMATCH = 1
+    PROMPT_MISMATCH = 2
+    TIMED_OUT = 3
+    CLIENT_ABORTED = 4
+    PREFILL_LOST = 5
+    DECODE_LOST = 6
+    PREFILL_UNREACHABLE = 7
+    PREFILL_FAILED = 8
+    TRANSFER_FAILED = 9
+    INVALID_REQUEST = 10
+    BROKER_UNREACHABLE = 11  # decode's own verdict when it loses the broker; never stored
 
 
 class ErrorCode(enum.Enum):
@@ -146,6 +166,7 @@ class Handoff:
     bytes_written: int = 0
     tokens_written: int = 0
     message: str = ""
+    cause: HandoffCause = HandoffCause.UNSPECIFIED  # set when it ends other than DONE
     terminal_at: float | None = None
     # Prefill can no longer write into decode's pages: it released or committed the
     # handoff, is gone, or no prefill ever resolved it and it is terminal.
@@ -329,7 +350,8 @@ class HandoffTable:
         if diffs:
             message = "KV layout mismatch: " + "; ".join(diffs)
             # Refused before prefill saw any page: it cannot write, so decode may reuse them.
-            t = self._finish(h, HandoffState.FAILED, message, now, released=True)
+            cause = HandoffCause.LAYOUT_MISMATCH
+            t = self._finish(h, HandoffState.FAILED, message, now, cause, released=True)
             raise HandoffError(ErrorCode.FAILED_PRECONDITION, message, [t])
         h.deadline = now  # the reservation's wait is over: the work's own time starts now
         _extend(h, now, expected_s)
@@ -378,16 +400,23 @@ class HandoffTable:
         h.first_token_id = first_token_id
         h.tokens_written = h.num_tokens
         h.bytes_written = max(h.bytes_written, bytes_written)
-        return self._finish(h, HandoffState.DONE, "", now, released=True)
+        return self._finish(h, HandoffState.DONE, "", now, HandoffCause.UNSPECIFIED, True)
 
     # -- either side, or the gateway -------------------------------------------------------
 
-    def fail(self, request_id: str, reason: str, now: float) -> Transition:
-        """Non-terminal -> FAILED; a terminal record is returned unchanged."""
+    def fail(
+        self,
+        request_id: str,
+        reason: str,
+        now: float,
+        cause: HandoffCause = HandoffCause.UNSPECIFIED,
+    ) -> Transition:
+        """Non-terminal -> FAILED for ``cause``; a terminal record is returned unchanged."""
         h = self._lookup(request_id)
         if h.state.terminal:
             return _unchanged(h)
-        return self._finish(h, HandoffState.FAILED, reason or "failed (no reason given)", now)
+        reason = reason or "failed (no reason given)"
+        return self._finish(h, HandoffState.FAILED, reason, now, cause)
 
     def abort(self, request_id: str, now: float) -> Transition:
         """Non-terminal -> ABORTED; terminal records are returned unchanged; an unknown
@@ -406,6 +435,7 @@ class HandoffTable:
                 timeout_s=0.0,
                 deadline=now,
                 message="request was aborted",
+                cause=HandoffCause.CLIENT_ABORTED,
                 terminal_at=now,
                 prefill_released=True,
             )
@@ -413,7 +443,8 @@ class HandoffTable:
             return Transition(h.snapshot(), None)
         if h.state.terminal:
             return _unchanged(h)
-        return self._finish(h, HandoffState.ABORTED, "request was aborted", now)
+        message = "request was aborted"
+        return self._finish(h, HandoffState.ABORTED, message, now, HandoffCause.CLIENT_ABORTED)
 
     def release(self, request_id: str) -> Transition:
         """Prefill has no write into this handoff's pages queued or in flight any more, and
@@ -434,12 +465,14 @@ class HandoffTable:
             if h.prefill_instance_id == instance_id:
                 if not h.state.terminal:
                     message = f"prefill instance {instance_id} is gone"
-                    out.append(self._finish(h, HandoffState.FAILED, message, now, released=True))
+                    cause = HandoffCause.PREFILL_LOST
+                    out.append(self._finish(h, HandoffState.FAILED, message, now, cause, True))
                 elif not h.prefill_released:
                     out.append(self._move(h, h.state, released=True))
             elif h.decode_instance_id == instance_id and not h.state.terminal:
                 message = f"decode instance {instance_id} is gone"
-                out.append(self._finish(h, HandoffState.FAILED, message, now))
+                cause = HandoffCause.DECODE_LOST
+                out.append(self._finish(h, HandoffState.FAILED, message, now, cause))
         return out
 
     def expire(self, now: float) -> list[Transition]:
@@ -450,7 +483,8 @@ class HandoffTable:
                 message = f"handoff timed out after {h.allowed_s:g} s in {h.state.name}"
                 if h.expected_s > 0:
                     message += f" (prefill expected to commit within {h.expected_s:g} s)"
-                out.append(self._finish(h, HandoffState.TIMED_OUT, message, now))
+                cause = HandoffCause.TIMED_OUT
+                out.append(self._finish(h, HandoffState.TIMED_OUT, message, now, cause))
         return out
 
     def gc(self, now: float, ttl_s: float = DEFAULT_TERMINAL_TTL_S) -> list[str]:
@@ -482,9 +516,16 @@ class HandoffTable:
         return Transition(h.snapshot(), old_state, old_released)
 
     def _finish(
-        self, h: Handoff, state: HandoffState, message: str, now: float, released: bool = False
+        self,
+        h: Handoff,
+        state: HandoffState,
+        message: str,
+        now: float,
+        cause: HandoffCause,
+        released: bool = False,
     ) -> Transition:
         h.message = message
+        h.cause = cause
         h.terminal_at = now
         return self._move(h, state, released)
 

@@ -8,22 +8,23 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dsmesh.broker_link import BrokerLink
-from dsmesh.ep_group import RankSpec
-from dsmesh.grpc_server import set_channel_defaults, start_server
-from dsmesh.instance import TransferConfig, build_instance, new_instance_id, serve_attached
-from dsmesh.kv_layout import layout_of
-from dsmesh.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
-from dsmesh.service_metrics import InstanceMetrics
-from dsmesh.telemetry import tracing
+from dsmesh.clients.broker import BrokerLink
+from dsmesh.instance.attach import TransferConfig, build_instance, new_instance_id, serve_attached
+from dsmesh.instance.ep_group import RankSpec
+from dsmesh.instance.metrics import start_metrics
+from dsmesh.runtime.grpc_server import channel, set_channel_defaults
+from dsmesh.runtime.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
+from dsmesh.runtime.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
+from dsmesh.runtime.telemetry import tracing
 from dsmesh.v1 import kv_broker_pb2 as kb
-from dsmesh.v1 import prefill_pb2_grpc
+from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
+from dsmesh.v1 import prefill_pb2, prefill_pb2_grpc
 from engine.llm_engine import EngineConfig
 from prefill_svc.servicer import PrefillLimits, PrefillServicer
-from prefill_svc.transfer_queue import TransferQueue
 
 log = logging.getLogger(__name__)
-SERVICE = "dsmesh.v1.Prefill"
+_SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"]
+SERVICE = _SERVICE.full_name
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class PrefillConfig:
     max_transfer_backlog_s: float = 1.0
     tls: TLSConfig = TLSConfig()  # every gRPC server and channel of the process; off by default
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # requests in flight at SIGTERM finish
     ep_rank: RankSpec | None = None  # set on each rank of an expert-parallel group
 
 
@@ -58,59 +60,44 @@ async def _serve(
     # no decode graphs to capture, no memory or start-up time spent on them.
     engine = dataclasses.replace(config.engine, cuda_graphs=False)
     parts = await build_instance(engine, config.transfer, config.ep_rank)
-    instance_id = config.instance_id or new_instance_id("prefill")
-    instance = kb.Instance(
-        instance_id=instance_id, role=kb.ROLE_PREFILL, transfer_session=parts.pool.session
-    )
-    broker = BrokerLink(config.broker_address, instance)
+    instance = parts.member(config.instance_id or new_instance_id("prefill"), kb.ROLE_PREFILL)
+    metrics = start_metrics(parts.engine, "prefill", config.metrics_port, config.host)
+    broker_channel = channel(config.broker_address)
     servicer = PrefillServicer(
         parts.worker,
-        broker,
-        layout=layout_of(parts.engine, parts.transport.signature),
-        transfers=None,
-        limits=PrefillLimits(
-            instance_id,
+        kb_grpc.KVBrokerStub(broker_channel),
+        parts.layout(),
+        parts.transport,
+        PrefillLimits(
+            instance.instance_id,
             resolve_wait_s=config.resolve_wait_s,
             max_queued_tokens=config.max_queued_tokens,
             max_transfer_backlog_s=config.max_transfer_backlog_s,
         ),
+        metrics,
     )
-    broker.on_event = servicer.on_broker_event
-    transfers = TransferQueue(parts.transport, parts.engine.kv_pool, servicer.callbacks())
-    servicer.transfers = transfers
-    servicer.loop = asyncio.get_running_loop()
-    transfers.start()
-    server = await start_server(
-        lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, s),
-        [SERVICE],
-        config.host,
-        config.port,
-        tls=config.tls,
-        max_message_bytes=config.max_message_bytes,
+    broker = BrokerLink(
+        config.broker_address,
+        instance,
+        on_event=servicer.on_broker_event,
+        on_lost=[servicer.on_broker_lost],
+        channel=broker_channel,
     )
-    instance.grpc_address = f"{config.host}:{server.port}"
-    if config.metrics_port:
-        metrics = InstanceMetrics(
-            parts.engine, "prefill", lambda: len(parts.engine.scheduler.waiting)
-        )
-        servicer.metrics = metrics
-        transfers.metrics = metrics
-        port = metrics.serve(config.metrics_port, config.host)
-        log.info("prefill metrics on http://%s:%d/metrics", config.host, port)
     try:
         await serve_attached(
             "prefill",
-            SERVICE,
-            server,
+            _SERVICE,
+            lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, s),
+            config,
+            instance,
             broker,
-            instance_id,
-            config.host,
             stop,
             ready,
-            servicer.drain,
+            refused=("Prefill", "GetLoad"),
+            background=servicer.drain,
         )
     finally:
         parts.worker.stop()
         await parts.close_eplb()
-        transfers.stop()
+        servicer.close()
         parts.transport.close()

@@ -1,5 +1,10 @@
 """dsmesh.v1.Prefill: run the prompt in chunks, write each chunk's KV into decode's pages,
-commit the first token through kv_broker."""
+commit the first token through kv_broker.
+
+The handoff's rules live in prefill_svc/handoff.py as plain Python; this servicer converts
+protos, calls kv_broker, the engine worker and the transfer lanes, and carries out what the
+handoff decides.
+"""
 
 from __future__ import annotations
 
@@ -8,35 +13,40 @@ import contextlib
 import contextvars
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import torch
 from opentelemetry.context import Context
 
-from dsmesh import telemetry
-from dsmesh.background import BackgroundTasks
-from dsmesh.broker_link import BrokerLink
-from dsmesh.convert import require_request_id, sampling_from_proto
-from dsmesh.engine_worker import EngineWorker
-from dsmesh.transfer import RemotePool
+from dsmesh.instance.failures import CallFailed
+from dsmesh.instance.metrics import InstanceMetrics
+from dsmesh.instance.rpc import parse_request, unary
+from dsmesh.instance.worker import EngineWorker
+from dsmesh.runtime import telemetry
+from dsmesh.runtime.background import BackgroundTasks
+from dsmesh.runtime.transfer import KVTransport, RemotePool
 from dsmesh.v1 import generation_pb2, prefill_pb2, prefill_pb2_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
+from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
 from engine.errors import InvalidRequestError
 from engine.kv_cache import pages_for
 from engine.llm_engine import LLMEngine, StepOutput
+from engine.sampling_params import SamplingParams
 from prefill_svc.estimate import Backlog, StepRate
+from prefill_svc.handoff import (
+    Free,
+    Notice,
+    PrefillHandoff,
+    Stop,
+    check_admission,
+    commit_failed,
+    may_be_duplicate,
+    resolve_failed,
+)
 from prefill_svc.transfer_queue import ChunkJob, FinalJob, TransferCallbacks, TransferQueue
 
 log = logging.getLogger(__name__)
-
-_TERMINAL = (kb.HANDOFF_FAILED, kb.HANDOFF_ABORTED, kb.HANDOFF_TIMED_OUT)
-
-
-class PrefillFailed(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(frozen=True)
@@ -51,22 +61,27 @@ class PrefillLimits:
 
 @dataclass
 class _Job:
-    request_id: str
-    prompt_len: int
-    done: asyncio.Future[tuple[int, int]]
-    remote: RemotePool | None = None
-    remote_pages: list[int] = field(default_factory=list)
-    next_page: int = 0  # first request page not yet (fully) sent
-    aborted: bool = False
-    cached_tokens: int = 0
+    handoff: PrefillHandoff
+    done: asyncio.Future[tuple[int, int]]  # first token and KV bytes, once every write landed
     trace_context: Context | None = None  # the Prefill RPC's, for spans made on other threads
-    last_forward_ns: int = 0  # monotonic end of the forward that sampled the first token
+    remote: RemotePool | None = None  # decode's pool, once resolved
+    cached_tokens: int = 0
     write_s: float = 0.0  # time the transfer lane spent writing this request's KV
     # Engine thread only: when the request was queued, the end of its last traced interval
     # (submit, then each chunk), and whether its prefill.queue span is still due.
     submit_ns: int = 0
     mark_ns: int = 0
     queued: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.handoff.request_id
+
+    def fail(self, error: CallFailed) -> None:
+        """The call, if it still waits for its writes, fails with ``error``."""
+        if not self.done.done():
+            self.done.set_exception(error)
+            self.done.exception()  # retrieved: the Prefill call may be gone already
 
 
 class _StepClock:
@@ -94,23 +109,29 @@ class _StepClock:
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    """Construct inside the running event loop: the transfer lanes it starts (one per decode
+    peer, writing through ``transport``) call back onto that loop. ``broker`` is a stub on
+    the kv_broker link's channel; the link delivers :meth:`on_broker_event` and
+    :meth:`on_broker_lost`."""
+
     def __init__(
         self,
         worker: EngineWorker,
-        broker: BrokerLink,
+        broker: kb_grpc.KVBrokerStub,
         layout: kb.KVLayout,
-        transfers: TransferQueue | None,
+        transport: KVTransport,
         limits: PrefillLimits,
+        metrics: InstanceMetrics | None = None,
     ) -> None:
         self.worker = worker
         self.broker = broker
         self.layout = layout
         self.limits = limits
+        self.metrics = metrics
         self.page_size = worker.engine.config.page_size
         self.jobs: dict[str, _Job] = {}
-        self.metrics = None  # dsmesh.service_metrics.InstanceMetrics, when served
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.transfers = transfers
+        self.loop = asyncio.get_running_loop()
+        self.transfers = TransferQueue(transport, worker.engine.kv_pool, self._callbacks(), metrics)
         self._background = BackgroundTasks()
         self._steps = _StepClock(worker)
         self._token_rate = StepRate()  # prompt tokens per second of the forwards
@@ -118,54 +139,45 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         # Engine thread: one CUDA event per step, recorded after its forward (GPU pools)
         self._fence: tuple[int, torch.cuda.Event] | None = None
         self._on_gpu = worker.engine.kv_pool.buffer.is_cuda
-        broker.on_lost.append(self.on_broker_lost)
 
-    def callbacks(self) -> TransferCallbacks:
+    def _callbacks(self) -> TransferCallbacks:
         """Transfer-thread callbacks, bounced onto the event loop in the job's (trace)
         context, so the RPCs they start belong to the request's trace."""
 
         def hop(fn, *args) -> None:
-            assert self.loop is not None
             self.loop.call_soon_threadsafe(fn, *args, context=contextvars.copy_context())
 
         return TransferCallbacks(
             on_chunk=lambda rid, tokens, nbytes: hop(self._on_chunk, rid, tokens, nbytes),
             on_final=lambda rid, tok, nbytes, secs: hop(self._on_final, rid, tok, nbytes, secs),
-            on_error=lambda rid, msg: hop(self._on_transfer_error, rid, msg),
+            on_error=lambda rid, cause, msg: hop(self._on_failed, rid, cause, msg),
             on_release=lambda rid: hop(self._on_release, rid),
         )
 
+    async def drain(self) -> None:
+        await self._background.drain()
+
+    def close(self) -> None:
+        """After the engine thread stopped: stop the transfer lanes."""
+        self.transfers.stop()
+
     # ---- Prefill --------------------------------------------------------------------------
 
+    @unary
     async def Prefill(  # noqa: N802 - gRPC method name
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.PrefillResponse:
-        rid = request.request_id
-        try:
-            require_request_id(rid)
-            params = sampling_from_proto(request.sampling)
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if rid in self.jobs:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already active")
-        self.loop = asyncio.get_running_loop()
+        rid, params = parse_request(request)
         prompt = list(request.input_ids)
-        queued = sum(j.prompt_len for j in self.jobs.values())
-        if queued + len(prompt) > self.limits.max_queued_tokens and self.jobs:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"prefill is full: {queued} prompt tokens queued "
-                f"(limit {self.limits.max_queued_tokens}); retry later",
-            )
-        job = _Job(
-            rid, len(prompt), self.loop.create_future(), trace_context=telemetry.current_context()
-        )
+        queued = {r: job.handoff.prompt_len for r, job in self.jobs.items()}
+        check_admission(rid, len(prompt), queued, self.limits.max_queued_tokens)
+        handoff = PrefillHandoff(rid, len(prompt), self.page_size)
+        job = _Job(handoff, self.loop.create_future(), telemetry.current_context())
         self.jobs[rid] = job
         try:
             await self._resolve(job)
-            await self._transfer_room()
-            cached_pages = await self.worker.call(lambda e: self._submit(e, job, prompt, params))
-            job.cached_tokens = cached_pages * self.page_size
+            await self._transfer_room(job)
+            await self._submit(job, prompt, params)
             first_token, nbytes = await job.done
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(len(prompt))
@@ -185,19 +197,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 kv_write_us=int(job.write_s * 1e6),
                 handoff_us=int(handoff_s * 1e6),
             )
-        except InvalidRequestError as exc:
-            await self._fail(job, str(exc))
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except PrefillFailed as exc:
-            await context.abort(exc.code, str(exc))
         except asyncio.CancelledError:
             # The client went away: the request is aborted (decode answers CANCELLED), not failed.
-            self._spawn(self._fail(job, "prefill call cancelled by its client", abort=True))
+            self._spawn_stop(job, handoff.client_gone("prefill call cancelled by its client"))
             raise
         finally:
             self.jobs.pop(rid, None)
 
     async def _resolve(self, job: _Job) -> None:
+        """Decode's pages for the prompt, through kv_broker (waiting for the reservation)."""
         req = kb.ResolveRequest(
             request_id=job.request_id,
             prefill_instance_id=self.limits.instance_id,
@@ -206,27 +214,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             expected_ms=self._expected_ms(job),
         )
         try:
-            res = await self.broker.stub.Resolve(
+            res = await self.broker.Resolve(
                 req, timeout=self.limits.resolve_wait_s + self.limits.broker_rpc_timeout_s
             )
         except grpc.aio.AioRpcError as exc:
-            code = exc.code()
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                code = grpc.StatusCode.UNAVAILABLE
-            elif code == grpc.StatusCode.FAILED_PRECONDITION and await self._resolved_before(job):
-                code = grpc.StatusCode.ALREADY_EXISTS  # a duplicate of a prefilled request
-            raise PrefillFailed(code, f"cannot resolve the KV handoff: {exc.details()}") from exc
-        needed = pages_for(job.prompt_len, self.page_size)
-        if res.num_tokens != job.prompt_len or len(res.page_ids) < needed:
-            message = (
-                f"decode reserved {len(res.page_ids)} pages for {res.num_tokens} tokens; "
-                f"this prompt has {job.prompt_len} tokens"
-            )
-            await self._broker_call(
-                "Fail", kb.FailRequest(request_id=job.request_id, reason=message)
-            )
-            await self._release(job.request_id)  # nothing was written
-            raise PrefillFailed(grpc.StatusCode.FAILED_PRECONDITION, message)
+            code = exc.code().name
+            taken = may_be_duplicate(code) and await self._resolved_before(job.request_id)
+            raise resolve_failed(code, exc.details() or "", taken) from exc
+        stop = job.handoff.resolved(res.num_tokens, list(res.page_ids))
+        if stop is not None:
+            await self._stop(job, stop)
+            raise stop.error
         job.remote = RemotePool(
             session=res.pool.transfer_session,
             base_ptr=res.pool.base_ptr,
@@ -234,41 +232,48 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             page_bytes=res.pool.page_bytes,
             num_layers=self.layout.num_layers,
         )
-        job.remote_pages = list(res.page_ids[:needed])
+
+    async def _resolved_before(self, rid: str) -> bool:
+        """Whether a prefill took the handoff already (TRANSFERRING or DONE): the request id
+        is then a duplicate, and the request must not run again."""
+        status = await self._broker_call("Get", kb.HandoffRequest(request_id=rid))
+        return status is not None and status.state in (kb.HANDOFF_TRANSFERRING, kb.HANDOFF_DONE)
 
     def _expected_ms(self, job: _Job) -> int:
         """Time until ``job`` commits, at the measured rates: every prompt token admitted
         here (``job``'s included) still to compute, and every KV byte queued plus its own
         still to write (an over-estimate: kv_broker's deadline keeps ahead of it)."""
-        queued = sum(j.prompt_len for j in self.jobs.values())
-        pending = own = 0
-        rate = 0.0
-        if self.transfers is not None:
-            pool = self.transfers.pool
-            own = pages_for(job.prompt_len, self.page_size) * pool.page_bytes * pool.num_layers
-            pending, rate = self.transfers.pending_bytes, self.transfers.write_rate.rate
+        queued = sum(j.handoff.prompt_len for j in self.jobs.values())
+        pool = self.transfers.pool
+        own = pages_for(job.handoff.prompt_len, self.page_size) * pool.page_bytes * pool.num_layers
+        pending, rate = self.transfers.pending_bytes, self.transfers.write_rate.rate
         backlog = Backlog(queued, self._token_rate.rate, pending + own, rate)
         return int(backlog.seconds() * 1000)
 
-    async def _transfer_room(self) -> None:
+    async def _transfer_room(self, job: _Job) -> None:
         """Hold a new prompt while the transfer lanes are more than
         ``max_transfer_backlog_s`` behind: prefill computes no more KV than they drain."""
         limit = self.limits.max_transfer_backlog_s
-        while self.transfers is not None and self.transfers.backlog_s() > limit:
+        while not job.handoff.stopped and self.transfers.backlog_s() > limit:
             self._drained.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._drained.wait(), 0.1)
 
-    async def _resolved_before(self, job: _Job) -> bool:
-        """Whether the handoff was already taken by a prefill (TRANSFERRING or DONE): the
-        request id is then a duplicate, and the request must not run again."""
-        status = await self._broker_call("Get", kb.HandoffRequest(request_id=job.request_id))
-        return status is not None and status.state in (kb.HANDOFF_TRANSFERRING, kb.HANDOFF_DONE)
+    async def _submit(self, job: _Job, prompt: list[int], params: SamplingParams) -> None:
+        job.handoff.submit()  # a request stopped meanwhile fails here, before the engine
+        try:
+            cached_pages = await self.worker.call(lambda e: self._start(e, job, prompt, params))
+        except InvalidRequestError as exc:
+            await self._stop(job, job.handoff.fail(kb.CAUSE_INVALID_REQUEST, str(exc)))
+            raise
+        job.cached_tokens = cached_pages * self.page_size
 
-    def _submit(self, engine: LLMEngine, job: _Job, prompt: list[int], params) -> int:
-        """On the engine thread: queue the prompt and route its outputs to the transfers."""
-        if self.transfers is not None:
-            self.transfers.begin(job.request_id)
+    def _start(
+        self, engine: LLMEngine, job: _Job, prompt: list[int], params: SamplingParams
+    ) -> int:
+        """Engine thread: queue the prompt and route its outputs to the transfer lanes;
+        returns its pages found in the prefix cache."""
+        self.transfers.begin(job.request_id)
         engine.add_request(prompt, params, request_id=job.request_id, prefill_only=True)
         job.submit_ns = job.mark_ns = time.time_ns()
         job.queued = True
@@ -277,13 +282,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     def _on_output(self, engine: LLMEngine, job: _Job, out: StepOutput) -> None:
         """Engine thread: a chunk's KV is in our pages; queue its write to decode."""
+        handoff = job.handoff
         req = engine.requests.get(job.request_id)
-        if req is None or job.aborted or self.transfers is None:
+        if req is None or handoff.stopped:
             return
         if out.finished and out.finish_reason != "prefilled":
-            assert self.loop is not None
+            reason = f"prefill failed: {out.finish_reason}"
             self.loop.call_soon_threadsafe(
-                self._on_transfer_error, job.request_id, f"prefill failed: {out.finish_reason}"
+                self._on_failed, job.request_id, kb.CAUSE_PREFILL_FAILED, reason
             )
             return
         if telemetry.enabled():
@@ -291,25 +297,25 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         start, end = out.computed
         self._token_rate.add(self.worker.num_steps, end - start, time.monotonic())
         if out.finished:
-            job.last_forward_ns = time.monotonic_ns()
-        last_page = pages_for(end, self.page_size)
-        if last_page > job.next_page:
+            handoff.prefilled(time.monotonic())
+        pages = handoff.pages_to_send(end)
+        if pages:
             assert job.remote is not None
-            idx = range(job.next_page, last_page)
             self.transfers.put(
                 ChunkJob(
                     job.request_id,
-                    [req.pages[i] for i in idx],
-                    [job.remote_pages[i] for i in idx],
+                    [req.pages[i] for i in pages],
+                    [handoff.remote_pages[i] for i in pages],
                     job.remote,
                     end,
                     job.trace_context,
                     self._step_fence(),
                 )
             )
-            job.next_page = end // self.page_size  # a partial last page is re-sent later
         if out.finished:
             self.transfers.put(FinalJob(job.request_id, out.new_token_ids[0], job.trace_context))
+
+    # ---- engine thread: fences and traces --------------------------------------------------
 
     def _step_fence(self) -> torch.cuda.Event | None:
         """Engine thread: an event recorded after the current step's forward (one per step,
@@ -375,157 +381,123 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             request_id=job.request_id, first_token_id=first_token, bytes_written=nbytes
         )
         try:
-            await self.broker.stub.Commit(req, timeout=self.limits.broker_rpc_timeout_s)
-            handoff_s = max(0, time.monotonic_ns() - job.last_forward_ns) / 1e9
+            await self.broker.Commit(req, timeout=self.limits.broker_rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
-            await self._fail(job, f"commit refused: {exc.details()}", tell_broker=False)
-            raise PrefillFailed(
-                grpc.StatusCode.ABORTED
-                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION
-                else grpc.StatusCode.UNAVAILABLE,
-                f"KV handoff could not be committed: {exc.details()}",
-            ) from exc
+            failure = commit_failed(exc.code().name, exc.details() or "")
+            await self._stop(job, job.handoff.commit_refused(failure))
+            raise failure from exc
+        handoff_s = job.handoff.committed(time.monotonic())
         # Everything was written (the final job ran after every chunk): pages may be reused.
         await self.worker.call(lambda e: e.release(job.request_id))
         return handoff_s
 
-    # ---- failure paths --------------------------------------------------------------------
+    # ---- stops ----------------------------------------------------------------------------
 
-    async def _fail(
-        self, job: _Job, reason: str, tell_broker: bool = True, abort: bool = False
-    ) -> None:
-        """Stop the request here: drop queued writes, free pages once nothing is in flight.
-        The broker is told the handoff FAILED, or ABORTED when ``abort`` (client gone)."""
-        if job.aborted:
+    async def _stop(self, job: _Job, stop: Stop | None) -> None:
+        """Carry out ``stop``: tell kv_broker, abort the prompt in the engine, give decode's
+        pages back, and fail the call if it still waits for its writes."""
+        if stop is None:
             return
-        job.aborted = True
-        if tell_broker and abort:
-            await self._broker_call("Abort", kb.HandoffRequest(request_id=job.request_id))
-        elif tell_broker:
-            await self._broker_call(
-                "Fail", kb.FailRequest(request_id=job.request_id, reason=reason)
-            )
-        await self.worker.call(lambda e: self._abort_on_engine(e, job))
-        if self.transfers is not None and job.remote is not None:
-            self.transfers.abort(job.request_id, job.trace_context)  # -> _on_release -> Release
-        elif job.remote is not None:
-            self._spawn(self._release(job.request_id))
-        if not job.done.done():
-            job.done.set_exception(PrefillFailed(grpc.StatusCode.ABORTED, reason))
-            job.done.exception()  # retrieved: the Prefill call may be gone already
+        rid = job.request_id
+        if stop.notice is Notice.FAIL:
+            fail = kb.FailRequest(request_id=rid, reason=stop.reason, cause=stop.cause)
+            await self._broker_call("Fail", fail)
+        elif stop.notice is Notice.ABORT:
+            await self._broker_call("Abort", kb.HandoffRequest(request_id=rid))
+        if stop.in_engine:
+            await self.worker.call(lambda e: self._abort_on_engine(e, job))
+        if stop.free is Free.LANES:
+            self.transfers.abort(rid, job.trace_context)  # -> _on_release -> Release
+        elif stop.free is Free.RELEASE:
+            await self._release(rid)
+        job.fail(stop.error)
+
+    def _spawn_stop(self, job: _Job, stop: Stop | None) -> None:
+        if stop is not None:
+            self._background.spawn(self._stop(job, stop))
 
     def on_broker_event(self, event: kb.BrokerEvent) -> None:
         """Event loop: decode aborted, the handoff timed out or failed elsewhere."""
         job = self.jobs.get(event.request_id)
-        if job is None or event.state not in _TERMINAL or job.aborted:
-            return
-        state = kb.HandoffState.Name(event.state)
-        reason = f"KV handoff {state}: {event.message}".strip(": ")
-        job.aborted = True
-        self._spawn(self._stop_after_broker_end(job, reason, event.state))
+        if job is not None:
+            stop = job.handoff.broker_ended(event.state, event.cause, event.message)
+            self._spawn_stop(job, stop)
 
     def on_broker_lost(self, why: str) -> None:
-        """Event loop: the kv_broker stream dropped. Its handoff records may be gone (a
-        restarted broker starts empty) and decode stops waiting when its own calls fail, so
-        no live handoff can be committed: stop writing into decode's pages now rather than
-        at the commit. Requests still resolving fail through their Resolve call."""
+        """Event loop: the kv_broker stream dropped; no handoff being written can commit."""
         for job in list(self.jobs.values()):
-            if job.remote is None or job.aborted or job.done.done():
-                continue
-            job.aborted = True
-            reason = f"{why}; the KV handoff cannot complete"
-            self._spawn(self._stop_after_broker_end(job, reason, kb.HANDOFF_FAILED))
+            self._spawn_stop(job, job.handoff.broker_lost(why))
 
-    async def _stop_after_broker_end(self, job: _Job, reason: str, state: int) -> None:
-        await self.worker.call(lambda e: self._abort_on_engine(e, job))
-        if self.transfers is not None and job.remote is not None:
-            self.transfers.abort(job.request_id, job.trace_context)
-        if not job.done.done():
-            code = {
-                kb.HANDOFF_ABORTED: grpc.StatusCode.CANCELLED,
-                kb.HANDOFF_TIMED_OUT: grpc.StatusCode.DEADLINE_EXCEEDED,
-            }.get(state, grpc.StatusCode.UNAVAILABLE)
-            job.done.set_exception(PrefillFailed(code, reason))
-            job.done.exception()  # retrieved: the Prefill call may be gone already
+    # ---- transfer lanes' callbacks, on the event loop -------------------------------------
 
     def _on_chunk(self, rid: str, tokens: int, nbytes: int) -> None:
         self._drained.set()
         job = self.jobs.get(rid)
-        if job is not None and not job.aborted:
-            self._spawn(self._progress(rid, tokens, nbytes, self._expected_ms(job)))
+        if job is not None and not job.handoff.stopped:
+            self._background.spawn(self._progress(job, tokens, nbytes, self._expected_ms(job)))
 
-    async def _progress(self, rid: str, tokens: int, nbytes: int, expected_ms: int) -> None:
+    async def _progress(self, job: _Job, tokens: int, nbytes: int, expected_ms: int) -> None:
         req = kb.ProgressRequest(
-            request_id=rid, tokens_written=tokens, bytes_written=nbytes, expected_ms=expected_ms
+            request_id=job.request_id,
+            tokens_written=tokens,
+            bytes_written=nbytes,
+            expected_ms=expected_ms,
         )
         status = await self._broker_call("Progress", req)
-        if status is not None and status.state in _TERMINAL:
-            event = kb.BrokerEvent(request_id=rid, state=status.state, message=status.message)
-            self.on_broker_event(event)
+        if status is not None:  # the handoff may have ended: then stop writing
+            self._spawn_stop(
+                job, job.handoff.broker_ended(status.state, status.cause, status.message)
+            )
 
     def _on_final(self, rid: str, first_token: int, nbytes: int, write_s: float) -> None:
         self._drained.set()
         job = self.jobs.get(rid)
-        if job is not None and not job.done.done():
+        if job is not None and job.handoff.written():
             job.write_s = write_s
             job.done.set_result((first_token, nbytes))
 
-    def _on_transfer_error(self, rid: str, message: str) -> None:
+    def _on_failed(self, rid: str, cause: int, message: str) -> None:
         job = self.jobs.get(rid)
         if job is not None:
-            self._spawn(self._fail(job, message))
+            self._spawn_stop(job, job.handoff.fail(cause, message))
 
     def _on_release(self, rid: str) -> None:
-        self._spawn(self._release(rid))
+        self._background.spawn(self._release(rid))
 
     async def _release(self, rid: str) -> None:
         await self._broker_call("Release", kb.HandoffRequest(request_id=rid))
 
     async def _broker_call(self, method: str, request):
         try:
-            return await getattr(self.broker.stub, method)(
+            return await getattr(self.broker, method)(
                 request, timeout=self.limits.broker_rpc_timeout_s
             )
         except grpc.aio.AioRpcError as exc:
             log.info("kv_broker %s(%s) failed: %s", method, request.request_id, exc.details())
             return None
 
-    def _spawn(self, coro) -> None:
-        self._background.spawn(coro)
-
-    async def drain(self) -> None:
-        await self._background.drain()
-
     # ---- Abort / GetLoad ------------------------------------------------------------------
 
+    @unary
     async def Abort(  # noqa: N802
         self, request: generation_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.AbortResponse:
         job = self.jobs.get(request.request_id)
         if job is None:
             return generation_pb2.AbortResponse(aborted=False)
-        await self._fail(job, "aborted by the client", abort=True)
+        await self._stop(job, job.handoff.client_gone("aborted by the client"))
         return generation_pb2.AbortResponse(aborted=True)
 
+    @unary
     async def GetLoad(  # noqa: N802
         self, request: prefill_pb2.LoadRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.PrefillLoad:
-        def load(e: LLMEngine) -> tuple[int, int, int, int]:
-            waiting = sum(r.num_pending for r in e.scheduler.running if r.is_prefilling)
-            waiting += sum(len(r.prompt_ids) for r in e.scheduler.waiting)
-            return (
-                waiting,
-                len(e.scheduler.running) + len(e.scheduler.waiting),
-                e.scheduler.num_pages_available,
-                e.kv_pool.num_pages,
-            )
-
-        waiting, running, free, total = await self.worker.call(load)
+        load = await self.worker.call(lambda e: e.load())
         return prefill_pb2.PrefillLoad(
             instance_id=self.limits.instance_id,
-            waiting_tokens=waiting,
-            running_requests=running,
-            free_pages=free,
-            total_pages=total,
+            waiting_tokens=load.pending_prompt_tokens,
+            running_requests=load.num_running + load.num_waiting,
+            free_pages=load.free_pages,
+            total_pages=load.total_pages,
             max_queued_tokens=self.limits.max_queued_tokens,
         )

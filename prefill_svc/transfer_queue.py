@@ -30,14 +30,18 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from opentelemetry.context import Context
 
-from dsmesh import telemetry
-from dsmesh.transfer import KVTransport, RemotePool, TransferError
+from dsmesh.runtime import telemetry
+from dsmesh.runtime.transfer import KVTransport, LayoutMismatch, RemotePool, TransferError
+from dsmesh.v1 import kv_broker_pb2 as kb
 from engine.kv_cache import MLAKVPool
 from prefill_svc.estimate import RateMeter
+
+if TYPE_CHECKING:
+    from dsmesh.instance.metrics import InstanceMetrics
 
 log = logging.getLogger(__name__)
 _DEAD_CAP = 100_000
@@ -83,13 +87,13 @@ class TransferCallbacks:
     on_chunk: Callable[[str, int, int], None]  # request_id, tokens_done, bytes so far
     # request_id, first_token, total bytes, seconds spent writing them
     on_final: Callable[[str, int, int, float], None]
-    on_error: Callable[[str, str], None]  # request_id, message
+    on_error: Callable[[str, int, str], None]  # request_id, kb.HandoffCause, message
     on_release: Callable[[str], None]  # request_id
 
 
 def num_runs(local_pages: list[int], remote_pages: list[int]) -> int:
     """Runs of pages consecutive on both sides; the transport sends one segment per run per
-    layer (see :func:`dsmesh.transfer.page_segments`)."""
+    layer (see :func:`dsmesh.runtime.transfer.page_segments`)."""
     return sum(
         1
         for i in range(len(local_pages))
@@ -101,7 +105,11 @@ def num_runs(local_pages: list[int], remote_pages: list[int]) -> int:
 
 class TransferQueue:
     def __init__(
-        self, transport: KVTransport, pool: MLAKVPool, callbacks: TransferCallbacks
+        self,
+        transport: KVTransport,
+        pool: MLAKVPool,
+        callbacks: TransferCallbacks,
+        metrics: InstanceMetrics | None = None,
     ) -> None:
         self.transport = transport
         self.pool = pool
@@ -118,7 +126,7 @@ class TransferQueue:
         self.total_bytes = 0
         self.pending_bytes = 0  # queued or in flight, not yet written
         self.write_rate = RateMeter()  # bytes per second of the writes
-        self.metrics = None  # dsmesh.service_metrics.InstanceMetrics, when served
+        self.metrics = metrics
 
     def start(self) -> None:
         """Lanes start on demand, one per decode peer."""
@@ -217,7 +225,9 @@ class TransferQueue:
                 self._dead[rid] = None
                 self.pending_bytes -= self.job_bytes(job)
             log.warning("KV transfer for %s failed: %s", rid, exc)
-            self.callbacks.on_error(rid, f"KV transfer failed: {exc}")
+            mismatch = isinstance(exc, LayoutMismatch)
+            cause = kb.CAUSE_LAYOUT_MISMATCH if mismatch else kb.CAUSE_TRANSFER_FAILED
+            self.callbacks.on_error(rid, cause, f"KV transfer failed: {exc}")
             return
         seconds = (time.time_ns() - start_ns) / 1e9
         self._trace_write(job, start_ns, n)

@@ -11,20 +11,22 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dsmesh.broker_link import BrokerLink
-from dsmesh.engine_worker import EngineWorker
-from dsmesh.grpc_server import set_channel_defaults, start_server
-from dsmesh.instance import new_instance_id, serve_attached
-from dsmesh.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
-from dsmesh.service_metrics import InstanceMetrics
-from dsmesh.telemetry import tracing
-from dsmesh.v1 import decode_pb2_grpc
+from dsmesh.clients.broker import BrokerLink
+from dsmesh.instance.attach import new_instance_id, serve_attached
+from dsmesh.instance.metrics import start_metrics
+from dsmesh.instance.worker import EngineWorker
+from dsmesh.runtime.grpc_server import set_channel_defaults
+from dsmesh.runtime.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
+from dsmesh.runtime.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
+from dsmesh.runtime.telemetry import tracing
+from dsmesh.v1 import decode_pb2, decode_pb2_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
 from engine.llm_engine import EngineConfig, LLMEngine
 from unified_svc.servicer import UnifiedServicer
 
 log = logging.getLogger(__name__)
-SERVICE = "dsmesh.v1.Decode"
+_SERVICE = decode_pb2.DESCRIPTOR.services_by_name["Decode"]
+SERVICE = _SERVICE.full_name
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class UnifiedConfig:
     metrics_port: int = 0  # Prometheus /metrics port; 0 = off
     tls: TLSConfig = TLSConfig()  # every gRPC server and channel of the process; off by default
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # requests in flight at SIGTERM finish
 
 
 async def serve(
@@ -56,32 +59,20 @@ async def _serve(
     instance_id = config.instance_id or new_instance_id("unified")
     instance = kb.Instance(instance_id=instance_id, role=kb.ROLE_UNIFIED)
     broker = BrokerLink(config.broker_address, instance)
-    servicer = UnifiedServicer(worker, instance_id)
-    server = await start_server(
-        lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, s),
-        [SERVICE],
-        config.host,
-        config.port,
-        tls=config.tls,
-        max_message_bytes=config.max_message_bytes,
-    )
-    instance.grpc_address = f"{config.host}:{server.port}"
-    if config.metrics_port:
-        metrics = InstanceMetrics(engine, "unified", lambda: len(engine.scheduler.waiting))
-        servicer.metrics = metrics
-        port = metrics.serve(config.metrics_port, config.host)
-        log.info("unified metrics on http://%s:%d/metrics", config.host, port)
+    metrics = start_metrics(engine, "unified", config.metrics_port, config.host)
+    servicer = UnifiedServicer(worker, instance_id, metrics)
     try:
         await serve_attached(
             "unified",
-            SERVICE,
-            server,
+            _SERVICE,
+            lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, s),
+            config,
+            instance,
             broker,
-            instance_id,
-            config.host,
             stop,
             ready,
-            servicer.drain,
+            refused=("Decode", "GetLoad"),
+            background=servicer.drain,
         )
     finally:
         worker.stop()

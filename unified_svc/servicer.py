@@ -8,10 +8,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from dsmesh.background import BackgroundTasks
-from dsmesh.convert import require_request_id, sampling_from_proto
-from dsmesh.engine_worker import EngineWorker, drain_outputs
-from dsmesh.service_metrics import InstanceMetrics
+from dsmesh.instance.failures import already_active
+from dsmesh.instance.metrics import InstanceMetrics
+from dsmesh.instance.rpc import parse_request, server_stream, unary
+from dsmesh.instance.worker import EngineWorker, drain_outputs
+from dsmesh.runtime.background import BackgroundTasks
 from dsmesh.v1 import decode_pb2, decode_pb2_grpc, generation_pb2, prefill_pb2
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, StepOutput
@@ -19,24 +20,22 @@ from unified_svc.load import unified_load
 
 
 class UnifiedServicer(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, worker: EngineWorker, instance_id: str) -> None:
+    def __init__(
+        self, worker: EngineWorker, instance_id: str, metrics: InstanceMetrics | None = None
+    ) -> None:
         self.worker = worker
         self.instance_id = instance_id
+        self.metrics = metrics
         self.active: set[str] = set()  # request ids streaming, or whose pages are being freed
-        self.metrics: InstanceMetrics | None = None  # when served with --metrics-port
         self._background = BackgroundTasks()
 
+    @server_stream
     async def Decode(  # noqa: N802 - gRPC method name
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
-        rid = request.request_id
-        try:
-            require_request_id(rid)
-            params = sampling_from_proto(request.sampling)
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        rid, params = parse_request(request)
         if rid in self.active:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already active")
+            raise already_active(rid)
         self.active.add(rid)  # claimed before the first await: a concurrent duplicate is refused
         prompt = list(request.input_ids)
         loop = asyncio.get_running_loop()
@@ -50,9 +49,9 @@ class UnifiedServicer(decode_pb2_grpc.DecodeServicer):
         try:
             try:
                 await self.worker.call(submit)
-            except InvalidRequestError as exc:  # e.g. larger than the whole KV pool
+            except InvalidRequestError:  # e.g. larger than the whole KV pool
                 settled = True
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                raise
             completion = 0
             while not settled:
                 out = drain_outputs(await streams[0].get(), streams[0])
@@ -86,6 +85,7 @@ class UnifiedServicer(decode_pb2_grpc.DecodeServicer):
     async def drain(self) -> None:
         await self._background.drain()
 
+    @unary
     async def Abort(  # noqa: N802
         self, request: generation_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.AbortResponse:
@@ -94,10 +94,11 @@ class UnifiedServicer(decode_pb2_grpc.DecodeServicer):
         aborted = await self.worker.call(lambda e: self.worker.abort_request(e, rid))
         return generation_pb2.AbortResponse(aborted=aborted)
 
+    @unary
     async def GetLoad(  # noqa: N802
         self, request: prefill_pb2.LoadRequest, context: grpc.aio.ServicerContext
     ) -> decode_pb2.DecodeLoad:
-        load = await self.worker.call(lambda e: unified_load(e.scheduler, e.kv_pool.num_pages))
+        load = unified_load(await self.worker.call(lambda e: e.load()))
         return decode_pb2.DecodeLoad(
             instance_id=self.instance_id,
             free_pages=load.free_pages,

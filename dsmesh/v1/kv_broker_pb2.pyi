@@ -23,6 +23,21 @@ class HandoffState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     HANDOFF_FAILED: _ClassVar[HandoffState]
     HANDOFF_ABORTED: _ClassVar[HandoffState]
     HANDOFF_TIMED_OUT: _ClassVar[HandoffState]
+
+class HandoffCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CAUSE_UNSPECIFIED: _ClassVar[HandoffCause]
+    CAUSE_LAYOUT_MISMATCH: _ClassVar[HandoffCause]
+    CAUSE_PROMPT_MISMATCH: _ClassVar[HandoffCause]
+    CAUSE_TIMED_OUT: _ClassVar[HandoffCause]
+    CAUSE_CLIENT_ABORTED: _ClassVar[HandoffCause]
+    CAUSE_PREFILL_LOST: _ClassVar[HandoffCause]
+    CAUSE_DECODE_LOST: _ClassVar[HandoffCause]
+    CAUSE_PREFILL_UNREACHABLE: _ClassVar[HandoffCause]
+    CAUSE_PREFILL_FAILED: _ClassVar[HandoffCause]
+    CAUSE_TRANSFER_FAILED: _ClassVar[HandoffCause]
+    CAUSE_INVALID_REQUEST: _ClassVar[HandoffCause]
+    CAUSE_BROKER_UNREACHABLE: _ClassVar[HandoffCause]
 ROLE_UNSPECIFIED: Role
 ROLE_PREFILL: Role
 ROLE_DECODE: Role
@@ -34,6 +49,18 @@ HANDOFF_DONE: HandoffState
 HANDOFF_FAILED: HandoffState
 HANDOFF_ABORTED: HandoffState
 HANDOFF_TIMED_OUT: HandoffState
+CAUSE_UNSPECIFIED: HandoffCause
+CAUSE_LAYOUT_MISMATCH: HandoffCause
+CAUSE_PROMPT_MISMATCH: HandoffCause
+CAUSE_TIMED_OUT: HandoffCause
+CAUSE_CLIENT_ABORTED: HandoffCause
+CAUSE_PREFILL_LOST: HandoffCause
+CAUSE_DECODE_LOST: HandoffCause
+CAUSE_PREFILL_UNREACHABLE: HandoffCause
+CAUSE_PREFILL_FAILED: HandoffCause
+CAUSE_TRANSFER_FAILED: HandoffCause
+CAUSE_INVALID_REQUEST: HandoffCause
+CAUSE_BROKER_UNREACHABLE: HandoffCause
 
 class KVLayout(_message.Message):
     __slots__ = ("dtype", "page_size", "kv_dim", "num_layers", "model", "transport")
@@ -82,20 +109,22 @@ class AttachRequest(_message.Message):
     def __init__(self, instance: _Optional[_Union[Instance, _Mapping]] = ...) -> None: ...
 
 class BrokerEvent(_message.Message):
-    __slots__ = ("request_id", "state", "first_token_id", "message", "heartbeat", "prefill_released")
+    __slots__ = ("request_id", "state", "first_token_id", "message", "heartbeat", "prefill_released", "cause")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     state: HandoffState
     first_token_id: int
     message: str
     heartbeat: bool
     prefill_released: bool
-    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[HandoffState, str]] = ..., first_token_id: _Optional[int] = ..., message: _Optional[str] = ..., heartbeat: _Optional[bool] = ..., prefill_released: _Optional[bool] = ...) -> None: ...
+    cause: HandoffCause
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[HandoffState, str]] = ..., first_token_id: _Optional[int] = ..., message: _Optional[str] = ..., heartbeat: _Optional[bool] = ..., prefill_released: _Optional[bool] = ..., cause: _Optional[_Union[HandoffCause, str]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "decode_instance_id", "layout", "pool", "page_ids", "num_tokens", "timeout_ms")
@@ -168,12 +197,14 @@ class CommitRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., bytes_written: _Optional[int] = ...) -> None: ...
 
 class FailRequest(_message.Message):
-    __slots__ = ("request_id", "reason")
+    __slots__ = ("request_id", "reason", "cause")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reason: str
-    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    cause: HandoffCause
+    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ..., cause: _Optional[_Union[HandoffCause, str]] = ...) -> None: ...
 
 class HandoffRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -190,7 +221,7 @@ class AwaitRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class HandoffStatus(_message.Message):
-    __slots__ = ("request_id", "state", "first_token_id", "message", "decode_instance_id", "prefill_instance_id", "bytes_written", "prefill_released")
+    __slots__ = ("request_id", "state", "first_token_id", "message", "decode_instance_id", "prefill_instance_id", "bytes_written", "prefill_released", "cause")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +230,7 @@ class HandoffStatus(_message.Message):
     PREFILL_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     PREFILL_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     state: HandoffState
     first_token_id: int
@@ -207,7 +239,8 @@ class HandoffStatus(_message.Message):
     prefill_instance_id: str
     bytes_written: int
     prefill_released: bool
-    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[HandoffState, str]] = ..., first_token_id: _Optional[int] = ..., message: _Optional[str] = ..., decode_instance_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., bytes_written: _Optional[int] = ..., prefill_released: _Optional[bool] = ...) -> None: ...
+    cause: HandoffCause
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[HandoffState, str]] = ..., first_token_id: _Optional[int] = ..., message: _Optional[str] = ..., decode_instance_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., bytes_written: _Optional[int] = ..., prefill_released: _Optional[bool] = ..., cause: _Optional[_Union[HandoffCause, str]] = ...) -> None: ...
 
 class ListInstancesRequest(_message.Message):
     __slots__ = ()

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsmesh.bench_serving import (
+from bench.backends import request_json, sse_events
+from bench.serving import (
     BenchConfig,
     BenchRequest,
     BenchRun,
@@ -21,15 +22,13 @@ from dsmesh.bench_serving import (
     format_summary,
     load_dataset,
     percentile,
-    request_json,
     result_json,
     sample_random_requests,
-    sse_events,
     summarize,
     token_latencies,
     tokens_per_bin,
 )
-from dsmesh.cmd_bench import parse_range
+from dsmesh.cli.bench import parse_range
 
 # ------------------------------------------------------------------ prompts
 

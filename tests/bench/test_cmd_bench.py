@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from dsmesh.bench_serving import arrival_offsets, sample_random_requests
-from dsmesh.cli import main
+from bench.serving import arrival_offsets, sample_random_requests
+from dsmesh.cli.main import main
 from tests.bench.fake_gateway import TOKENS_PER_MESSAGE, FakeGateway, running_fake_gateway
 
 BACKENDS = ("grpc", "rest")

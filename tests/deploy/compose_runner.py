@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsmesh import healthcheck
+from dsmesh.cli import healthcheck
 
 LOOPBACK = "127.0.0.1"
 PORT_FLAGS = ("--port", "--grpc-port", "--http-port", "--metrics-port", "--ep-master-port")
@@ -139,12 +139,12 @@ class Mesh:
 
 
 def run_healthcheck(test: list[str]) -> bool:
-    """A compose ``healthcheck.test``; ``python -m dsmesh.healthcheck`` runs in-process (the
+    """A compose ``healthcheck.test``; ``python -m dsmesh.cli.healthcheck`` runs in-process (the
     same code as the module's entry point, without a Python start-up per probe)."""
     if test[0] != "CMD":
         raise ValueError(f"healthcheck {test}: only the exec form [CMD, ...] is modelled")
     command = test[1:]
-    if command[:3] == ["python", "-m", "dsmesh.healthcheck"]:
+    if command[:3] == ["python", "-m", "dsmesh.cli.healthcheck"]:
         with contextlib.redirect_stderr(io.StringIO()):
             return healthcheck.main(command[3:]) == 0
     command = [sys.executable if c == "python" else c for c in command]

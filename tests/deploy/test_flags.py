@@ -10,8 +10,8 @@ import io
 
 import pytest
 
-from dsmesh import healthcheck
-from dsmesh.cli import build_parser
+from dsmesh.cli import healthcheck
+from dsmesh.cli.main import build_parser
 from tests.deploy.manifests import (
     K8S,
     OVERLAYS,
@@ -75,7 +75,7 @@ HEALTHCHECKS = _healthchecks()
 
 @pytest.mark.parametrize(("service", "test"), HEALTHCHECKS, ids=[h[0] for h in HEALTHCHECKS])
 def test_compose_healthchecks_use_the_healthcheck_module(service: str, test: list[str]) -> None:
-    assert test[:4] == ["CMD", "python", "-m", "dsmesh.healthcheck"], service
+    assert test[:4] == ["CMD", "python", "-m", "dsmesh.cli.healthcheck"], service
     args = _parse(healthcheck.build_parser(), test[4:])
     # it checks the service's own ports: every rank of an expert-parallel instance
     command = load_compose()["services"][service]["command"]

@@ -117,7 +117,7 @@ def test_compose_builds_its_images_from_these_dockerfiles() -> None:
 
 def test_healthcheck_names_an_unreachable_target() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "dsmesh.healthcheck", "--timeout", "1", "127.0.0.1:1", "nohost"],
+        [sys.executable, "-m", "dsmesh.cli.healthcheck", "--timeout", "1", "127.0.0.1:1", "nohost"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -116,7 +116,7 @@ def test_make_tiny_model_and_generate_from_it(tmp_path: Path, cache: Path) -> No
 
 
 def test_cli_arch_choices_match_engine() -> None:
-    from dsmesh.cmd_tiny import ARCHES
+    from dsmesh.cli.tiny import ARCHES
     from engine.tiny_model import TINY_ARCHES
 
     assert ARCHES == TINY_ARCHES

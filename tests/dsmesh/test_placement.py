@@ -1,10 +1,10 @@
-"""dsmesh/placement.py: which GPUs each engine instance of ``dsmesh up`` gets (pure)."""
+"""dsmesh/cli/placement.py: which GPUs each engine instance of ``dsmesh up`` gets (pure)."""
 
 from __future__ import annotations
 
 import pytest
 
-from dsmesh.placement import (
+from dsmesh.cli.placement import (
     EngineInstance,
     PlacementError,
     cuda_visible_devices,

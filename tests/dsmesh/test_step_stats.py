@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from dsmesh.engine_worker import drain_outputs
-from dsmesh.step_stats import StepStats
+from dsmesh.instance.step_stats import StepStats
+from dsmesh.instance.worker import drain_outputs
 from engine.llm_engine import StepOutput
 
 

@@ -10,12 +10,13 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from dsmesh.grpc_server import channel
+from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import eplb_pb2_grpc
 from engine.ep.placement import round_robin_placement
+from eplb_svc.config import EPLBConfig
 from eplb_svc.controller import InstanceShape, LoadSample
 from eplb_svc.metrics import EPLBMetrics
-from eplb_svc.service import EPLBConfig, serve
+from eplb_svc.service import serve
 
 WAIT_S = 5.0  # upper bound for anything a test waits on
 SHAPE = InstanceShape(num_moe_layers=3, num_logical=16, num_physical=20, ep_size=4)
@@ -81,7 +82,7 @@ class Server:
 
 @contextlib.asynccontextmanager
 async def running_eplb(**overrides) -> AsyncIterator[Server]:
-    fields = dict(interval_s=3600.0, threshold=0.05, window_steps=100, shutdown_grace_s=0.5)
+    fields = dict(interval_s=3600.0, threshold=0.05, window_steps=100, drain_timeout_s=0.5)
     fields.update(overrides)
     config = EPLBConfig(**fields)
     metrics = EPLBMetrics()

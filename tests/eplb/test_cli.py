@@ -14,7 +14,7 @@ import grpc
 import pytest
 import torch
 
-from dsmesh.cli import main
+from dsmesh.cli.main import main
 from dsmesh.v1 import eplb_pb2 as pb
 from dsmesh.v1 import eplb_pb2_grpc
 from engine.ep.load_recorder import ExpertLoadRecorder

@@ -22,8 +22,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dsmesh.grpc_server import channel
-from dsmesh.launcher import dsmesh_command, start_service
+from dsmesh.cli.launcher import dsmesh_command, start_service
+from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import eplb_pb2, eplb_pb2_grpc, generation_pb2
 from dsmesh.v1 import generation_pb2_grpc as gen_grpc
 from engine.llm_engine import EngineConfig, LLMEngine

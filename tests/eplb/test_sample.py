@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from dsmesh.clients.eplb import load_report
 from engine.ep.load_recorder import ExpertLoadRecorder
 from engine.ep.placement import round_robin_placement
-from eplb_svc.client import make_sample
 from eplb_svc.controller import Controller
-from eplb_svc.convert import report_from_sample, sample_from_report
+from eplb_svc.convert import sample_from_report
 
 
 def test_recorder_take_feeds_the_controller() -> None:
@@ -21,8 +21,8 @@ def test_recorder_take_feeds_the_controller() -> None:
     counts, steps = rec.take()
     assert steps == 2 and counts.tolist() == [[1, 0, 0, 1, 1, 1], [0, 0, 2, 0, 0, 0]]
     assert rec.take()[1] == 0 and rec.num_steps == 1  # take() does not touch the window
-    sample = make_sample("d0", counts, steps, loc.physical_to_logical, 4, 2, num_groups=2)
-    sample = sample_from_report(report_from_sample(sample))  # survives the wire
+    report = load_report("d0", counts, steps, loc.physical_to_logical, 4, 2, num_groups=2)
+    sample = sample_from_report(report)  # survives the wire
     c = Controller(window_steps=10)
     c.report(sample)
     assert c.instances["d0"].window.logical_load().tolist() == [[2, 1, 0, 1], [0, 0, 2, 0]]

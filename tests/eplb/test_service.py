@@ -12,9 +12,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from dsmesh.clients.eplb import EPLBLink
 from dsmesh.v1 import eplb_pb2 as pb
 from eplb_svc.algorithm import balancedness, predicted_rank_load, rebalance_experts
-from eplb_svc.client import EPLBLink
 from eplb_svc.convert import report_from_sample
 from tests.eplb.conftest import (
     SHAPE,
@@ -40,7 +40,9 @@ class Instance:
         self.placements: asyncio.Queue[tuple[int, torch.Tensor]] = asyncio.Queue()
 
     def sample(self):
-        return sample(self.load, self.p2l, 10, self.instance_id, self.applied_version, self.swap_s)
+        return report_from_sample(
+            sample(self.load, self.p2l, 10, self.instance_id, self.applied_version, self.swap_s)
+        )
 
     def on_placement(self, version: int, p2l: torch.Tensor) -> None:
         self.placements.put_nowait((version, p2l))

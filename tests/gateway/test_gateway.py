@@ -16,7 +16,7 @@ import openai
 import pytest
 import torch
 
-from dsmesh.grpc_server import channel
+from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import generation_pb2 as pb
 from dsmesh.v1 import generation_pb2_grpc
 from engine.llm_engine import EngineConfig, LLMEngine

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import grpc
 import pytest_asyncio
 
-from dsmesh.grpc_server import channel
+from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import kv_broker_pb2 as pb
 from dsmesh.v1 import kv_broker_pb2_grpc
 from kv_broker.service import BrokerConfig, serve
@@ -26,7 +26,7 @@ TEST_CONFIG = BrokerConfig(
     handoff_timeout_s=5.0,
     heartbeat_interval_s=0.2,
     liveness_grace_s=0.3,
-    shutdown_grace_s=0.5,
+    drain_timeout_s=0.5,
 )
 
 

@@ -240,6 +240,48 @@ async def test_fail_reaches_the_other_side(broker: Broker) -> None:
 
 
 @pytest.mark.asyncio
+async def test_the_cause_travels_in_statuses_and_events(broker: Broker) -> None:
+    decode, prefill = await broker.decode("d1"), await broker.prefill("p1")
+    await broker.stub.Reserve(reserve_request("r1"))
+    await broker.stub.Resolve(resolve_request("r1"))
+    fail = pb.FailRequest(request_id="r1", reason="KV transfer failed: boom")
+    fail.cause = pb.CAUSE_TRANSFER_FAILED
+    status = await broker.stub.Fail(fail)
+    assert (status.state, status.cause, status.message) == (
+        S.HANDOFF_FAILED,
+        pb.CAUSE_TRANSFER_FAILED,
+        "KV transfer failed: boom",
+    )
+    for side in (decode, prefill):
+        events = [await side.next_event() for _ in range(3 if side is decode else 2)]
+        assert (events[-1].state, events[-1].cause) == (S.HANDOFF_FAILED, pb.CAUSE_TRANSFER_FAILED)
+    got = await broker.stub.Get(pb.HandoffRequest(request_id="r1"))
+    assert got.cause == pb.CAUSE_TRANSFER_FAILED
+    # a layout mismatch is told as such, through Await too
+    await broker.stub.Reserve(reserve_request("r2"))
+    mismatched = resolve_request("r2")
+    mismatched.layout.page_size = 8
+    err = await rpc_error(broker.stub.Resolve(mismatched))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    status = await broker.stub.Await(pb.AwaitRequest(request_id="r2"))
+    assert (status.state, status.cause) == (S.HANDOFF_FAILED, pb.CAUSE_LAYOUT_MISMATCH)
+    # an abort says the client went away
+    await broker.stub.Reserve(reserve_request("r3"))
+    aborted = await broker.stub.Abort(pb.HandoffRequest(request_id="r3"))
+    assert (aborted.state, aborted.cause) == (S.HANDOFF_ABORTED, pb.CAUSE_CLIENT_ABORTED)
+
+
+@pytest.mark.asyncio
+async def test_fail_with_an_unknown_cause_is_invalid(broker: Broker) -> None:
+    await broker.decode("d1")
+    await broker.stub.Reserve(reserve_request("r1"))
+    err = await rpc_error(broker.stub.Fail(pb.FailRequest(request_id="r1", reason="x", cause=99)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "cause 99" in err.details()
+    assert (await broker.stub.Get(pb.HandoffRequest(request_id="r1"))).state == S.HANDOFF_RESERVED
+
+
+@pytest.mark.asyncio
 async def test_timeout_notifies_both_sides(broker: Broker) -> None:
     decode, prefill = await broker.decode("d1"), await broker.prefill("p1")
     await broker.stub.Reserve(reserve_request("r1", timeout_ms=300))
@@ -439,7 +481,7 @@ async def test_health_and_reflection(broker: Broker) -> None:
 
 @pytest.mark.asyncio
 async def test_stop_answers_waiting_calls_and_serve_returns_promptly() -> None:
-    async with running_broker(dataclasses.replace(TEST_CONFIG, shutdown_grace_s=2.0)) as b:
+    async with running_broker(dataclasses.replace(TEST_CONFIG, drain_timeout_s=0.0)) as b:
         decode = await b.decode("d1")
         await b.prefill("p1")
         await b.stub.Reserve(reserve_request("r1"))

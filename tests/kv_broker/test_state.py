@@ -6,6 +6,7 @@ import pytest
 
 from kv_broker.state import (
     ErrorCode,
+    HandoffCause,
     HandoffError,
     HandoffState,
     HandoffTable,
@@ -475,3 +476,112 @@ def test_lost_decode_does_not_release_prefill_writes() -> None:
     transferring(table)
     (t,) = table.instance_lost("d1", now=2.0)
     assert t.new_state is HandoffState.FAILED and not t.handoff.prefill_released
+
+
+# ---- causes: every way a handoff ends says why, beside its message ------------------------
+
+
+def test_cause_values_match_the_proto() -> None:
+    from dsmesh.v1 import kv_broker_pb2
+
+    assert [c.name for c in HandoffCause] == [
+        name.removeprefix("CAUSE_") for name, _ in kv_broker_pb2.HandoffCause.items()
+    ]
+    for cause in HandoffCause:
+        assert kv_broker_pb2.HandoffCause.Value(f"CAUSE_{cause.name}") == cause.value
+
+
+def test_live_and_done_handoffs_have_no_cause() -> None:
+    table = HandoffTable()
+    assert reserve(table).handoff.cause is HandoffCause.UNSPECIFIED
+    t = table.resolve("r1", "p1", LAYOUT, now=1.0)
+    assert t.handoff.cause is HandoffCause.UNSPECIFIED
+    done = table.commit("r1", 5, 100, now=2.0).handoff
+    assert (done.state, done.cause, done.message) == (
+        HandoffState.DONE,
+        HandoffCause.UNSPECIFIED,
+        "",
+    )
+
+
+def test_layout_mismatch_cause() -> None:
+    table = HandoffTable()
+    reserve(table)
+    err = error(table.resolve, "r1", "p1", KVLayout("float32", 8, 96, 2, "tiny-v3"), now=1.0)
+    [t] = err.transitions
+    assert (t.new_state, t.handoff.cause) == (HandoffState.FAILED, HandoffCause.LAYOUT_MISMATCH)
+    assert table.get("r1").cause is HandoffCause.LAYOUT_MISMATCH
+    assert t.handoff.message.startswith("KV layout mismatch: page_size prefill=8 decode=4")
+
+
+def test_timeout_cause() -> None:
+    table = HandoffTable(default_timeout_s=5.0)
+    reserve(table, now=0.0)
+    [t] = table.expire(now=5.0)
+    assert (t.new_state, t.handoff.cause) == (HandoffState.TIMED_OUT, HandoffCause.TIMED_OUT)
+    assert t.handoff.message == "handoff timed out after 5 s in RESERVED"
+
+
+def test_abort_cause_and_the_tombstones() -> None:
+    table = HandoffTable()
+    transferring(table)
+    t = table.abort("r1", now=2.0)
+    assert (t.new_state, t.handoff.cause) == (HandoffState.ABORTED, HandoffCause.CLIENT_ABORTED)
+    assert table.abort("r1", now=3.0).handoff.cause is HandoffCause.CLIENT_ABORTED  # unchanged
+    tomb = table.abort("early", now=4.0).handoff
+    assert (tomb.state, tomb.cause) == (HandoffState.ABORTED, HandoffCause.CLIENT_ABORTED)
+
+
+def test_lost_instance_causes() -> None:
+    table = HandoffTable()
+    transferring(table, "by-prefill")  # prefill p1
+    reserve(table, "by-decode", decode_instance_id="d2")
+    [lost_p] = table.instance_lost("p1", now=2.0)
+    [lost_d] = table.instance_lost("d2", now=2.0)
+    assert (lost_p.handoff.request_id, lost_p.handoff.cause) == (
+        "by-prefill",
+        HandoffCause.PREFILL_LOST,
+    )
+    assert (lost_d.handoff.request_id, lost_d.handoff.cause) == (
+        "by-decode",
+        HandoffCause.DECODE_LOST,
+    )
+    assert lost_p.handoff.message == "prefill instance p1 is gone"
+    assert lost_d.handoff.message == "decode instance d2 is gone"
+
+
+@pytest.mark.parametrize(
+    "cause",
+    [
+        HandoffCause.PROMPT_MISMATCH,
+        HandoffCause.PREFILL_UNREACHABLE,
+        HandoffCause.PREFILL_FAILED,
+        HandoffCause.TRANSFER_FAILED,
+        HandoffCause.INVALID_REQUEST,
+        HandoffCause.LAYOUT_MISMATCH,
+    ],
+)
+def test_fail_keeps_the_cause_it_is_given(cause: HandoffCause) -> None:
+    table = HandoffTable()
+    transferring(table)
+    t = table.fail("r1", "it broke", now=2.0, cause=cause)
+    assert (t.new_state, t.handoff.cause, t.handoff.message) == (
+        HandoffState.FAILED,
+        cause,
+        "it broke",
+    )
+
+
+def test_fail_without_a_cause_and_after_the_end() -> None:
+    table = HandoffTable()
+    transferring(table)
+    assert table.fail("r1", "", now=2.0).handoff.cause is HandoffCause.UNSPECIFIED
+    table = HandoffTable()
+    reserve(table, now=0.0, timeout_s=1.0)
+    table.expire(now=1.0)
+    late = table.fail("r1", "late", now=2.0, cause=HandoffCause.TRANSFER_FAILED)
+    assert not late.changed  # the first end stands, with its cause
+    assert (late.handoff.cause, late.handoff.message) == (
+        HandoffCause.TIMED_OUT,
+        "handoff timed out after 1 s in RESERVED",
+    )

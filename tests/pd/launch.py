@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dsmesh.grpc_server import channel
-from dsmesh.launcher import ServiceProcess, dsmesh_command, start_service
+from dsmesh.cli.launcher import ServiceProcess, dsmesh_command, start_service
+from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
 

@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
-from dsmesh.grpc_server import channel
-from dsmesh.launcher import dsmesh_command, start_service
-from dsmesh.pd_client import generate_pd
+from dsmesh.cli.launcher import dsmesh_command, start_service
+from dsmesh.clients.pd import generate_pd
+from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import (
     decode_pb2,
     decode_pb2_grpc,

@@ -9,10 +9,10 @@ import asyncio
 import pytest
 import torch
 
-from dsmesh.broker_link import BrokerLink
-from dsmesh.grpc_server import channel
-from dsmesh.kv_layout import layout_of
-from dsmesh.transfer import make_transport
+from dsmesh.clients.broker import BrokerLink
+from dsmesh.instance.layout import layout_of
+from dsmesh.runtime.grpc_server import channel
+from dsmesh.runtime.transfer import make_transport
 from dsmesh.v1 import generation_pb2, prefill_pb2, prefill_pb2_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
 from engine.llm_engine import EngineConfig, LLMEngine

@@ -10,8 +10,8 @@ import grpc
 import pytest
 import torch
 
-from dsmesh.grpc_server import channel
-from dsmesh.pd_client import PDError, generate_pd
+from dsmesh.clients.pd import PDError, generate_pd
+from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import decode_pb2_grpc, generation_pb2, prefill_pb2, prefill_pb2_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc

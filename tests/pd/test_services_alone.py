@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from dsmesh.grpc_server import channel
+from dsmesh.runtime.grpc_server import channel
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from dsmesh.security import TLSConfig
+from dsmesh.runtime.security import TLSConfig
 
 
 @dataclass(frozen=True)

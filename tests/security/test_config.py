@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from dsmesh.cli import build_parser
-from dsmesh.security import TLSConfig, api_keys_from_env_and_args, bearer_matches
-from dsmesh.supervisor import MeshConfig, broker_stage, gateway_stage, instance_stage
+from dsmesh.cli.main import build_parser
+from dsmesh.cli.supervisor import MeshConfig, broker_stage, gateway_stage, instance_stage
+from dsmesh.runtime.security import TLSConfig, api_keys_from_env_and_args, bearer_matches
 from tests.security.certs import Pki
 
 

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dsmesh.grpc_server import sync_channel
+from dsmesh.runtime.grpc_server import sync_channel
 from dsmesh.v1 import generation_pb2 as pb
 from dsmesh.v1 import generation_pb2_grpc
 from tests.security.conftest import API_KEY, MAX_BODY_BYTES, OTHER_KEY, SecureMesh

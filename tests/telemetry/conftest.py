@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from dsmesh import telemetry
+from dsmesh.runtime import telemetry
 from tests.telemetry.otlp_receiver import OTLPReceiver
 
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from dsmesh.telemetry import exporter_names
+from dsmesh.runtime.telemetry import exporter_names
 from tests.telemetry.otlp_receiver import env_without_otel, roots
 
 
@@ -39,8 +39,8 @@ def test_exporter_names_follow_the_environment(env: dict[str, str], expected: li
 PROBE = """
 import json, time
 from opentelemetry import trace
-from dsmesh import telemetry
-from dsmesh.grpc_server import channel
+from dsmesh.runtime import telemetry
+from dsmesh.runtime.grpc_server import channel
 
 on = telemetry.setup_tracing("unit")
 with telemetry.tracer().start_as_current_span("unit.root") as root:

@@ -30,7 +30,7 @@ REPLY_TIMEOUT_S = 60.0
 
 
 def _decode_main(requests: mp.Queue, replies: mp.Queue) -> None:
-    from dsmesh.transfer import make_transport
+    from dsmesh.runtime.transfer import make_transport
     from engine.kv_cache import MLAKVPool
 
     try:
@@ -65,7 +65,7 @@ def _reply(replies: mp.Queue, proc: Any) -> Any:
 @pytest.fixture(scope="module")
 def decode_peer():
     pytest.importorskip("mooncake.engine")
-    from dsmesh.transfer.protocol import cuda_build_problem, installed_mooncake_builds
+    from dsmesh.runtime.transfer.protocol import cuda_build_problem, installed_mooncake_builds
 
     problem = cuda_build_problem(installed_mooncake_builds(), torch.version.cuda, "nvlink_intra")
     if problem is not None:
@@ -102,7 +102,7 @@ def _mismatches(got: torch.Tensor, want: torch.Tensor, remote_pages: list[int]) 
 
 @pytest.mark.parametrize("busy", [False, True], ids=["idle", "during-forward"])
 def test_pages_written_through_the_lanes_equal_the_finished_source(decode_peer, busy) -> None:
-    from dsmesh.transfer import make_transport
+    from dsmesh.runtime.transfer import make_transport
     from engine.kv_cache import MLAKVPool
     from prefill_svc.transfer_queue import ChunkJob, FinalJob, TransferCallbacks, TransferQueue
 
@@ -118,7 +118,7 @@ def test_pages_written_through_the_lanes_equal_the_finished_source(decode_peer, 
     callbacks = TransferCallbacks(
         on_chunk=lambda rid, tokens, nbytes: None,
         on_final=lambda rid, tok, nbytes, secs: (finals.append((tok, nbytes)), done.set()),
-        on_error=lambda rid, msg: (errors.append(msg), done.set()),
+        on_error=lambda rid, cause, msg: (errors.append(msg), done.set()),
         on_release=lambda rid: None,
     )
     lanes = TransferQueue(transport, pool, callbacks)
@@ -158,7 +158,7 @@ def test_a_1000_token_v2_lite_handoff_moves_fast(decode_peer) -> None:
     layout scaled to this pool (576 bf16 values per token per layer) through write_pages."""
     import time
 
-    from dsmesh.transfer import make_transport
+    from dsmesh.runtime.transfer import make_transport
     from engine.kv_cache import MLAKVPool
 
     remote, read = decode_peer

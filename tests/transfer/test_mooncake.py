@@ -24,8 +24,8 @@ import torch
 
 pytest.importorskip("mooncake.engine")
 
-from dsmesh.transfer import RemotePool, TransferError, make_transport  # noqa: E402
-from dsmesh.transfer.mooncake import MooncakeTransport  # noqa: E402
+from dsmesh.runtime.transfer import RemotePool, TransferError, make_transport  # noqa: E402
+from dsmesh.runtime.transfer.mooncake import MooncakeTransport  # noqa: E402
 from engine.kv_cache import MLAKVPool  # noqa: E402
 
 REPLY_TIMEOUT_S = 30.0

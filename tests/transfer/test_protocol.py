@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dsmesh.transfer.protocol import (
+from dsmesh.runtime.transfer.protocol import (
     cuda_build_problem,
     is_loopback,
     rdma_devices,

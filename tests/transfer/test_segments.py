@@ -1,4 +1,4 @@
-"""Tests for dsmesh.transfer.base.page_segments: pure coalescing of KV pages into byte segments."""
+"""dsmesh.runtime.transfer.base.page_segments: pure coalescing of KV pages into byte segments."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from importlib.machinery import ModuleSpec
 import pytest
 import torch
 
-from dsmesh.transfer import RemotePool, make_transport, page_segments, pool_segments
+from dsmesh.runtime.transfer import RemotePool, make_transport, page_segments, pool_segments
 from engine.kv_cache import MLAKVPool
 
 LOCAL = 1_000_000

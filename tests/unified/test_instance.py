@@ -15,13 +15,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dsmesh.grpc_server import channel
-from dsmesh.launcher import dsmesh_command, start_service
+from dsmesh.cli.launcher import dsmesh_command, start_service
+from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import decode_pb2, decode_pb2_grpc, generation_pb2, prefill_pb2
 from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
 from engine.kv_cache import PageAllocator
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.load import engine_load
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -253,15 +254,17 @@ def test_attached_to_kv_broker_as_unified_and_serving(small_mesh) -> None:
 def test_load_counts_the_pages_of_requests_waiting_in_the_engine() -> None:
     scheduler = Scheduler(SchedulerConfig(page_size=PAGE), PageAllocator(100))
 
-    def req(rid: str, tokens: int) -> Request:
-        return Request(rid, [1] * 8, SamplingParams(max_new_tokens=tokens - 8), tokens)
+    def req(rid: str, prompt_tokens: int) -> Request:
+        """Pages come on demand: admission takes the prompt's."""
+        params = SamplingParams(max_new_tokens=64)
+        return Request(rid, [1] * prompt_tokens, params, prompt_tokens + 64)
 
     running = req("running", 320)  # 20 pages
     assert scheduler.assign_pages(running)
     scheduler.running.append(running)
     for n in range(3):
         scheduler.add(req(f"waiting-{n}", 500))  # 32 pages each, none taken yet
-    got = unified_load(scheduler, 100)
+    got = unified_load(engine_load(scheduler, 100))
     # 80 pages free in the allocator, but the first two waiting requests will take 64
     assert (got.free_pages, got.total_pages, got.running_requests, got.waiting_requests) == (
         0,
@@ -270,7 +273,7 @@ def test_load_counts_the_pages_of_requests_waiting_in_the_engine() -> None:
         3,
     )
     scheduler.waiting.pop()
-    assert unified_load(scheduler, 100).free_pages == 80 - 64
+    assert unified_load(engine_load(scheduler, 100)).free_pages == 80 - 64
 
 
 def test_sigterm_lets_an_in_flight_stream_finish(small_mesh, tmp_path) -> None:

@@ -3,9 +3,9 @@ forwarded flag exists on that service's command line."""
 
 from __future__ import annotations
 
-from dsmesh.cli import build_parser
-from dsmesh.cmd_up import ROLE_FLAGS, role_flags
-from dsmesh.supervisor import MeshConfig, broker_stage, gateway_stage, instance_stage
+from dsmesh.cli.main import build_parser
+from dsmesh.cli.supervisor import MeshConfig, broker_stage, gateway_stage, instance_stage
+from dsmesh.cli.up import ROLE_FLAGS, role_flags
 
 COMMAND = {"broker": "kv-broker", "prefill": "prefill", "decode": "decode", "gateway": "gateway"}
 

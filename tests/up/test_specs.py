@@ -7,10 +7,9 @@ import dataclasses
 
 import pytest
 
-from dsmesh.cli import build_parser
-from dsmesh.cmd_up import mesh_config_from
-from dsmesh.launcher import _READY
-from dsmesh.supervisor import (
+from dsmesh.cli.launcher import _READY
+from dsmesh.cli.main import build_parser
+from dsmesh.cli.supervisor import (
     MeshConfig,
     ServiceSpec,
     broker_stage,
@@ -18,6 +17,7 @@ from dsmesh.supervisor import (
     instance_stage,
     placement_lines,
 )
+from dsmesh.cli.up import mesh_config_from
 
 BROKER = "127.0.0.1:7"
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
@@ -203,7 +203,7 @@ def test_log_level_reaches_the_children() -> None:
 def test_every_child_command_line_parses_as_its_service_takes_it() -> None:
     """Whatever ``up`` builds, each child's sub-command accepts it; the memory share and the
     device reach the engine config."""
-    from dsmesh.cli_common import engine_config_from
+    from dsmesh.cli.common import engine_config_from
 
     c = config(
         "--unified",
@@ -234,7 +234,7 @@ def test_every_child_command_line_parses_as_its_service_takes_it() -> None:
 
 
 def test_mem_fraction_is_each_engine_commands_own_share() -> None:
-    from dsmesh.cli_common import engine_config_from
+    from dsmesh.cli.common import engine_config_from
 
     for argv in (
         ["generate", "--mem-fraction", "0.3"],

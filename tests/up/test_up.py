@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from dsmesh.cli import build_parser
-from dsmesh.cmd_up import engine_flags
-from dsmesh.supervisor import (
+from dsmesh.cli.main import build_parser
+from dsmesh.cli.supervisor import (
     Console,
     CrashLoopDetector,
     MeshConfig,
@@ -24,6 +23,7 @@ from dsmesh.supervisor import (
     Slot,
     broker_stage,
 )
+from dsmesh.cli.up import engine_flags
 from tests.up.harness import (
     UpProcess,
     child_pids,
@@ -90,7 +90,7 @@ def test_only_given_engine_flags_are_forwarded() -> None:
 def test_decode_attention_is_checked_and_forwarded() -> None:
     """``--decode-attention`` reaches the prefill/decode services as given; a bad choice is
     refused by the parser, naming the flag."""
-    from dsmesh.cli_common import engine_config_from
+    from dsmesh.cli.common import engine_config_from
 
     args = build_parser().parse_args(["up", "--decode-attention", "kernel"])
     assert engine_flags(args) == ("--decode-attention", "kernel")
@@ -295,7 +295,7 @@ def test_up_runs_expert_parallel_groups_with_eplb(cache_env: dict[str, str]) -> 
     import asyncio
     import json
 
-    from dsmesh.grpc_server import channel
+    from dsmesh.runtime.grpc_server import channel
     from dsmesh.v1 import eplb_pb2, eplb_pb2_grpc
 
     http_port, grpc_port = free_port(), free_port()

@@ -1,0 +1,84 @@
+"""Argument types the sub-commands share: each parses one flag's text or raises
+``argparse.ArgumentTypeError`` with a message that names what was expected."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def _error(message: str) -> argparse.ArgumentTypeError:
+    return argparse.ArgumentTypeError(message)
+
+
+def number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise _error(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise _error(f"expected a finite number, got {text!r}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A duration > 0."""
+    value = number(text)
+    if not value > 0:
+        raise _error(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def seconds_or_zero(text: str) -> float:
+    """A duration >= 0 (0: none)."""
+    value = number(text)
+    if value < 0:
+        raise _error(f"must not be negative, got {text}")
+    return value
+
+
+def integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise _error(f"expected an integer, got {text!r}") from None
+
+
+def count(text: str) -> int:
+    """An integer >= 0."""
+    value = integer(text)
+    if value < 0:
+        raise _error(f"must not be negative, got {text}")
+    return value
+
+
+def positive(text: str) -> int:
+    """An integer >= 1."""
+    value = integer(text)
+    if value < 1:
+        raise _error(f"must be >= 1, got {text}")
+    return value
+
+
+def port(text: str) -> int:
+    """A TCP port; 0 picks any free one."""
+    value = integer(text)
+    if not 0 <= value <= 65535:
+        raise _error(f"must be in 0..65535, got {text}")
+    return value
+
+
+def share(text: str) -> float:
+    """A fraction in (0, 1]."""
+    value = number(text)
+    if not 0 < value <= 1:
+        raise _error(f"must be in (0, 1], got {text}")
+    return value
+
+
+def below_one(text: str) -> float:
+    """A fraction in [0, 1)."""
+    value = number(text)
+    if not 0 <= value < 1:
+        raise _error(f"must be in [0, 1), got {text}")
+    return value

@@ -1,0 +1,424 @@
+"""Command-line flags shared by sub-commands, mapped onto the frozen configs in one place."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dsmesh.cli import argtypes
+from dsmesh.runtime.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
+from dsmesh.runtime.security import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    TLSConfig,
+    api_keys_from_env_and_args,
+)
+from engine.decode_attention import ATTENTION_BACKENDS
+from engine.kv_budget import CPU_MAX_TOTAL_TOKENS, DEFAULT_MEM_FRACTION
+from engine.llm_engine import EngineConfig
+
+MEM_FRACTION_HELP = (
+    "fraction of the GPU's memory this process may use for weights + KV pool; the pool "
+    f"gets what the loaded weights leave (default {DEFAULT_MEM_FRACTION}; CUDA only, unused "
+    "when --max-total-tokens is given)"
+)
+
+
+# Python's 5 ms switch interval let the event loop (64 gRPC streams) hold the GIL while the
+# engine thread waited to launch the next step: measured on one H200 (unified instance,
+# V2-Lite, 64 streams), 0.5 ms gave 2.4x the output tokens/s and half the TPOT.
+GIL_SWITCH_MS = 0.5
+
+
+def add_engine_args(
+    p: argparse.ArgumentParser,
+    prefix_cache_default: bool = False,
+    mem_fraction_help: str = MEM_FRACTION_HELP,
+) -> None:
+    d = EngineConfig()
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="checkpoint folder (default: tiny built-in model)")
+    g.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--dtype", default=d.dtype, help="auto, float32, bfloat16, float16")
+    g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
+    g.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=d.max_total_tokens,
+        help=f"KV pool size in tokens (default: from --mem-fraction on CUDA, "
+        f"{CPU_MAX_TOTAL_TOKENS} on CPU)",
+    )
+    g.add_argument(
+        "--mem-fraction",
+        type=argtypes.share,
+        default=d.mem_fraction,
+        metavar="F",
+        help=mem_fraction_help,
+    )
+    g.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=d.max_running_requests,
+        help="requests in the running batch at most",
+    )
+    g.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=d.max_batch_tokens,
+        help="new tokens per forward (also the prefill chunk size)",
+    )
+    g.add_argument(
+        "--attention-mode",
+        default=d.attention_mode,
+        choices=("auto", "naive", "absorbed"),
+        help="MLA path: auto = naive for prefill, weight-absorbed for decode",
+    )
+    g.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=prefix_cache_default,
+        help="share full prompt pages between requests with a common prefix",
+    )
+    g.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=d.cuda_graphs,
+        help="replay decode steps as CUDA graphs, one per batch-size bucket (CUDA only)",
+    )
+    g.add_argument(
+        "--decode-attention",
+        default=d.decode_attention,
+        choices=ATTENTION_BACKENDS,
+        help="MLA decode kernel: auto = FlashInfer's where it is installed and fits, else "
+        "dsmesh's Triton kernel (kernel); flashinfer = FlashInfer's (pip install "
+        "'dsmesh[flashinfer]'); torch = the reference",
+    )
+    g.add_argument(
+        "--overlap-decode",
+        action=argparse.BooleanOptionalAction,
+        default=d.overlap_decode,
+        help="with CUDA graphs, launch a greedy decode step before the previous one's "
+        "bookkeeping, so host work overlaps the GPU",
+    )
+    g.add_argument(
+        "--fp8-experts",
+        action=argparse.BooleanOptionalAction,
+        default=d.fp8_experts,
+        help="FP8 checkpoints: keep routed experts in FP8 and use the FP8 grouped GEMM on "
+        "CUDA (default: dequantise to --dtype at load)",
+    )
+    g.add_argument(
+        "--gil-switch-ms",
+        type=float,
+        default=GIL_SWITCH_MS,
+        metavar="MS",
+        help="Python's thread switch interval in this process, i.e. how long the engine "
+        "thread may wait for the GIL while the gRPC thread streams (default "
+        f"{GIL_SWITCH_MS}; Python's own is 5: 2.4x less throughput for a unified instance "
+        "at 64 streams on an H200, docs/BENCHMARKS.md)",
+    )
+
+
+def apply_process_flags(args: argparse.Namespace) -> None:
+    """Process-wide settings an engine command takes, applied once at start-up."""
+    switch_ms = getattr(args, "gil_switch_ms", None)
+    if switch_ms is not None:
+        if not switch_ms > 0:
+            raise ValueError(f"--gil-switch-ms must be positive, got {switch_ms}")
+        sys.setswitchinterval(switch_ms / 1000)
+
+
+def engine_config_from(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        max_total_tokens=args.max_total_tokens,
+        mem_fraction=args.mem_fraction,
+        max_running_requests=args.max_running_requests,
+        max_batch_tokens=args.max_batch_tokens,
+        attention_mode=args.attention_mode,
+        prefix_cache=args.prefix_cache,
+        tbo=getattr(args, "tbo", False),
+        cuda_graphs=getattr(args, "cuda_graphs", True),
+        overlap_decode=getattr(args, "overlap_decode", True),
+        decode_attention=getattr(args, "decode_attention", "auto"),
+        fp8_experts=getattr(args, "fp8_experts", False),
+    )
+
+
+def add_ep_args(p: argparse.ArgumentParser, multi_node: bool = True) -> None:
+    g = p.add_argument_group("expert parallelism (docs/EP.md)")
+    g.add_argument(
+        "--ep-size",
+        type=int,
+        default=1,
+        help="expert-parallel ranks (processes, one per GPU; gloo on CPU, NCCL on GPU); "
+        "requests are spread over the ranks (DP attention)",
+    )
+    g.add_argument(
+        "--num-redundant-experts",
+        type=int,
+        default=0,
+        help="extra physical expert replicas (logical + R must divide by --ep-size)",
+    )
+    g.add_argument(
+        "--tbo",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="two-batch overlap: each forward runs as two micro-batches whose MoE "
+        "dispatch/combine overlaps the other's compute",
+    )
+    g.add_argument(
+        "--moe-dispatch",
+        default="auto",
+        choices=("auto", "all-to-all", "deepep"),
+        help="token dispatch between ranks: auto = DeepEP when deep_ep imports on Hopper GPUs "
+        "with NCCL (normal mode on prefill, low-latency on decode), else torch all-to-all",
+    )
+    if not multi_node:
+        return
+    g.add_argument(
+        "--ep-nnodes",
+        type=int,
+        default=1,
+        help="hosts the group spans; each runs ep-size / ep-nnodes ranks (default 1)",
+    )
+    g.add_argument(
+        "--ep-node-rank", type=int, default=0, help="this host's index in the group (default 0)"
+    )
+    g.add_argument(
+        "--ep-master-addr",
+        default="127.0.0.1",
+        help="address of node 0, where the group's rendezvous listens",
+    )
+    g.add_argument(
+        "--ep-master-port",
+        type=int,
+        default=0,
+        help="rendezvous port on node 0 (0 = any free port; single host only)",
+    )
+    g.add_argument(
+        "--eplb",
+        default="",
+        metavar="HOST:PORT",
+        help="eplb_svc address: stream expert load to it and apply its placements live "
+        "(docs/EPLB.md); needs --ep-size > 1 or redundant experts",
+    )
+    g.add_argument(
+        "--eplb-report-interval",
+        type=float,
+        default=1.0,
+        help="seconds between expert-load reports to eplb_svc (default 1)",
+    )
+    g.add_argument(
+        "--ep-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a collective may wait for a peer before the group is declared broken",
+    )
+
+
+def ep_config_from(args: argparse.Namespace, deepep_mode: str = "normal"):
+    from engine.ep.runtime import EPConfig
+
+    ep = EPConfig(
+        dispatch=args.moe_dispatch,
+        deepep_mode=deepep_mode,
+        ep_size=args.ep_size,
+        num_redundant_experts=args.num_redundant_experts,
+        master_addr=getattr(args, "ep_master_addr", "127.0.0.1"),
+        master_port=getattr(args, "ep_master_port", 0),
+        nnodes=getattr(args, "ep_nnodes", 1),
+        node_rank=getattr(args, "ep_node_rank", 0),
+        timeout_s=getattr(args, "ep_timeout", 120.0),
+    )
+    ep.validate()
+    return ep
+
+
+def add_server_args(p: argparse.ArgumentParser, default_port: int = 0) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument(
+        "--port", type=argtypes.port, default=default_port, help="gRPC port (0 = any free port)"
+    )
+    p.add_argument("--instance-id", default="", help="instance name (default: role-host-pid-rand)")
+    p.add_argument(
+        "--metrics-port",
+        type=argtypes.port,
+        default=0,
+        help="serve Prometheus /metrics here (0 = off)",
+    )
+    add_drain_arg(p)
+
+
+def add_instance_args(p: argparse.ArgumentParser, prefix_cache_default: bool = False) -> None:
+    """The flags every prefill and decode instance takes, after its own."""
+    add_server_args(p)
+    add_transfer_args(p)
+    add_security_args(p)
+    add_ep_args(p)
+    add_engine_args(p, prefix_cache_default=prefix_cache_default)
+
+
+def add_transfer_args(p: argparse.ArgumentParser) -> None:
+    from dsmesh.runtime.transfer.protocol import PROTOCOLS
+
+    g = p.add_argument_group("KV transfer (Mooncake Transfer Engine)")
+    g.add_argument("--broker", required=True, help="kv_broker address HOST:PORT")
+    g.add_argument(
+        "--transfer-protocol",
+        default="auto",
+        choices=PROTOCOLS,
+        help="how KV bytes move: auto = tcp for a CPU pool, nvlink_intra (CUDA IPC) for a "
+        "GPU pool whose peers are on this host (--transfer-hostname on loopback), else rdma "
+        "(GPUDirect RDMA, needs an RDMA NIC); tcp refuses a GPU pool (docs/PD.md)",
+    )
+    g.add_argument(
+        "--transfer-hostname",
+        default="127.0.0.1",
+        help="address peers use to reach this process's transfer engine",
+    )
+    g.add_argument("--transfer-device", default="", help='RDMA devices, e.g. "mlx5_0,mlx5_1"')
+
+
+def transfer_config_from(args: argparse.Namespace):
+    from dsmesh.instance.attach import TransferConfig
+
+    return TransferConfig(
+        protocol=args.transfer_protocol,
+        hostname=args.transfer_hostname,
+        device_name=args.transfer_device,
+    )
+
+
+def add_security_args(p: argparse.ArgumentParser, api_keys: bool = False) -> None:
+    """TLS for every gRPC server and channel of the process, message size limit, and (gateway,
+    ``up``) API keys. Unset flags fall back to the environment (docs/SECURITY.md)."""
+    g = p.add_argument_group("security (docs/SECURITY.md)")
+    g.add_argument(
+        "--tls-cert", default=None, metavar="PEM", help="certificate chain (env DSMESH_TLS_CERT)"
+    )
+    g.add_argument("--tls-key", default=None, metavar="PEM", help="its key (env DSMESH_TLS_KEY)")
+    g.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="PEM",
+        help="CA that verifies peers (env DSMESH_TLS_CA)",
+    )
+    g.add_argument(
+        "--tls-client-auth",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="servers require client certificates: mTLS (env DSMESH_TLS_CLIENT_AUTH=1)",
+    )
+    g.add_argument(
+        "--tls-server-name",
+        default=None,
+        metavar="NAME",
+        help="name expected in servers' certificates instead of the dialled host "
+        "(env DSMESH_TLS_SERVER_NAME)",
+    )
+    g.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        metavar="N",
+        help="largest gRPC message sent or received; beyond it RESOURCE_EXHAUSTED "
+        f"(default {DEFAULT_MAX_MESSAGE_BYTES})",
+    )
+    if api_keys:
+        g.add_argument(
+            "--api-key",
+            action="append",
+            default=None,
+            metavar="KEY",
+            help="require 'Authorization: Bearer KEY' on HTTP and gRPC (repeatable; env "
+            "DSMESH_API_KEYS=k1,k2, which keeps keys out of the process list)",
+        )
+
+
+def add_drain_arg(p: argparse.ArgumentParser) -> None:
+    """A server's drain on SIGTERM (docs/RELIABILITY.md, "Drain")."""
+    p.add_argument(
+        "--drain-timeout",
+        type=argtypes.seconds_or_zero,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        metavar="SECONDS",
+        help="on SIGTERM: stop admitting (health NOT_SERVING, new requests UNAVAILABLE) and "
+        f"give the requests in flight this long to finish (default {DEFAULT_DRAIN_TIMEOUT_S:g})",
+    )
+
+
+def tls_config_from(args: argparse.Namespace) -> TLSConfig:
+    return TLSConfig.from_env_and_args(args)
+
+
+def api_keys_from(args: argparse.Namespace) -> tuple[str, ...]:
+    return api_keys_from_env_and_args(args.api_key)
+
+
+def server_fields_from(args: argparse.Namespace) -> dict:
+    """The fields every server's config shares (host, ports, TLS, message size, drain)."""
+    return {
+        "host": args.host,
+        "port": args.port,
+        "metrics_port": args.metrics_port,
+        "tls": tls_config_from(args),
+        "max_message_bytes": args.max_message_bytes,
+        "drain_timeout_s": args.drain_timeout,
+    }
+
+
+def run_server(label: str, serve, config) -> int:
+    """Serve ``config`` until SIGTERM/SIGINT, printing ``<label> listening on HOST:PORT``
+    once ready (what ``dsmesh up`` and the launchers wait for)."""
+    from dsmesh.runtime.grpc_server import run_until_signal
+
+    def ready(port: int) -> None:
+        print(f"{label} listening on {config.host}:{port}", flush=True)
+
+    run_until_signal(lambda stop: serve(config, stop, ready))
+    return 0
+
+
+def instance_fields_from(args: argparse.Namespace) -> dict:
+    """The fields every prefill and decode config shares, from their common flags."""
+    return {
+        **server_fields_from(args),
+        "broker_address": args.broker,
+        "engine": engine_config_from(args),
+        "transfer": transfer_config_from(args),
+        "instance_id": args.instance_id,
+    }
+
+
+def run_instance(role: str, serve, config, args: argparse.Namespace, deepep_mode: str) -> int:
+    """Serve a prefill or decode instance until a signal: in this process, or as an
+    expert-parallel group of rank processes (``--ep-size``; docs/EP.md)."""
+    import dataclasses
+
+    from dsmesh.runtime.grpc_server import run_until_signal
+
+    def ready(instance_id: str, port: int) -> None:
+        print(f"{role} {instance_id} listening on {args.host}:{port}", flush=True)
+
+    ep = ep_config_from(args, deepep_mode=deepep_mode)
+    if ep.ep_size > 1 or ep.num_redundant_experts:
+        from dsmesh.instance.attach import new_instance_id
+        from dsmesh.instance.ep_group import RankTarget, run_group
+
+        config = dataclasses.replace(
+            config, instance_id=config.instance_id or new_instance_id(role)
+        )
+        return run_group(
+            ep,
+            RankTarget(serve, config),
+            ready,
+            eplb_address=args.eplb,
+            eplb_report_interval_s=args.eplb_report_interval,
+        )
+    if args.eplb:
+        raise ValueError("--eplb needs an expert-parallel instance: --ep-size > 1")
+    run_until_signal(lambda stop: serve(config, stop, ready))
+    return 0

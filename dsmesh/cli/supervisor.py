@@ -1,0 +1,767 @@
+"""``dsmesh up``: start a whole mesh as child processes, keep it running, stop it cleanly.
+
+Stages start in order, each once the one before is healthy, and stop in reverse order:
+kv_broker, (eplb_svc), prefill + decode + unified, gateway. Every service instance is a
+:class:`Slot` owned by one keeper thread, which starts the process, waits until it is healthy
+(gRPC health SERVING, or HTTP 200 from the gateway's ``/health``), restarts it with
+exponential backoff when it dies, and stops it (SIGTERM, then SIGKILL) when asked.
+
+A restarted engine instance may come back on a new port (the broker lists it); the broker and
+the gateway come back on the same ports, which other processes and clients hold. On Linux every
+child runs with ``PR_SET_PDEATHSIG``, so even a SIGKILLed ``dsmesh up`` leaves no orphans.
+
+On a CUDA mesh every engine instance gets its GPUs through ``CUDA_VISIBLE_DEVICES``
+(dsmesh/cli/placement.py) and its share of each GPU's memory through ``--mem-fraction``; the other
+services see no GPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dsmesh.cli.launcher import LaunchError, ServiceProcess, dsmesh_command, start_service
+from dsmesh.cli.placement import (
+    EngineInstance,
+    GpuList,
+    Placement,
+    PlacementError,
+    cuda_visible_devices,
+    place,
+    visible_gpu_ids,
+)
+from dsmesh.runtime.grpc_server import sync_channel
+from dsmesh.runtime.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
+from dsmesh.runtime.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
+from engine.kv_budget import DEFAULT_MEM_FRACTION
+
+# Run in front of every child on Linux, then exec'd away (same pid): the kernel SIGKILLs the
+# child when the thread that started it ends, which includes the supervisor being SIGKILLed.
+# The parent-pid check closes the race of a supervisor that died before prctl ran.
+_PDEATHSIG_EXEC = (
+    "import ctypes, os, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(1)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 10.0
+    stable_after_s: float = 30.0  # a run at least this long resets the backoff
+    crash_loop_restarts: int = 5  # more restarts than this within the window = crash loop
+    crash_loop_window_s: float = 60.0
+
+    def next_delay(self, previous_s: float, ran_for_s: float) -> float:
+        """Delay before the next start: doubles after each quick death, resets after a
+        stable run."""
+        if previous_s <= 0 or ran_for_s >= self.stable_after_s:
+            return self.backoff_initial_s
+        return min(previous_s * 2, self.backoff_max_s)
+
+
+class CrashLoopDetector:
+    """Counts restarts in a sliding window; says when a service enters a crash loop."""
+
+    def __init__(self, policy: RestartPolicy) -> None:
+        self.policy = policy
+        self._times: collections.deque[float] = collections.deque()
+        self._reported = False
+
+    def record(self, now: float) -> int | None:
+        """Note a restart at ``now``; the restart count in the window when this restart
+        starts a crash loop (reported once until :meth:`reset`), else None."""
+        self._times.append(now)
+        while self._times[0] < now - self.policy.crash_loop_window_s:
+            self._times.popleft()
+        if len(self._times) > self.policy.crash_loop_restarts and not self._reported:
+            self._reported = True
+            return len(self._times)
+        return None
+
+    def reset(self) -> None:
+        """The service ran stably: a later crash loop is reported again."""
+        self._reported = False
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    model: str | None = None  # checkpoint folder; None = the embedded tiny default model
+    host: str = "127.0.0.1"  # where the gateway binds; internal services stay on loopback
+    http_port: int = 8000
+    grpc_port: int = 50051  # 0 = any free port, kept across gateway restarts
+    num_prefill: int = 1  # prefill and decode: both 0 (unified only) or both >= 1
+    num_decode: int = 1
+    num_unified: int = 0
+    # engine flags forwarded to every engine instance (not --device, --mem-fraction: below)
+    engine_args: tuple[str, ...] = ()
+    device: str | None = None  # --device; None = the services' default ("auto")
+    # expert parallelism, prefill and decode only (a unified instance is one process):
+    # processes per instance (None = 1, not forwarded), other EP flags as given
+    ep_size: int | None = None
+    ep_args: tuple[str, ...] = ()
+    # GPUs (CUDA meshes only; dsmesh/cli/placement.py): explicit lists per role, the total
+    # memory fraction the processes of one GPU split, and the GPU ids children may be given
+    # (None = found at start from CUDA_VISIBLE_DEVICES and torch)
+    prefill_gpus: GpuList | None = None
+    decode_gpus: GpuList | None = None
+    unified_gpus: GpuList | None = None
+    mem_fraction: float = DEFAULT_MEM_FRACTION
+    visible_gpus: tuple[str, ...] | None = None
+    # role-specific flags (reliability bounds, admission limits), forwarded as given
+    broker_args: tuple[str, ...] = ()
+    prefill_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
+    log_level: str | None = None  # every child's --log-level; None = theirs
+    gateway: bool = True
+    eplb: bool = False  # run eplb_svc; prefill and decode report to it (needs an EP group)
+    eplb_args: tuple[str, ...] = ()  # flags for ``dsmesh eplb serve``
+    log_dir: Path | None = None  # None = a fresh folder under the cache folder
+    start_timeout_s: float = 180.0  # per service: ready line, then healthy
+    # SIGTERM drains each service (dsmesh.runtime.lifecycle): requests in flight get
+    # ``drain_timeout_s``; SIGKILL follows ``stop_timeout_s`` later (None: the drain + 10 s)
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    stop_timeout_s: float | None = None
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    # forwarded to every child; the supervisor's own health probes use ``tls`` too
+    tls: TLSConfig = TLSConfig()
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+
+    @property
+    def kill_after_s(self) -> float:
+        """SIGTERM to SIGKILL."""
+        if self.stop_timeout_s is not None:
+            return self.stop_timeout_s
+        return self.drain_timeout_s + 10.0
+
+    def validate(self) -> None:
+        """Refuse what cannot run; with ``visible_gpus`` known, the placement too."""
+        counts = {"--prefill": self.num_prefill, "--decode": self.num_decode}
+        counts["--unified"] = self.num_unified
+        for flag, count in counts.items():
+            if count < 0:
+                raise ValueError(f"{flag} must be at least 0, got {count}")
+        if (self.num_prefill == 0) != (self.num_decode == 0):
+            raise ValueError(
+                "--prefill and --decode go together: both at least 1, or both 0 for a mesh "
+                f"of --unified instances only (got --prefill {self.num_prefill} "
+                f"--decode {self.num_decode})"
+            )
+        if self.num_prefill == 0 and self.num_unified == 0:
+            raise ValueError("nothing to serve: --prefill 0 --decode 0 needs --unified N (N >= 1)")
+        if self.ep_size is not None and self.ep_size < 1:
+            raise ValueError(f"--ep-size must be at least 1, got {self.ep_size}")
+        if self.num_prefill == 0 and (self.ep_size is not None or self.ep_args or self.eplb):
+            raise ValueError(
+                "expert-parallel flags (--ep-size, --num-redundant-experts, --tbo, --eplb) "
+                "apply to prefill and decode instances; a --unified instance is one process"
+            )
+        if not 0 < self.mem_fraction <= 1:
+            raise ValueError(f"--mem-fraction must be in (0, 1], got {self.mem_fraction}")
+        if not 0 < self.http_port <= 65535:
+            raise ValueError(f"--http-port must be in 1..65535, got {self.http_port}")
+        if not 0 <= self.grpc_port <= 65535:
+            raise ValueError(f"--grpc-port must be in 0..65535, got {self.grpc_port}")
+        if self.max_message_bytes < 1:
+            raise ValueError(f"--max-message-bytes must be positive, got {self.max_message_bytes}")
+        if self.eplb and self.ep_size is None and "--num-redundant-experts" not in self.ep_args:
+            raise ValueError("--eplb needs expert-parallel instances: give --ep-size N")
+        mesh_placement(self)
+
+
+def engine_instances(config: MeshConfig) -> list[EngineInstance]:
+    """Every engine instance of the mesh, in start order: prefill, decode, unified."""
+    ranks = config.ep_size if config.ep_size is not None else 1
+    counts = (
+        ("prefill", config.num_prefill, ranks),
+        ("decode", config.num_decode, ranks),
+        ("unified", config.num_unified, 1),
+    )
+    return [EngineInstance(role, i, n) for role, count, n in counts for i in range(count)]
+
+
+def mesh_placement(config: MeshConfig) -> Placement | None:
+    """Each engine instance's GPUs on a CUDA mesh (``--device cuda``/``cuda:N``, or ``auto``
+    with GPUs visible); None on CPU. Raises :class:`PlacementError` naming the flag."""
+    lists = {
+        role: gpus
+        for role, gpus in (
+            ("prefill", config.prefill_gpus),
+            ("decode", config.decode_gpus),
+            ("unified", config.unified_gpus),
+        )
+        if gpus is not None
+    }
+    visible = config.visible_gpus or ()
+    device = config.device or "auto"
+    flags = ", ".join(f"--{role}-gpus" for role in lists)
+    if device != "auto" and device.split(":")[0] != "cuda":
+        if lists:
+            raise PlacementError(f"{flags} place instances on GPUs, but --device is {device}")
+        return None
+    if device == "auto" and not visible:
+        if lists:
+            raise PlacementError(f"{flags}: no GPU is visible")
+        return None
+    if not visible:
+        raise PlacementError(f"--device {device}: no GPU is visible")
+    if ":" in device:
+        if lists:
+            raise PlacementError(
+                f"--device {device} puts every instance on one GPU; to place them, give "
+                f"--device cuda with {flags}"
+            )
+        index = device.split(":", 1)[1]
+        if not index.isdigit() or int(index) >= len(visible):
+            raise PlacementError(
+                f"--device {device}: expected cuda:N with N < {len(visible)}, the GPUs visible"
+            )
+        visible = (visible[int(index)],)
+    return place(visible, engine_instances(config), lists)
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    name: str  # unique per instance ("decode-1"); also the log file's name
+    args: tuple[str, ...]  # dsmesh sub-command and flags
+    pinned_port_flag: str | None = None  # after the first start, restarts reuse the port
+    health_url: str | None = None  # HTTP health; None = gRPC health at the reported address
+    env: dict[str, str] = field(default_factory=dict)  # over the supervisor's environment
+
+
+# ---------------------------------------------------------------------------------------------
+# What runs: one builder per stage, given the config and the addresses of the services
+# started before it, by name ("kv-broker", "eplb").
+
+StageBuilder = Callable[[MeshConfig, dict[str, str]], list[ServiceSpec]]
+LOOPBACK = "127.0.0.1"
+
+
+def security_flags(config: MeshConfig) -> tuple[str, ...]:
+    """TLS, message size and drain flags every child gets (API keys reach the gateway
+    through its environment, out of the process list)."""
+    size = config.max_message_bytes
+    limit = ("--max-message-bytes", str(size)) if size != DEFAULT_MAX_MESSAGE_BYTES else ()
+    drain = config.drain_timeout_s
+    drain_flag = ("--drain-timeout", f"{drain:g}") if drain != DEFAULT_DRAIN_TIMEOUT_S else ()
+    return (*config.tls.to_args(), *limit, *drain_flag)
+
+
+def fraction_arg(fraction: float) -> str:
+    """``fraction`` rounded down to 4 decimals: the shares of one GPU never add up to more
+    than its total."""
+    return f"{math.floor(fraction * 10_000) / 10_000:g}"
+
+
+def no_gpu_env(config: MeshConfig) -> dict[str, str]:
+    """The environment of a service that runs no engine: on a CUDA mesh it sees no GPU, so
+    that it cannot take memory on one by accident."""
+    return {"CUDA_VISIBLE_DEVICES": ""} if mesh_placement(config) is not None else {}
+
+
+def broker_stage(config: MeshConfig, addresses: dict[str, str]) -> list[ServiceSpec]:
+    args = ("kv-broker", "--host", LOOPBACK, "--port", "0", *security_flags(config))
+    args += config.broker_args
+    return [ServiceSpec("kv-broker", args, pinned_port_flag="--port", env=no_gpu_env(config))]
+
+
+def eplb_stage(config: MeshConfig, addresses: dict[str, str]) -> list[ServiceSpec]:
+    if not config.eplb:
+        return []
+    args = ("eplb", "serve", "--host", LOOPBACK, "--port", "0", *security_flags(config))
+    args += config.eplb_args
+    return [ServiceSpec("eplb", args, pinned_port_flag="--port", env=no_gpu_env(config))]
+
+
+def instance_stage(config: MeshConfig, addresses: dict[str, str]) -> list[ServiceSpec]:
+    """Every prefill, decode and unified instance: the forwarded engine flags, and on a CUDA
+    mesh ``--device cuda``, its GPUs first in ``CUDA_VISIBLE_DEVICES`` and its
+    ``--mem-fraction``."""
+    placement = mesh_placement(config)
+    model = ("--model", config.model) if config.model else ()
+    ep = ("--ep-size", str(config.ep_size)) if config.ep_size is not None else ()
+    ep += config.ep_args
+    ep += ("--eplb", addresses["eplb"]) if "eplb" in addresses else ()
+    own = {"prefill": (*ep, *config.prefill_args), "decode": (*ep, *config.decode_args)}
+    specs = []
+    for inst in engine_instances(config):
+        args = (inst.role, "--broker", addresses["kv-broker"], "--host", LOOPBACK, "--port", "0")
+        args += (*security_flags(config), *model, *config.engine_args)
+        env: dict[str, str] = {}
+        if placement is not None:
+            fraction = placement.mem_fraction(inst.name, config.mem_fraction)
+            args += ("--device", "cuda", "--mem-fraction", fraction_arg(fraction))
+            gpu_ids = placement.gpu_ids[inst.name]
+            env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(gpu_ids, config.visible_gpus or ())
+        elif config.device is not None:
+            args += ("--device", config.device)
+        specs.append(ServiceSpec(inst.name, (*args, *own.get(inst.role, ())), env=env))
+    return specs
+
+
+def gateway_stage(config: MeshConfig, addresses: dict[str, str]) -> list[ServiceSpec]:
+    if not config.gateway:
+        return []
+    args = (
+        "gateway",
+        "--broker",
+        addresses["kv-broker"],
+        "--host",
+        config.host,
+        "--grpc-port",
+        str(config.grpc_port),
+        "--http-port",
+        str(config.http_port),
+        *(("--model", config.model) if config.model else ()),
+        *security_flags(config),
+        *config.gateway_args,
+    )
+    health = f"http://{_probe_host(config.host)}:{config.http_port}/health"
+    env = no_gpu_env(config)
+    return [ServiceSpec("gateway", args, "--grpc-port", health_url=health, env=env)]
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _probe_host(host: str) -> str:
+    """Where to reach a service bound to ``host`` from this machine, as a URL's host."""
+    if host in ("", "0.0.0.0"):
+        return LOOPBACK
+    if host == "::":
+        return "[::1]"
+    return _url_host(host)
+
+
+STAGES: tuple[StageBuilder, ...] = (broker_stage, eplb_stage, instance_stage, gateway_stage)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class Console:
+    """Progress on stdout, trouble on stderr; one line at a time across threads."""
+
+    def __init__(self, out: TextIO | None = None, err: TextIO | None = None) -> None:
+        self._out = out or sys.stdout
+        self._err = err or sys.stderr
+        self._lock = threading.Lock()
+
+    def info(self, text: str) -> None:
+        self._write(self._out, text)
+
+    def warn(self, text: str) -> None:
+        self._write(self._err, f"dsmesh up [{time.strftime('%H:%M:%S')}]: {text}")
+
+    def _write(self, stream: TextIO, text: str) -> None:
+        with self._lock:
+            print(text, file=stream, flush=True)
+
+
+def orphan_proof(command: list[str], parent_pid: int) -> list[str]:
+    """``command`` made to die with ``parent_pid`` (Linux; unchanged elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return command
+    return [sys.executable, "-S", "-c", _PDEATHSIG_EXEC, str(parent_pid), *command]
+
+
+def log_tail(path: Path | None, num_lines: int = 20) -> str:
+    if path is None or not path.exists():
+        return "(no log)"
+    lines = path.read_text(errors="replace").splitlines()[-num_lines:]
+    return "\n".join(f"    {line}" for line in lines) or "    (empty log)"
+
+
+def is_healthy(
+    address: str, health_url: str | None, timeout: float = 1.0, tls: TLSConfig | None = None
+) -> bool:
+    """HTTP 200 from ``health_url`` if given, else gRPC health SERVING at ``address``
+    (over TLS when ``tls`` is on)."""
+    if health_url is not None:
+        try:
+            with urllib.request.urlopen(health_url, timeout=timeout) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+    with sync_channel(address, tls or TLSConfig()) as ch:
+        try:
+            resp = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout
+            )
+        except grpc.RpcError:
+            return False
+    return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+class Slot:
+    """One service instance and the keeper thread that owns its process.
+
+    Only the keeper thread starts and stops the process: with PR_SET_PDEATHSIG a child dies
+    with the thread that forked it, so the thread lives until its child is gone.
+    """
+
+    def __init__(
+        self, spec: ServiceSpec, config: MeshConfig, log_dir: Path, console: Console
+    ) -> None:
+        self.spec = spec
+        self.config = config
+        self.log_path = log_dir / f"{spec.name}.log"
+        self.console = console
+        self.process: ServiceProcess | None = None
+        self.settled = threading.Event()  # first start over: healthy, or failed
+        self.failure: str | None = None
+        self._log_dir = log_dir
+        self._args = list(spec.args)
+        self._stop = threading.Event()
+        self._started_at = 0.0
+        self._crash_loops = CrashLoopDetector(config.restart)
+        self._thread = threading.Thread(target=self._run, name=f"keep-{spec.name}", daemon=True)
+
+    @property
+    def address(self) -> str:
+        return self.process.address if self.process is not None else ""
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def kill_now(self) -> None:
+        """SIGKILL the process without waiting (safe in a signal handler)."""
+        if self.process is not None and self.process.process.poll() is None:
+            self.process.process.kill()
+
+    def join(self, timeout: float) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # -- keeper thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            if self._bring_up():
+                self._keep()
+        except Exception as exc:  # a keeper never dies silently, nor leaves its child behind
+            self.console.warn(f"{self.spec.name}: supervisor error {exc!r}; stopping it")
+            self.failure = self.failure or f"{self.spec.name}: supervisor error {exc!r}"
+            self._halt()
+        finally:
+            self.settled.set()
+
+    def _bring_up(self) -> bool:
+        """First start: launched and healthy (True), or failed / stop requested (False)."""
+        begin = time.monotonic()
+        try:
+            self._launch()
+        except LaunchError as exc:
+            self.failure = str(exc).splitlines()[0]
+            return False
+        if not self._wait_healthy():
+            self._halt()
+            if not self._stop.is_set():
+                self.failure = f"{self.spec.name} did not become healthy"
+            return False
+        assert self.process is not None
+        if self.spec.pinned_port_flag is not None:
+            index = self._args.index(self.spec.pinned_port_flag)
+            self._args[index + 1] = str(self.process.port)
+        self.console.info(
+            f"  {self.spec.name:<12} ready at {self.address:<21} "
+            f"pid {self.process.process.pid:<8} {time.monotonic() - begin:5.1f}s"
+        )
+        self.settled.set()
+        return True
+
+    def _launch(self) -> None:
+        level = ("--log-level", self.config.log_level) if self.config.log_level else ()
+        command = orphan_proof(dsmesh_command(*level, *self._args), os.getpid())
+        try:
+            self.process = start_service(
+                self.spec.name,
+                command,
+                env=self.spec.env,
+                log_dir=self._log_dir,
+                timeout=self.config.start_timeout_s,
+            )
+        except OSError as exc:  # e.g. the log folder is not writable
+            raise LaunchError(f"{self.spec.name} could not be started: {exc}") from exc
+        self._started_at = time.monotonic()
+
+    def _wait_healthy(self) -> bool:
+        assert self.process is not None
+        deadline = time.monotonic() + self.config.start_timeout_s
+        while time.monotonic() < deadline and self.process.alive():
+            if is_healthy(self.address, self.spec.health_url, tls=self.config.tls):
+                return True
+            if self._stop.wait(0.2):
+                return False
+        return False
+
+    def _keep(self) -> None:
+        """Restart the process whenever it dies, until asked to stop; then stop it."""
+        delay = 0.0
+        while True:
+            if self._wait_exit():
+                self._halt()
+                return
+            assert self.process is not None
+            ran_for = time.monotonic() - self._started_at
+            delay = self.config.restart.next_delay(delay, ran_for)
+            if ran_for >= self.config.restart.stable_after_s:
+                self._crash_loops.reset()
+            self.console.warn(
+                f"{self.spec.name} exited with code {self.process.process.returncode} after "
+                f"{ran_for:.1f}s; restarting in {delay:.1f}s (log: {self.log_path})"
+            )
+            while True:
+                if self._stop.wait(delay):
+                    return
+                if self._restart():
+                    break
+                delay = self.config.restart.next_delay(delay, 0.0)
+                self.console.warn(f"{self.spec.name}: next try in {delay:.1f}s")
+
+    def _wait_exit(self) -> bool:
+        """Wait until the process exits (False) or a stop is requested (True)."""
+        assert self.process is not None
+        while self.process.alive():
+            if self._stop.wait(0.2):
+                return True
+        return self._stop.is_set()
+
+    def _restart(self) -> bool:
+        self._count_restart()
+        with open(self.log_path, "a") as log:
+            log.write(f"\n===== dsmesh up: restarting {self.spec.name} at {time.ctime()} =====\n")
+        try:
+            self._launch()
+        except LaunchError as exc:
+            self.console.warn(f"{self.spec.name} failed to restart: {str(exc).splitlines()[0]}")
+            return False
+        assert self.process is not None
+        state = "healthy" if self._wait_healthy() else "NOT healthy yet"
+        self.console.warn(
+            f"{self.spec.name} restarted at {self.address} (pid {self.process.process.pid}), "
+            f"{state}"
+        )
+        return True
+
+    def _count_restart(self) -> None:
+        count = self._crash_loops.record(time.monotonic())
+        if count is not None:
+            policy = self.config.restart
+            self.console.warn(
+                f"!!! {self.spec.name} IS CRASH-LOOPING: {count} restarts in the last "
+                f"{policy.crash_loop_window_s:.0f}s; still retrying, backing off up to "
+                f"{policy.backoff_max_s:.0f}s. Last lines of {self.log_path}:\n"
+                f"{log_tail(self.log_path)}"
+            )
+
+    def _halt(self) -> None:
+        if self.process is not None and self.process.alive():
+            code = self.process.stop(self.config.kill_after_s)
+            self.console.info(f"  {self.spec.name:<12} stopped (exit code {code})")
+
+
+class Supervisor:
+    """Brings the mesh up stage by stage, then lets the slots keep it running."""
+
+    def __init__(self, config: MeshConfig, log_dir: Path, console: Console) -> None:
+        self.config = config
+        self.log_dir = log_dir
+        self.console = console
+        self.stages: list[list[Slot]] = []
+        # A plain flag, not a threading.Event: a signal handler sets it, and Event.set could
+        # deadlock on the lock that the interrupted main thread holds.
+        self.stop_requested = False
+
+    def request_stop(self) -> None:
+        """First call: stop gracefully. A later call (a second Ctrl-C): SIGKILL every child."""
+        if self.stop_requested:
+            for slot in self.slots:
+                slot.kill_now()
+        self.stop_requested = True
+
+    @property
+    def slots(self) -> list[Slot]:
+        return [slot for stage in self.stages for slot in stage]
+
+    def start(self) -> bool:
+        """Start every stage in order; False if one failed or a stop was requested."""
+        addresses: dict[str, str] = {}
+        for build in STAGES:
+            specs = build(self.config, addresses)
+            if not specs:
+                continue
+            stage = [Slot(spec, self.config, self.log_dir, self.console) for spec in specs]
+            self.stages.append(stage)
+            for slot in stage:
+                slot.start()
+            if not self._wait_settled(stage):
+                return False
+            for slot in stage:
+                addresses.setdefault(slot.spec.name, slot.address)
+        return True
+
+    def _wait_settled(self, stage: list[Slot]) -> bool:
+        while not self.stop_requested:
+            # read settled before failure: a keeper records its failure, then settles
+            settled = all(slot.settled.is_set() for slot in stage)
+            failed = [slot for slot in stage if slot.failure is not None]
+            if failed:
+                for slot in failed:
+                    self.console.warn(
+                        f"{slot.failure}\n  last lines of {slot.log_path}:\n"
+                        f"{log_tail(slot.log_path)}"
+                    )
+                return False
+            if settled:
+                return True
+            time.sleep(0.1)
+        return False
+
+    def stop(self) -> None:
+        """Stop stage by stage, last started first; each slot SIGTERMs, then SIGKILLs."""
+        for stage in reversed(self.stages):
+            for slot in stage:
+                slot.request_stop()
+            # A slot inside a (re)start cannot stop before its child reports ready; past this
+            # bound it is left behind, and the supervisor's exit kills that child
+            # (PR_SET_PDEATHSIG).
+            bound = self.config.kill_after_s + 5.0
+            for slot in stage:
+                if not slot.join(bound):
+                    self.console.warn(f"{slot.spec.name} still starting; killed on exit")
+
+    def summary(self, elapsed_s: float) -> str:
+        c = self.config
+        broker = self.stages[0][0].address
+        lines = [f"dsmesh mesh ready in {elapsed_s:.1f}s"]
+        if c.gateway:
+            base = f"http://{_url_host(c.host)}:{c.http_port}"
+            gateway = next(s for s in self.slots if s.spec.name == "gateway")
+            lines += [
+                f"  REST     {base}",
+                f"  OpenAI   {base}/v1",
+                f"  gRPC     {gateway.address}",
+                f"  metrics  {base}/metrics",
+            ]
+        lines += [f"  broker   {broker}", *placement_lines(c)]
+        lines += [f"  logs     {self.log_dir}", "Ctrl-C to stop."]
+        return "\n".join(lines)
+
+
+def placement_lines(config: MeshConfig) -> list[str]:
+    """The summary's lines for a CUDA mesh: each engine instance's GPUs and memory share."""
+    placement = mesh_placement(config)
+    if placement is None:
+        return []
+    lines = []
+    for i, (name, gpu_ids) in enumerate(placement.gpu_ids.items()):
+        fraction = fraction_arg(placement.mem_fraction(name, config.mem_fraction))
+        label = "gpus" if i == 0 else ""
+        lines.append(f"  {label:<8} {name:<12} GPU {'+'.join(gpu_ids):<8} mem-fraction {fraction}")
+    return lines
+
+
+def default_log_dir() -> Path:
+    from engine.tiny_model import cache_root
+
+    parent = cache_root() / "logs"
+    parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=time.strftime("up-%Y%m%d-%H%M%S-"), dir=parent))
+
+
+def resolve_model(model: str | None) -> str:
+    """The checkpoint folder every child gets; builds the default model once, up front, so
+    that children do not race to build it."""
+    if model is None:
+        from engine.tiny_model import default_model_dir
+
+        return str(default_model_dir())
+    folder = Path(model).expanduser().resolve()
+    if not folder.is_dir():
+        raise FileNotFoundError(f"--model {model}: no such folder")
+    return str(folder)
+
+
+def resolve_visible_gpus(config: MeshConfig) -> tuple[str, ...]:
+    """The GPU ids children may be given: ``config.visible_gpus`` when set; none for a CPU
+    mesh; else this process's ``CUDA_VISIBLE_DEVICES`` entries, or all GPUs torch sees."""
+    if config.visible_gpus is not None:
+        return config.visible_gpus
+    device = config.device or "auto"
+    if device != "auto" and device.split(":")[0] != "cuda":
+        return ()
+    import torch
+
+    count = torch.cuda.device_count()
+    return visible_gpu_ids(os.environ.get("CUDA_VISIBLE_DEVICES"), count)
+
+
+@contextmanager
+def stop_on_signals(on_signal: Callable[[], None]) -> Iterator[None]:
+    """SIGINT/SIGTERM/SIGHUP call ``on_signal`` (in the main thread only) instead of raising."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, lambda *_: on_signal()) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run_mesh(config: MeshConfig, console: Console | None = None) -> int:
+    """Run the mesh until SIGINT/SIGTERM (exit 0); 1 if it could not be started."""
+    console = console or Console()
+    config = dataclasses.replace(config, visible_gpus=resolve_visible_gpus(config))
+    config.validate()
+    config = dataclasses.replace(config, model=resolve_model(config.model))
+    log_dir = Path(config.log_dir) if config.log_dir is not None else default_log_dir()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    console.info(f"dsmesh up: model {config.model}\ndsmesh up: logs  {log_dir}")
+    supervisor = Supervisor(config, log_dir, console)
+    begin = time.monotonic()
+    started = False
+    with stop_on_signals(supervisor.request_stop):
+        try:
+            started = supervisor.start()
+            if started:
+                console.info(supervisor.summary(time.monotonic() - begin))
+                while not supervisor.stop_requested:
+                    time.sleep(0.2)
+        finally:
+            if supervisor.stages:
+                console.info("dsmesh up: stopping")
+            supervisor.stop()
+    if started or supervisor.stop_requested:
+        console.info("dsmesh up: stopped")
+        return 0
+    console.warn("could not start the mesh; stopped what had started")
+    return 1

@@ -1,0 +1,115 @@
+"""Prometheus metrics of a prefill or decode instance, served on ``--metrics-port``.
+
+Gauges are read from the engine's :meth:`~engine.llm_engine.LLMEngine.load` at scrape time
+(safe from the HTTP thread); counters and histograms are updated where things happen. Each
+instance has its own registry so tests can run several in one process. Names:
+docs/OBSERVABILITY.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from engine.llm_engine import LLMEngine
+from engine.load import EngineLoad
+
+log = logging.getLogger(__name__)
+
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+
+
+Waiting = Callable[[EngineLoad], int]
+
+
+def queued(load: EngineLoad) -> int:
+    """Requests queued in the engine for admission (prefill, unified)."""
+    return load.num_waiting
+
+
+class _EngineGauges(Collector):
+    def __init__(self, engine: LLMEngine, role: str, waiting: Waiting) -> None:
+        self.engine = engine
+        self.role = role
+        self.waiting = waiting
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        load = self.engine.load()
+        labels = ["role"]
+        for name, doc, value in (
+            ("dsmesh_kv_pages_used", "KV pages held by requests", load.used_pages),
+            (
+                "dsmesh_kv_pages_free",
+                "KV pages free (idle prefix-cache pages count as free)",
+                load.free_pages,
+            ),
+            ("dsmesh_requests_running", "requests in the running batch", load.num_running),
+            (
+                "dsmesh_requests_waiting",
+                "requests queued or waiting for their KV",
+                self.waiting(load),
+            ),
+        ):
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            family.add_metric([self.role], value)
+            yield family
+
+
+class InstanceMetrics:
+    """``waiting``: the requests-waiting gauge, from the engine's load (default: its queue)."""
+
+    def __init__(self, engine: LLMEngine, role: str, waiting: Waiting = queued) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        r.register(_EngineGauges(engine, role, waiting))
+        self.prompt_tokens = Counter(
+            "dsmesh_prompt_tokens",
+            "prompt tokens computed (prefill) or received (decode)",
+            registry=r,
+        )
+        self.cached_tokens = Counter(
+            "dsmesh_prefix_cache_hit_tokens",
+            "prompt tokens served from the prefix cache",
+            registry=r,
+        )
+        self.generated_tokens = Counter("dsmesh_generated_tokens", "tokens generated", registry=r)
+        self.transfer_bytes = Counter(
+            "dsmesh_kv_transfer_bytes", "KV bytes written into decode pages", registry=r
+        )
+        self.transfer_seconds = Histogram(
+            "dsmesh_kv_transfer_seconds",
+            "time of one KV chunk write (all layers)",
+            buckets=TRANSFER_BUCKETS,
+            registry=r,
+        )
+        self.handoff_seconds = Histogram(
+            "dsmesh_kv_handoff_seconds",
+            "end of a request's last forward to its commit: what the KV handoff adds to TTFT",
+            buckets=TRANSFER_BUCKETS,
+            registry=r,
+        )
+        self.handoffs = Counter(
+            "dsmesh_kv_handoffs_seen", "KV handoffs ended, by final state", ["state"], registry=r
+        )
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Serve /metrics on ``port`` (0 = any free port); returns the bound port."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server.server_address[1]
+
+
+def start_metrics(
+    engine: LLMEngine, role: str, port: int, host: str, waiting: Waiting = queued
+) -> InstanceMetrics | None:
+    """An instance's metrics, served on ``port`` at ``host``; None when ``port`` is 0
+    (``--metrics-port`` off)."""
+    if not port:
+        return None
+    metrics = InstanceMetrics(engine, role, waiting)
+    bound = metrics.serve(port, host)
+    log.info("%s metrics on http://%s:%d/metrics", role, host, bound)
+    return metrics

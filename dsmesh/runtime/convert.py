@@ -1,0 +1,64 @@
+"""Proto <-> engine conversions shared by the servicers."""
+
+from __future__ import annotations
+
+import grpc
+
+from dsmesh.v1 import generation_pb2
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+
+DEFAULT_MAX_NEW_TOKENS = 16
+MAX_STOP_STRINGS = 16
+
+
+def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
+    """Unset optional fields take the defaults; 0 is a real value (temperature 0 = greedy)."""
+    defaults = SamplingParams(max_new_tokens=DEFAULT_MAX_NEW_TOKENS)
+    if len(msg.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings")
+    params = SamplingParams(
+        temperature=msg.temperature if msg.HasField("temperature") else defaults.temperature,
+        top_p=msg.top_p if msg.HasField("top_p") else defaults.top_p,
+        top_k=msg.top_k if msg.HasField("top_k") else defaults.top_k,
+        min_p=msg.min_p if msg.HasField("min_p") else defaults.min_p,
+        max_new_tokens=(
+            msg.max_new_tokens if msg.HasField("max_new_tokens") else defaults.max_new_tokens
+        ),
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        stop=tuple(msg.stop),
+        ignore_eos=msg.ignore_eos,
+    )
+    try:
+        params.validate()
+    except InvalidRequestError as exc:
+        raise exc.within("sampling") from exc
+    return params
+
+
+def sampling_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
+    msg = generation_pb2.SamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        max_new_tokens=params.max_new_tokens,
+        stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def require_request_id(request_id: str) -> None:
+    if not request_id:
+        raise InvalidRequestError("request_id", "must be a non-empty string")
+    if len(request_id) > 256:
+        raise InvalidRequestError("request_id", "must be at most 256 characters")
+
+
+async def abort_invalid(context: grpc.aio.ServicerContext, exc: InvalidRequestError) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
