@@ -14,6 +14,7 @@ from dsmesh.runtime.convert import sampling_from_proto
 from dsmesh.v1 import generation_pb2 as pb
 from engine.errors import InvalidRequestError
 from engine.llm_engine import EngineConfig, LLMEngine, StepOutput, resolve_model_dir
+from engine.request import Request
 from engine.tokenizer import Tokenizer
 
 
@@ -42,6 +43,7 @@ class OfflineBackend(Backend):
         worker = self.worker
         loop = asyncio.get_running_loop()
         streams: list[asyncio.Queue[StepOutput]] = []
+        requests: list[Request] = []
         rid = f"offline-{next(self._ids)}"
         try:
             params = sampling_from_proto(request.sampling)
@@ -51,6 +53,7 @@ class OfflineBackend(Backend):
 
         def submit(engine: LLMEngine) -> None:
             engine.add_request(ids, params, request_id=rid)
+            requests.append(engine.requests[rid])
             streams.append(worker.stream(rid, loop))
 
         try:
@@ -72,6 +75,8 @@ class OfflineBackend(Backend):
                 )
                 msg.usage.prompt_tokens = len(ids)
                 msg.usage.completion_tokens = count
+                # set on the engine thread at admission, before any token was delivered
+                msg.usage.cached_tokens = requests[0].num_cached_prompt_tokens or 0
                 yield msg
                 if out.finished:
                     return

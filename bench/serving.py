@@ -2,7 +2,9 @@
 
 In the spirit of ``sglang.bench_serving``: requests arrive as a Poisson process (or all at
 once), optionally capped by a client-side concurrency limit; per request we record time to
-first token (TTFT), inter-token latencies (ITL) and end-to-end latency (E2E).
+first token (TTFT), inter-token latencies (ITL), end-to-end latency (E2E) and the prompt
+tokens a prefix cache served (as the server reports them). The turns of a conversation
+(bench/workloads.py, multi-turn) go one after another, each resending the history.
 
 Layout: prompt generation, arrival schedule, latency split and statistics are pure functions;
 :class:`Backend` implementations only move messages; :func:`run_benchmark` times requests.
@@ -60,11 +62,17 @@ class BenchConfig:
 
 @dataclass(frozen=True)
 class BenchRequest:
-    """One prompt to send: token ids, or text that the gateway tokenizes."""
+    """One prompt to send: token ids, or text that the gateway tokenizes.
+
+    A turn of a conversation (``conversation`` >= 0) holds only its new tokens: it is sent
+    after the conversation's previous turn ended, prefixed with that turn's prompt and the
+    tokens the server answered."""
 
     input_ids: tuple[int, ...] = ()
     text: str = ""
     max_new_tokens: int = 16
+    conversation: int = -1  # -1: a request on its own
+    turn: int = 0
 
     def to_proto(self) -> pb.GenerateRequest:
         # temperature is optional in the proto: set it explicitly so that 0 means greedy.
@@ -255,6 +263,7 @@ class RequestRecord:
     itl_s: tuple[float, ...]
     chunk_times_s: tuple[float, ...]  # arrival of each token-bearing message
     chunk_tokens: tuple[int, ...]  # tokens in each of those messages
+    cached_tokens: int = 0  # prompt tokens a prefix cache served, as the server reported
 
 
 @dataclass(frozen=True)
@@ -275,6 +284,9 @@ class BenchSummary:
     tpot_ms: Distribution  # (E2E - TTFT) / (output tokens - 1), per request
     itl_ms: Distribution
     e2e_ms: Distribution
+    total_cached_tokens: int = 0  # prompt tokens prefix caches served
+    mean_cached_tokens: float = math.nan  # per successful request
+    cache_hit_rate: float = math.nan  # cached / input tokens
 
 
 def summarize(records: Sequence[RequestRecord], duration_s: float) -> BenchSummary:
@@ -282,6 +294,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> BenchSumma
     ok = [r for r in records if r.success]
     total_in = sum(r.prompt_tokens for r in ok)
     total_out = sum(r.output_tokens for r in ok)
+    total_cached = sum(r.cached_tokens for r in ok)
     per_s = 1.0 / duration_s if duration_s > 0 else math.nan
     tpot = [
         (r.e2e_s - r.ttft_s) / (r.output_tokens - 1) * 1e3
@@ -303,6 +316,9 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> BenchSumma
         tpot_ms=Distribution.of(tpot),
         itl_ms=Distribution.of([x * 1e3 for r in ok for x in r.itl_s]),
         e2e_ms=Distribution.of([r.e2e_s * 1e3 for r in ok]),
+        total_cached_tokens=total_cached,
+        mean_cached_tokens=total_cached / len(ok) if ok else math.nan,
+        cache_hit_rate=total_cached / total_in if total_in else math.nan,
     )
 
 
@@ -313,13 +329,20 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> BenchSumma
 
 
 async def send_request(
-    backend: Backend, request: BenchRequest, index: int, t0: float, timeout_s: float
+    backend: Backend,
+    request: BenchRequest,
+    index: int,
+    t0: float,
+    timeout_s: float,
+    output_ids: list[int] | None = None,
 ) -> RequestRecord:
-    """Send one request and time its messages against ``t0`` (a ``perf_counter`` value)."""
+    """Send one request and time its messages against ``t0`` (a ``perf_counter`` value);
+    the tokens received are appended to ``output_ids`` when given."""
     chunk_times: list[float] = []
     chunk_tokens: list[int] = []
     finish_reason, request_id, error = "", "", ""
     prompt_tokens = len(request.input_ids)
+    cached_tokens = 0
     send = time.perf_counter()
     try:
         async for resp in backend.generate(request.to_proto(), timeout_s):
@@ -327,10 +350,14 @@ async def send_request(
             if resp.token_ids:
                 chunk_times.append(now - t0)
                 chunk_tokens.append(len(resp.token_ids))
+                if output_ids is not None:
+                    output_ids.extend(resp.token_ids)
             request_id = resp.request_id or request_id
             finish_reason = resp.finish_reason or finish_reason
-            if resp.HasField("usage") and resp.usage.prompt_tokens and not request.input_ids:
-                prompt_tokens = resp.usage.prompt_tokens
+            if resp.HasField("usage"):
+                cached_tokens = resp.usage.cached_tokens or cached_tokens
+                if resp.usage.prompt_tokens and not request.input_ids:
+                    prompt_tokens = resp.usage.prompt_tokens
     except RequestError as exc:
         error = str(exc)
     except Exception as exc:  # a record per failure; one bad request must not end the run
@@ -354,7 +381,47 @@ async def send_request(
         itl_s=tuple(itls),
         chunk_times_s=tuple(chunk_times),
         chunk_tokens=tuple(chunk_tokens),
+        cached_tokens=cached_tokens,
     )
+
+
+def skipped_record(request: BenchRequest, index: int, error: str) -> RequestRecord:
+    """A request never sent (a conversation's turn after a failed one)."""
+    return RequestRecord(
+        index=index,
+        max_new_tokens=request.max_new_tokens,
+        prompt_tokens=0,
+        output_tokens=0,
+        success=False,
+        error=error,
+        finish_reason="",
+        request_id="",
+        send_s=0.0,
+        ttft_s=None,
+        e2e_s=0.0,
+        itl_s=(),
+        chunk_times_s=(),
+        chunk_tokens=(),
+    )
+
+
+def send_units(requests: Sequence[BenchRequest]) -> list[list[int]]:
+    """Indices of ``requests`` grouped into what is sent one after another: each
+    conversation's turns (in turn order), and every other request alone; ordered by each
+    unit's first request. Arrivals are scheduled per unit."""
+    units: list[list[int]] = []
+    by_conversation: dict[int, list[int]] = {}
+    for i, request in enumerate(requests):
+        if request.conversation < 0:
+            units.append([i])
+        elif request.conversation in by_conversation:
+            by_conversation[request.conversation].append(i)
+        else:
+            by_conversation[request.conversation] = [i]
+            units.append(by_conversation[request.conversation])
+    for unit in units:
+        unit.sort(key=lambda i: requests[i].turn)
+    return units
 
 
 @dataclass(frozen=True)
@@ -403,7 +470,8 @@ async def run_benchmark(
     """
     if not requests:
         raise ValueError("no requests to send")
-    offsets = arrival_offsets(len(requests), config.request_rate, config.seed)
+    units = send_units(requests)
+    offsets = arrival_offsets(len(units), config.request_rate, config.seed)
     owned = backend is None
     if backend is None:
         backend = make_backend(config.backend, config.grpc_addr, config.url, config.engine)
@@ -414,24 +482,41 @@ async def run_benchmark(
 
         limit = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
         t0 = time.perf_counter()
+        records: list[RequestRecord | None] = [None] * len(requests)
 
-        async def one(index: int) -> RequestRecord:
-            await asyncio.sleep(max(0.0, t0 + offsets[index] - time.perf_counter()))
+        async def send(request: BenchRequest, index: int, output_ids: list[int]) -> None:
+            timeout = config.request_timeout_s
             if limit is None:
-                rec = await send_request(
-                    backend, requests[index], index, t0, config.request_timeout_s
-                )
+                rec = await send_request(backend, request, index, t0, timeout, output_ids)
             else:
                 async with limit:
-                    rec = await send_request(
-                        backend, requests[index], index, t0, config.request_timeout_s
-                    )
+                    rec = await send_request(backend, request, index, t0, timeout, output_ids)
+            records[index] = rec
             if on_done is not None:
                 on_done(rec)
-            return rec
 
-        records = await asyncio.gather(*(one(i) for i in range(len(requests))))
-        return BenchRun(list(records), time.perf_counter() - t0)
+        async def unit(u: int) -> None:
+            """One request, or a conversation's turns, each after the history so far."""
+            await asyncio.sleep(max(0.0, t0 + offsets[u] - time.perf_counter()))
+            history: tuple[int, ...] = ()
+            for index in units[u]:
+                request = requests[index]
+                if history:
+                    request = dataclasses.replace(request, input_ids=history + request.input_ids)
+                output_ids: list[int] = []
+                await send(request, index, output_ids)
+                if not records[index].success:  # type: ignore[union-attr]
+                    break  # the later turns have no history to resend
+                history = request.input_ids + tuple(output_ids)
+            for index in units[u]:
+                if records[index] is None:
+                    rec = skipped_record(requests[index], index, "an earlier turn failed")
+                    records[index] = rec
+                    if on_done is not None:
+                        on_done(rec)
+
+        await asyncio.gather(*(unit(u) for u in range(len(units))))
+        return BenchRun([r for r in records if r is not None], time.perf_counter() - t0)
     finally:
         if owned:
             await backend.close()
@@ -460,6 +545,9 @@ def format_summary(config: BenchConfig, summary: BenchSummary) -> str:
         _row("Benchmark duration (s):", s.duration_s),
         _row("Total input tokens:", s.total_input_tokens),
         _row("Total generated tokens:", s.total_output_tokens),
+        _row("Total cached prompt tokens:", s.total_cached_tokens),
+        _row("Mean cached tokens per request:", s.mean_cached_tokens),
+        _row("Prompt cache hit rate (%):", s.cache_hit_rate * 100),
         _row("Request throughput (req/s):", s.request_throughput),
         _row("Input token throughput (tok/s):", s.input_throughput),
         _row("Output token throughput (tok/s):", s.output_throughput),

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from dsmesh.instance.failures import CallFailed, Code, already_active, handoff_failed
 from dsmesh.v1 import kv_broker_pb2 as kb
+from engine.token_logprobs import TokenLogprobs
 
 ROOM_POLL_S = 0.05  # a request waiting for pages tries again this often (frees not announced)
 UNKNOWN_PREFILL = "unknown"  # a handoff's prefill when the broker could not be asked
@@ -56,6 +57,7 @@ class HandoffEnd:
     cause: int = kb.CAUSE_UNSPECIFIED  # kb.HandoffCause
     message: str = ""
     first_token_id: int = 0
+    first_token_logprobs: TokenLogprobs | None = None  # when the request asks for logprobs
     bytes_written: int = 0
     prefill_instance_id: str = ""  # "" while no prefill resolved it
     prefill_released: bool = False

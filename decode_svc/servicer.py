@@ -28,6 +28,7 @@ from dsmesh.instance.rpc import parse_request, server_stream, unary
 from dsmesh.instance.worker import EngineWorker, drain_outputs
 from dsmesh.runtime import telemetry
 from dsmesh.runtime.background import BackgroundTasks
+from dsmesh.runtime.convert import logprobs_from_proto, logprobs_to_proto
 from dsmesh.runtime.transfer import RemotePool
 from dsmesh.v1 import decode_pb2, decode_pb2_grpc, generation_pb2, prefill_pb2
 from dsmesh.v1 import kv_broker_pb2 as kb
@@ -36,6 +37,7 @@ from engine.kv_cache import OutOfPagesError
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.token_logprobs import TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +94,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         cancelled = False
         try:
             pages = await self._reserve(handoff, prompt, params)
-            first_token = await self._handoff(handoff, len(prompt), pages, timeout_s)
-            stream = self._generate(handoff, len(prompt), first_token)
+            end = await self._handoff(handoff, len(prompt), pages, timeout_s)
+            stream = self._generate(handoff, len(prompt), end)
             async with contextlib.aclosing(stream) as messages:  # its span ends with the call
                 async for message in messages:
                     yield message
@@ -132,10 +134,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def _handoff(
         self, handoff: DecodeHandoff, num_prompt: int, pages: list[int], timeout_s: float
-    ) -> int:
+    ) -> HandoffEnd:
         """Register the reservation with kv_broker and wait for the handoff's end, inside a
         ``decode.wait_kv`` span (the Reserve and Await calls are its children); returns the
-        first token, or raises the call's failure."""
+        DONE handoff (its first token), or raises the call's failure."""
         rid = handoff.request_id
         with telemetry.tracer().start_as_current_span(
             "decode.wait_kv", attributes={"dsmesh.request_id": rid, "dsmesh.kv.pages": len(pages)}
@@ -157,7 +159,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self.metrics.handoffs.labels(state).inc()
             if end.state == kb.HANDOFF_DONE:
                 self.metrics.prompt_tokens.inc(num_prompt)
-        return handoff.ended(end)
+        handoff.ended(end)
+        return end
 
     async def _register(
         self, handoff: DecodeHandoff, num_prompt: int, pages: list[int], timeout_s: float
@@ -198,10 +201,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             return broker_unreachable(exc.code().name)
 
     async def _generate(
-        self, handoff: DecodeHandoff, num_prompt: int, first_token: int
+        self, handoff: DecodeHandoff, num_prompt: int, end: HandoffEnd
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
-        """Join the running batch from ``first_token`` and stream the tokens, inside a
-        ``decode.generate`` span."""
+        """Join the running batch from the handoff's first token and stream the tokens,
+        inside a ``decode.generate`` span."""
         rid = handoff.request_id
         span = telemetry.tracer().start_span(
             "decode.generate",
@@ -210,7 +213,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         completion = 0
         finished = False
         try:
-            async for out in self._outputs(rid, first_token):
+            async for out in self._outputs(rid, end.first_token_id, end.first_token_logprobs):
                 finished = out.finished
                 completion += len(out.new_token_ids)
                 if self.metrics is not None:
@@ -225,6 +228,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     finish_reason=out.finish_reason or "",
                     prompt_tokens=num_prompt,
                     completion_tokens=completion,
+                    logprobs=[logprobs_to_proto(lp) for lp in out.logprobs or ()],
                 )
         finally:
             span.set_attribute("dsmesh.completion_tokens", completion)
@@ -232,14 +236,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 span.set_status(Status(StatusCode.ERROR, "stream ended before the last token"))
             span.end()
 
-    async def _outputs(self, rid: str, first_token: int) -> AsyncIterator[StepOutput]:
+    async def _outputs(
+        self, rid: str, first_token: int, first_logprobs: TokenLogprobs | None
+    ) -> AsyncIterator[StepOutput]:
         """The request's step outputs from its activation to its last token."""
         loop = asyncio.get_running_loop()
         streams: list[asyncio.Queue[StepOutput]] = []
 
         def activate(engine: LLMEngine) -> StepOutput:
             streams.append(self.worker.stream(rid, loop))
-            out = engine.activate(rid, first_token)
+            out = engine.activate(rid, first_token, first_logprobs)
             if out.finished:
                 self.worker.unlisten(rid)
             return out
@@ -344,6 +350,11 @@ def _end_of(status: kb.HandoffStatus) -> HandoffEnd:
         cause=status.cause,
         message=status.message,
         first_token_id=status.first_token_id,
+        first_token_logprobs=(
+            logprobs_from_proto(status.first_token_logprobs)
+            if status.HasField("first_token_logprobs")
+            else None
+        ),
         bytes_written=status.bytes_written,
         prefill_instance_id=status.prefill_instance_id,
         prefill_released=status.prefill_released,

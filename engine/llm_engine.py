@@ -37,6 +37,7 @@ from engine.request import Request, RequestStatus
 from engine.sampler import GREEDY_BELOW, Sampler, advance_generator, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerStats
+from engine.token_logprobs import TokenLogprobs
 
 if TYPE_CHECKING:
     from kernels.mla_decode_flashinfer import FlashInferMLADecode
@@ -133,6 +134,7 @@ class StepOutput:
 
     ``computed`` is the range of token positions whose KV this step wrote (empty for a
     request that only finished); ``new_token_ids`` is empty for a mid-prompt chunk.
+    ``logprobs`` has one entry per new token when the request asks for logprobs, else None.
     """
 
     request_id: str
@@ -140,6 +142,7 @@ class StepOutput:
     finished: bool
     finish_reason: str | None
     computed: tuple[int, int] = (0, 0)
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -160,6 +163,13 @@ class GenerationResult:
     prompt_ids: list[int]
     output_ids: list[int]
     finish_reason: str
+
+
+def _plain_argmax(params: SamplingParams) -> bool:
+    """The token is the argmax of the raw logits and nothing else is reported about it."""
+    return (
+        params.temperature < GREEDY_BELOW and not params.adjusts_logits and params.logprobs is None
+    )
 
 
 def resolve_model_dir(model: str | None) -> Path:
@@ -338,6 +348,7 @@ class LLMEngine:
         check_prompt(ids, self.model_config.vocab_size, self.max_context)
         try:
             params.validate()
+            params.check_vocab(self.model_config.vocab_size)
         except InvalidRequestError as exc:
             raise exc.within("sampling") from exc
         # Pages come as the tokens need them, but a request must fit the pool alone: the
@@ -405,9 +416,12 @@ class LLMEngine:
         if self._inflight is not None and self._inflight.event is not None:
             self._inflight.event.synchronize()
 
-    def activate(self, request_id: str, first_token: int) -> StepOutput:
+    def activate(
+        self, request_id: str, first_token: int, first_logprobs: TokenLogprobs | None = None
+    ) -> StepOutput:
         """The prompt KV of a reserved request is in its pages and ``first_token`` was sampled
-        elsewhere: continue decoding from there (or finish if that token ends it)."""
+        elsewhere (with ``first_logprobs``, when the request asks for logprobs): continue
+        decoding from there (or finish if that token ends it)."""
         req = self.requests[request_id]
         req.num_computed = len(req.prompt_ids)
         if req.generator is not None and req.params.temperature > 0:
@@ -418,7 +432,10 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(req, reason)
             self.requests.pop(request_id, None)
-        return StepOutput(request_id, [int(first_token)], reason is not None, reason)
+        logprobs = None if first_logprobs is None else [first_logprobs]
+        return StepOutput(
+            request_id, [int(first_token)], reason is not None, reason, logprobs=logprobs
+        )
 
     def release(self, request_id: str) -> None:
         """Give back the pages a finished ``prefill_only`` request kept."""
@@ -495,6 +512,8 @@ class LLMEngine:
             start = req.num_computed
             req.num_computed += c.num_tokens
             computed[req.request_id] = (start, req.num_computed)
+            if start < len(req.prompt_ids):
+                self.scheduler.share_prompt(req)  # e.g. the other choices of an n > 1 request
             if req.num_computed == req.num_tokens:  # all known tokens fed: a new one is due
                 due_rows.append(row)
                 due.append(req)
@@ -507,14 +526,26 @@ class LLMEngine:
                 due_logits = logits
             else:
                 due_logits = logits.index_select(0, torch.tensor(due_rows, device=logits.device))
-            tokens = self.sampler(
-                due_logits, [r.params for r in due], [r.generator for r in due]
-            ).tolist()
-            for req, tok in zip(due, tokens, strict=True):
-                outputs.append(self._book_token(req, tok, computed[req.request_id]))
+            sampled = self.sampler(
+                due_logits,
+                [r.params for r in due],
+                [r.generator for r in due],
+                [r.prompt_ids for r in due],
+                [r.output_ids for r in due],
+            )
+            tokens = sampled.token_ids.tolist()
+            logprobs = sampled.logprobs or [None] * len(due)
+            for req, tok, lp in zip(due, tokens, logprobs, strict=True):
+                outputs.append(self._book_token(req, tok, computed[req.request_id], lp))
         return outputs
 
-    def _book_token(self, req: Request, tok: int, computed: tuple[int, int]) -> StepOutput:
+    def _book_token(
+        self,
+        req: Request,
+        tok: int,
+        computed: tuple[int, int],
+        logprobs: TokenLogprobs | None = None,
+    ) -> StepOutput:
         """Append a sampled token, finish the request if it stops there, report it."""
         req.output_ids.append(tok)
         reason = "prefilled" if req.prefill_only else self._stop_reason(req, tok)
@@ -522,7 +553,8 @@ class LLMEngine:
             self.scheduler.finish(req, reason)
             if not req.keep_pages:
                 self.requests.pop(req.request_id, None)
-        return StepOutput(req.request_id, [tok], reason is not None, reason, computed)
+        reported = None if logprobs is None else [logprobs]
+        return StepOutput(req.request_id, [tok], reason is not None, reason, computed, reported)
 
     def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Logits [len(chunks), vocab] of each chunk's last token; a step where every chunk
@@ -561,14 +593,15 @@ class LLMEngine:
     # ---- overlapped decode ----------------------------------------------------------------
 
     def _overlappable(self, chunks: list[ScheduledChunk]) -> bool:
-        """A decode-only, all-greedy step of the graph runner (the step to launch ahead from)."""
+        """A decode-only step of the graph runner whose every row is a plain argmax of the
+        logits (greedy, no logit adjustment, no logprobs): the step to launch ahead from."""
         runner = self.graph_runner
         return (
             self.config.overlap_decode
             and runner is not None
             and runner.can_run(len(chunks))
             and all(c.num_tokens == 1 and not c.request.is_prefilling for c in chunks)
-            and all(c.request.params.temperature < GREEDY_BELOW for c in chunks)
+            and all(_plain_argmax(c.request.params) for c in chunks)
         )
 
     def _next_is_certain(self, reqs: list[Request], positions: list[int]) -> bool:

@@ -9,12 +9,17 @@ time, no recursion, any depth up to the model's context.
 Each node also carries a chained hash of its whole prefix, ``hash((parent_hash, block))`` from
 :data:`ROOT_HASH` (:func:`page_hashes` computes the same chain from tokens). The hashes name
 prefixes to other processes (KV-aware routing): :meth:`PrefixCache.num_cached_pages_of`
-answers from them alone, as a hint; reuse of KV always goes through the token match.
+answers from them alone, as a hint, and every page cached or evicted is logged
+(``events``, engine/prefix_hashes.py) so that a router can keep a copy of the names
+(:meth:`PrefixCache.changes_since`). Reuse of KV always goes through the token match.
 
 Ownership: a page is owned either by exactly one request, or by the cache. :meth:`match`
 takes a reference on every page of the matched path; :meth:`release` (or :meth:`insert`, or
 :meth:`abandon`) drops it. ``insert`` moves a finished request's full prompt pages into the
-cache; pages it did not insert (already cached, or partial) the caller frees.
+cache; pages it did not insert (already cached, or partial) the caller frees. :meth:`share`
+moves a running request's computed full pages into the cache early, the request keeping a
+reference as if it had matched them, so requests with the same prompt that arrive while it
+runs (the n choices of one prompt) share its KV.
 
 Eviction returns unreferenced leaves to the allocator, least recently used first. Idle nodes
 (no references) sit in one LRU queue ordered by when they became idle; a path becomes idle
@@ -26,29 +31,19 @@ Not thread-safe: the scheduler that owns the allocator owns the cache.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
 from engine.kv_cache import PageAllocator
+from engine.prefix_hashes import ROOT_HASH, PrefixChanges, PrefixEventLog, page_hashes
 
-ROOT_HASH = 0  # the chained hash of the empty prefix
+__all__ = ["ROOT_HASH", "PrefixCache", "PrefixCacheStats", "page_hashes"]
 
-
-def page_hashes(token_ids: Sequence[int], page_size: int) -> list[int]:
-    """Chained hashes of the full pages of ``token_ids``: entry i identifies pages 0..i.
-
-    Hashes of tuples of ints do not depend on ``PYTHONHASHSEED``, so every 64-bit CPython
-    process computes the same values: they can name prefixes across instances.
-    """
-    ids = tuple(token_ids)
-    h = ROOT_HASH
-    out: list[int] = []
-    for start in range(0, len(ids) - page_size + 1, page_size):
-        h = hash((h, ids[start : start + page_size]))
-        out.append(h)
-    return out
+# Page names a reader gets at most in one answer (8 bytes each on the wire): the changes the
+# event log keeps, and the size of a whole-set snapshot.
+MAX_PAGE_NAMES = 1 << 17
 
 
 class _Node:
@@ -91,11 +86,14 @@ class PrefixCacheStats:
 class PrefixCache:
     """Pages of ``allocator`` (``page_size`` tokens each) shared by prompt prefix."""
 
-    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
+    def __init__(
+        self, allocator: PageAllocator, page_size: int, max_page_names: int = MAX_PAGE_NAMES
+    ) -> None:
         if page_size <= 0:
             raise ValueError(f"page_size must be > 0, got {page_size}")
         self.allocator = allocator
         self.page_size = page_size
+        self.events = PrefixEventLog(max_page_names)
         self._root = _Node(ROOT_HASH, (), -1, None, 0)
         self._by_page: dict[int, _Node] = {}
         self._by_hash: dict[int, _Node] = {}  # first node cached with each chained hash
@@ -188,6 +186,7 @@ class PrefixCache:
                 node.children[block] = child
                 self._by_page[child.page] = child
                 self._by_hash.setdefault(child.hash, child)
+                self.events.stored(child.hash)
             else:
                 to_free.append(pages[i])  # cached meanwhile by another request
             node = child
@@ -202,6 +201,33 @@ class PrefixCache:
         self.release(pages[:num_matched])
         return to_free
 
+    def share(self, token_ids: Sequence[int], pages: list[int], num_matched: int) -> int:
+        """Offer a running request's full pages of ``token_ids`` while it keeps them; returns
+        how many leading pages it now holds through the cache (``num_matched`` or more).
+
+        ``pages[:num_matched]`` came from :meth:`match`. Each later full page becomes cached,
+        with a reference for the request, until one whose prefix another request cached
+        meanwhile: that page and the rest stay the request's own (:meth:`insert` offers them
+        when it finishes). A request admitted from now on with the same prefix matches the
+        shared pages, whose KV the caller has computed (or queued ahead on the device stream).
+        """
+        ps = self.page_size
+        ids = tuple(token_ids)
+        full = min(len(ids) // ps, len(pages))
+        node = self._by_page[pages[num_matched - 1]] if num_matched else self._root
+        for i in range(num_matched, full):
+            block = ids[i * ps : (i + 1) * ps]
+            if block in node.children:
+                return i
+            child = _Node(hash((node.hash, block)), block, pages[i], node, node.depth + 1)
+            child.refs = 1  # held by the request, like a matched page
+            node.children[block] = child
+            self._by_page[child.page] = child
+            self._by_hash.setdefault(child.hash, child)
+            self.events.stored(child.hash)
+            node = child
+        return max(num_matched, full)
+
     def num_cached_pages_of(self, hashes: Sequence[int]) -> int:
         """How many leading pages of a prompt with these :func:`page_hashes` are cached,
         judged by hashes alone: a routing hint, which a hash collision could misjudge."""
@@ -212,6 +238,23 @@ class PrefixCache:
                 return n
             parent = node
         return len(hashes)
+
+    def changes_since(self, epoch: int, seq: int) -> PrefixChanges:
+        """The page names cached and evicted since a reader's cursor ``(epoch, seq)``, or
+        the whole set when the log no longer reaches back that far (see
+        :class:`~engine.prefix_hashes.PrefixEventLog`)."""
+        return self.events.since(epoch, seq, self.cached_hashes)
+
+    def cached_hashes(self, limit: int) -> list[int]:
+        """The names of up to ``limit`` cached pages, shallowest first: every page listed
+        has its parent listed before it."""
+        out: list[int] = []
+        queue = deque(self._root.children.values())
+        while queue and len(out) < limit:
+            node = queue.popleft()
+            out.append(node.hash)
+            queue.extend(node.children.values())
+        return out
 
     def evict(self, num_pages: int) -> int:
         """Return up to ``num_pages`` idle cached pages to the allocator (LRU leaves first)."""
@@ -225,6 +268,7 @@ class PrefixCache:
             del self._by_page[node.page]
             if self._by_hash.get(node.hash) is node:
                 del self._by_hash[node.hash]
+            self.events.removed(node.hash)
             freed.append(node.page)
         self.allocator.free(freed)
         self.num_evicted_pages += len(freed)

@@ -43,6 +43,12 @@ class Request:
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     num_cached_pages: int = 0  # leading pages shared from the prefix cache
+    # pages after those that it put into the prefix cache while running (Scheduler.
+    # share_prompt); it holds them by reference, as the cached ones
+    num_shared_pages: int = 0
+    # prompt tokens the prefix cache served at its first admission (what clients are told
+    # as cached tokens); None until admitted
+    num_cached_prompt_tokens: int | None = None
     prefill_only: bool = False  # finish after the first token (prefill instance)
     keep_pages: bool = False  # on finish, hold pages until the owner releases them
     # Take pages for all of max_total_tokens at admission and never be retracted (PD: the

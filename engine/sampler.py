@@ -1,15 +1,28 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p and min-p, reproducible per request."""
+"""Next-token sampling: logit adjustments, greedy, temperature, top-k, top-p and min-p,
+reproducible per request, with the log-probabilities a request asks for."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from engine.logits_adjust import adjust_logits
 from engine.sampling_params import SamplingParams
+from engine.token_logprobs import TokenLogprobs
 
 GREEDY_BELOW = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """token_ids [batch] int64 on the logits' device; ``logprobs[i]`` for the rows whose
+    params ask for logprobs (None for the others), or None when no row asks."""
+
+    token_ids: torch.Tensor
+    logprobs: list[TokenLogprobs | None] | None = None
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
@@ -43,6 +56,11 @@ class Sampler:
     with a single uniform from the row's generator. Every filter keeps the most likely token.
     A row's token depends only on its own logits, parameters and generator, never on the other
     rows of the batch.
+
+    Before any of that, rows with a logit bias or a penalty get their logits adjusted
+    (engine/logits_adjust.py); greedy rows then take the argmax of the adjusted logits. Rows
+    that ask for logprobs get them from the raw logits (see :class:`TokenLogprobs`), as vLLM
+    reports them by default.
     """
 
     def __call__(
@@ -50,11 +68,15 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
-    ) -> torch.Tensor:
-        """logits [batch, vocab] (any float dtype) -> token ids [batch] int64 on logits' device.
+        prompt_ids: Sequence[Sequence[int]] | None = None,
+        output_ids: Sequence[Sequence[int]] | None = None,
+    ) -> SamplerOutput:
+        """logits [batch, vocab] (any float dtype) -> the tokens of every row, and logprobs.
 
         ``params[i]`` and ``generators[i]`` belong to row i; a None generator draws from the
-        default RNG of the logits' device. Greedy rows draw nothing.
+        default RNG of the logits' device. Greedy rows draw nothing. ``prompt_ids[i]`` and
+        ``output_ids[i]`` are row i's request's tokens so far, needed only when a row has a
+        penalty (read, never kept).
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
@@ -64,6 +86,27 @@ class Sampler:
                 f"need one SamplingParams and one generator per row: batch={batch}, "
                 f"len(params)={len(params)}, len(generators)={len(generators)}"
             )
+        adjusted = logits
+        if any(p.adjusts_logits for p in params):
+            if any(p.has_penalties for p in params) and (prompt_ids is None or output_ids is None):
+                raise ValueError("penalties need every row's prompt_ids and output_ids")
+            adjusted = adjust_logits(
+                logits, params, prompt_ids or [()] * batch, output_ids or [()] * batch
+            )
+        token_ids = self._choose(adjusted, params, generators)
+        logprobs = None
+        if any(p.logprobs is not None for p in params):
+            logprobs = token_logprobs(logits, token_ids, params)
+        return SamplerOutput(token_ids, logprobs)
+
+    def _choose(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> torch.Tensor:
+        """logits [batch, vocab] -> token ids [batch] int64: argmax or a draw per row."""
+        batch = logits.shape[0]
         device = logits.device
         if all(p.temperature < GREEDY_BELOW for p in params):
             return logits.argmax(dim=-1)  # all greedy (the common decode batch): one kernel
@@ -82,6 +125,38 @@ class Sampler:
                 [generators[i] for i in sampled_rows],
             )
         return token_ids
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams]
+) -> list[TokenLogprobs | None]:
+    """Logprobs of ``token_ids`` [batch] and of each row's ``params[i].logprobs`` most likely
+    tokens, from the raw logits [batch, vocab]; None for rows that ask for none."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # [r, vocab]
+    chosen_ids = token_ids.index_select(0, index)
+    chosen = logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1)
+    k = min(max(params[i].logprobs or 0 for i in rows), logprobs.shape[1])
+    top_values, top_ids = logprobs.topk(k, dim=-1)  # k == 0 gives [r, 0]
+    # One copy to the host: float64 holds every token id and float32 logprob exactly.
+    table = torch.cat(
+        [
+            chosen_ids[:, None].double(),
+            chosen[:, None].double(),
+            top_ids.double(),
+            top_values.double(),
+        ],
+        dim=1,
+    ).tolist()
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    for row, i in zip(table, rows, strict=True):
+        want = params[i].logprobs or 0
+        top = tuple(
+            (int(t), v) for t, v in zip(row[2 : 2 + want], row[2 + k : 2 + k + want], strict=True)
+        )
+        out[i] = TokenLogprobs(int(row[0]), row[1], top)
+    return out
 
 
 def _sample(

@@ -140,6 +140,8 @@ class Scheduler:
         self._take(request, need)
         request.num_cached_pages = len(matched)
         request.num_computed = len(matched) * self.config.page_size
+        if request.num_cached_prompt_tokens is None:  # first admission: not a recompute
+            request.num_cached_prompt_tokens = request.num_computed
         return True
 
     def reserve(self, request: Request) -> None:
@@ -236,6 +238,17 @@ class Scheduler:
         if not request.keep_pages:
             self.release_pages(request)
 
+    def share_prompt(self, request: Request) -> None:
+        """Share the full pages of ``request``'s computed prompt through the prefix cache (when
+        there is one) while it runs, so that requests with the same prompt admitted from now
+        on reuse its KV instead of computing it again."""
+        if self.prefix_cache is None or not request.pages:
+            return
+        computed = request.prompt_ids[: request.num_computed]
+        held = request.num_cached_pages + request.num_shared_pages
+        held = self.prefix_cache.share(computed, request.pages, held)
+        request.num_shared_pages = held - request.num_cached_pages
+
     def release_pages(self, request: Request) -> None:
         """Return a request's pages: the full pages of its computed tokens (prompt and
         output) to the prefix cache, the rest freed."""
@@ -244,7 +257,9 @@ class Scheduler:
         pages = request.pages
         if self.prefix_cache is not None:
             computed = request.known_ids[: request.num_computed]
-            pages = self.prefix_cache.insert(computed, pages, request.num_cached_pages)
+            held = request.num_cached_pages + request.num_shared_pages
+            pages = self.prefix_cache.insert(computed, pages, held)
         self.allocator.free(pages)
         request.set_pages([])
         request.num_cached_pages = 0
+        request.num_shared_pages = 0

@@ -46,6 +46,23 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _REPLACEMENT_CHAR = "\ufffd"
 
 
+def _byte_level_decoder() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's ``bytes_to_unicode``), inverted: symbol -> byte."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\u00a1"), ord("\u00ac") + 1),
+        *range(ord("\u00ae"), ord("\u00ff") + 1),
+    ]
+    symbols = {b: chr(b) for b in printable}
+    shifted = (b for b in range(256) if b not in symbols)
+    for n, b in enumerate(shifted):
+        symbols[b] = chr(256 + n)
+    return {symbol: b for b, symbol in symbols.items()}
+
+
+_BYTE_LEVEL_DECODER = _byte_level_decoder()
+
+
 class Tokenizer:
     """A ``tokenizers`` backend plus the special tokens and chat templates of one checkpoint.
 
@@ -80,6 +97,7 @@ class Tokenizer:
         else:
             self._chat_templates = dict(chat_template)
         self._compiled: dict[str, jinja2.Template] = {}
+        self._token_bytes: dict[int, bytes] = {}
         # transformers adds named special tokens missing from the vocab as new special tokens.
         missing = [t for t in self._special_tokens.values() if backend.token_to_id(t) is None]
         if missing:
@@ -166,6 +184,27 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; bytes that do not form a whole UTF-8 character decode to U+FFFD."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for in decoded text (a special token: its text, UTF-8).
+
+        A token that is part of a UTF-8 character (a byte-level BPE symbol, or a byte-fallback
+        ``<0xNN>`` token) gives its raw bytes, which ``decode([token_id])`` would turn into
+        U+FFFD: OpenAI's logprobs report them so a client can join split characters.
+        """
+        cached = self._token_bytes.get(token_id)
+        if cached is not None:
+            return cached
+        text = self._backend.decode([token_id], skip_special_tokens=False)
+        raw = text.encode()
+        piece = self._backend.id_to_token(token_id)
+        if _REPLACEMENT_CHAR in text and piece is not None:
+            if all(ch in _BYTE_LEVEL_DECODER for ch in piece):
+                raw = bytes(_BYTE_LEVEL_DECODER[ch] for ch in piece)
+            elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                raw = bytes([int(piece[3:5], 16)])
+        self._token_bytes[token_id] = raw
+        return raw
 
     def apply_chat_template(
         self,

@@ -13,7 +13,8 @@ DEFAULT_PORT = 50055  # the CLI's default; EPLBConfig's 0 picks any free port
 
 @dataclass(frozen=True)
 class EPLBConfig:
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the address bound
+    advertise_host: str = ""  # what peers dial; empty: from ``host`` (dsmesh.runtime.address)
     port: int = 0  # 0: any free port (reported through ``ready``)
     interval_s: float = 60.0  # periodic rebalance of every instance with load
     threshold: float = 0.05  # apply when predicted balancedness rises by more than this

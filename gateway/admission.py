@@ -12,6 +12,10 @@ its pages (subtract them), and one asked for before a request ended still counts
 are free again (add them back). Other gateways' requests show up at the next poll. A prefill's
 queue holds a prompt until prefill answers the request, which this gateway sees exactly, so
 its own prompts not yet answered bound what it sends there.
+
+With KV-aware routing (``prefix_weight`` > 0) targets are also scored by the prefix of the
+prompt that each instance's cache holds (``MeshLoads.prefixes``, gateway/prefix_index.py),
+and a prefill is charged only the prompt tokens it is expected to compute.
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from gateway.prefix_index import PrefixIndex, PromptPages
 from gateway.routing import (
     DecodeLoad,
     PrefillLoad,
+    PrefixHits,
     Target,
     choose_target,
     could_ever_fit,
@@ -37,6 +43,7 @@ class Ticket:
     request_id: str
     prompt_tokens: int
     total_tokens: int  # prompt + max_new_tokens, capped at the model's context
+    prompt: PromptPages | None = field(default=None, compare=False)  # for KV-aware routing
 
 
 @dataclass(frozen=True)
@@ -48,19 +55,28 @@ class MeshLoads:
     decodes: tuple[DecodeLoad, ...] = ()
     unifieds: tuple[DecodeLoad, ...] = ()
     asked_at: Mapping[str, float] = field(default_factory=dict)
+    # the prefixes prefill and unified instances hold (a live view); None: not followed
+    prefixes: PrefixIndex | None = field(default=None, compare=False)
 
     @property
     def routable(self) -> bool:
         """Some target exists: a unified instance, or a prefill and a decode."""
         return bool(self.unifieds) or (bool(self.prefills) and bool(self.decodes))
 
-    def choose(self, ticket: Ticket) -> Target | None:
+    def choose(self, ticket: Ticket, prefix_weight: float = 0.0) -> Target | None:
+        """Where ``ticket`` goes now (``routing.choose_target``); with ``prefix_weight`` > 0
+        and the prompt's pages known, KV-aware."""
+        hits = None
+        if prefix_weight > 0 and ticket.prompt is not None and self.prefixes is not None:
+            ids = [x.instance_id for x in (*self.prefills, *self.unifieds)]
+            hits = PrefixHits(self.prefixes.hits(ticket.prompt, ids), prefix_weight)
         return choose_target(
             list(self.prefills),
             list(self.decodes),
             list(self.unifieds),
             ticket.prompt_tokens,
             ticket.total_tokens,
+            hits,
         )
 
     def pages_for(self, target: Target, ticket: Ticket) -> int:
@@ -250,6 +266,11 @@ class Ledger:
             del self._entries[request_id]
 
 
+def _to_compute(ticket: Ticket, target: Target) -> int:
+    """Prompt tokens the target's prefill (or unified instance) is expected to compute."""
+    return ticket.prompt_tokens - target.cached_tokens
+
+
 # ---- the queue -----------------------------------------------------------------------------
 
 
@@ -263,9 +284,13 @@ class Pumped:
 
 
 class AdmissionQueue:
-    def __init__(self, max_inflight: int, max_queued: int) -> None:
+    """``prefix_weight``: what a cached prompt token weighs against a token of load in
+    routing (``routing.PrefixHits``); 0 routes by load alone."""
+
+    def __init__(self, max_inflight: int, max_queued: int, prefix_weight: float = 0.0) -> None:
         self.max_inflight = max_inflight
         self.max_queued = max_queued
+        self.prefix_weight = prefix_weight
         self.ledger = Ledger()
         self._waiting: dict[str, tuple[Ticket, float]] = {}  # arrival order; value: since
         self._unroutable_since: float | None = None
@@ -328,7 +353,7 @@ class AdmissionQueue:
             if target is None:
                 break
             del self._waiting[request_id]
-            view = view.charged(target, ticket.prompt_tokens, view.pages_for(target, ticket))
+            view = view.charged(target, _to_compute(ticket, target), view.pages_for(target, ticket))
             out.dispatched.append((ticket, target))
         return out
 
@@ -347,10 +372,10 @@ class AdmissionQueue:
     def _try_dispatch(self, ticket: Ticket, view: MeshLoads) -> Target | None:
         if self.ledger.num_live >= self.max_inflight:
             return None
-        target = view.choose(ticket)
+        target = view.choose(ticket, self.prefix_weight)
         if target is not None:
             pages = view.pages_for(target, ticket)
-            self.ledger.charge(ticket.request_id, target, ticket.prompt_tokens, pages)
+            self.ledger.charge(ticket.request_id, target, _to_compute(ticket, target), pages)
         return target
 
     @staticmethod

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from dsmesh.runtime.convert import sampling_from_proto
+from dsmesh.runtime.convert import logprobs_to_proto, sampling_from_proto
 from dsmesh.v1 import generation_pb2 as pb
 from engine.errors import InvalidRequestError
 from gateway.core import GatewayError, GenerationCore, invalid
@@ -31,9 +31,11 @@ async def generate(
             token_ids=delta.token_ids,
             text=delta.text,
             finish_reason=delta.finish_reason or "",
+            logprobs=[logprobs_to_proto(lp) for lp in delta.logprobs or ()],
         )
         msg.usage.prompt_tokens = delta.prompt_tokens
         msg.usage.completion_tokens = delta.completion_tokens
+        msg.usage.cached_tokens = delta.cached_tokens
         yield msg
 
 
@@ -51,6 +53,7 @@ def aggregate(messages: list[pb.GenerateResponse]) -> pb.GenerateResponse:
     out = pb.GenerateResponse(request_id=messages[-1].request_id)
     for m in messages:
         out.token_ids.extend(m.token_ids)
+        out.logprobs.extend(m.logprobs)
     out.text = "".join(m.text for m in messages)
     out.finish_reason = messages[-1].finish_reason
     out.usage.CopyFrom(messages[-1].usage)

@@ -21,11 +21,12 @@ from opentelemetry.context import Context
 
 from dsmesh.clients.pd import PDError, generate_pd, generate_unified
 from dsmesh.runtime import telemetry
-from dsmesh.runtime.convert import sampling_to_proto
-from dsmesh.v1 import generation_pb2, prefill_pb2
+from dsmesh.runtime.convert import logprobs_from_proto, sampling_to_proto
+from dsmesh.v1 import decode_pb2, generation_pb2, prefill_pb2
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError, check_prompt
 from engine.sampling_params import SamplingParams
+from engine.token_logprobs import TokenLogprobs
 from engine.tokenizer import Tokenizer
 from gateway.admission import (
     AdmissionError,
@@ -36,6 +37,7 @@ from gateway.admission import (
     Unroutable,
 )
 from gateway.metrics import GatewayMetrics
+from gateway.prefix_index import PromptPages
 from gateway.registry import Instance, InstanceRegistry
 from gateway.routing import Target, largest_request_tokens
 from gateway.stop_strings import OutputText
@@ -72,6 +74,10 @@ class Delta:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from a prefix cache, as the instance reported
+    # one per token_ids entry when the request asks for logprobs (sampling.logprobs), else None
+    logprobs: list[TokenLogprobs] | None = None
+    index: int = 0  # which of the request's choices (n > 1, gateway/choices.py)
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,8 @@ class CoreLimits:
     route_wait_s: float = 5.0  # how long requests wait while no instance can serve at all
     max_inflight: int = 512  # requests dispatched to instances at most; more wait in the queue
     max_queued: int = 1024  # requests waiting in the queue at most; more get 429
+    # KV-aware routing: what a cached prompt token weighs against a token of load; 0: off
+    kv_routing_weight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -115,7 +123,9 @@ class GenerationCore:
         self.model_config = model_config
         self.metrics = metrics
         self.limits = limits
-        self.admission = AdmissionQueue(limits.max_inflight, limits.max_queued)
+        self.admission = AdmissionQueue(
+            limits.max_inflight, limits.max_queued, limits.kv_routing_weight
+        )
         # request_id -> where it runs; None while it waits for admission
         self.active: dict[str, Placement | None] = {}
         self._queued: dict[str, asyncio.Future[Placement]] = {}
@@ -151,6 +161,7 @@ class GenerationCore:
             raise invalid(exc.field, exc.reason) from exc
         try:
             params.validate()
+            params.check_vocab(self.model_config.vocab_size)
         except InvalidRequestError as exc:
             raise invalid(f"sampling.{exc.field}", exc.reason) from exc
         return GenerationInput(request_id, ids, params)
@@ -246,7 +257,8 @@ class GenerationCore:
         DEADLINE_EXCEEDED after ``request_timeout_s`` in the queue)."""
         prompt = len(inp.prompt_ids)
         total = min(prompt + inp.params.max_new_tokens, self.model_config.max_position_embeddings)
-        ticket = Ticket(inp.request_id, prompt, total)
+        pages = PromptPages(inp.prompt_ids) if self.limits.kv_routing_weight > 0 else None
+        ticket = Ticket(inp.request_id, prompt, total, pages)
         try:
             target = self.admission.submit(ticket, self.registry.loads(), time.monotonic())
         except AdmissionError as exc:
@@ -295,6 +307,7 @@ class GenerationCore:
         )
         if decode is None or (target.prefill_id is not None and prefill is None):
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, "the chosen instance just left")
+        self.metrics.routing.labels(target.reason).inc()
         return Placement(decode, prefill)
 
     async def _stream(
@@ -303,6 +316,7 @@ class GenerationCore:
         m = self.metrics
         output = OutputText(self.tokenizer, inp.params.stop)
         completion = 0
+        cached = 0  # prompt tokens the instance that prefilled it found in its prefix cache
         last = start
         sampling: generation_pb2.SamplingParams = sampling_to_proto(inp.params)
         if placed.prefill is None:
@@ -316,6 +330,8 @@ class GenerationCore:
         else:
 
             def on_prefilled(answer: prefill_pb2.PrefillResponse) -> None:
+                nonlocal cached
+                cached = answer.cached_tokens
                 self.admission.prefilled(inp.request_id)  # left prefill's queue: the next
                 self._pump()  # may go there
                 self.metrics.kv_handoff(answer)
@@ -339,6 +355,7 @@ class GenerationCore:
             async for msg in _first_in_context(stream, ctx, on_start):
                 now = time.monotonic()
                 tokens = list(msg.token_ids)
+                logprobs = _logprobs(msg, inp.params)
                 if tokens:
                     if state["waiting"]:
                         state["waiting"] = False
@@ -352,11 +369,16 @@ class GenerationCore:
                     last = now
                     completion += len(tokens)
                     m.generated_tokens.inc(len(tokens))
+                if placed.prefill is None:
+                    cached = msg.cached_tokens  # a unified instance reports it in its stream
                 text = output.push(tokens)
                 if output.stopped:
                     state["outcome"] = "stop"
                     m.e2e.observe(time.monotonic() - start)
-                    yield Delta(tokens, text, "stop", len(inp.prompt_ids), completion)
+                    m.cached_tokens.inc(cached)
+                    yield Delta(
+                        tokens, text, "stop", len(inp.prompt_ids), completion, cached, logprobs
+                    )
                     return
                 reason = msg.finish_reason or None
                 if reason is not None:
@@ -365,9 +387,12 @@ class GenerationCore:
                         reason = "stop"
                     state["outcome"] = reason
                     m.e2e.observe(time.monotonic() - start)
-                    yield Delta(tokens, text, reason, len(inp.prompt_ids), completion)
+                    m.cached_tokens.inc(cached)
+                    yield Delta(
+                        tokens, text, reason, len(inp.prompt_ids), completion, cached, logprobs
+                    )
                     return
-                yield Delta(tokens, text, None, len(inp.prompt_ids), completion)
+                yield Delta(tokens, text, None, len(inp.prompt_ids), completion, cached, logprobs)
             raise GatewayError(grpc.StatusCode.INTERNAL, "decode stream ended without a finish")
         except PDError as exc:
             raise GatewayError(exc.code, exc.message) from None
@@ -395,6 +420,18 @@ class GenerationCore:
             calls.append(placed.prefill.stub.Abort(req, timeout=5))
         results = await asyncio.gather(*calls, return_exceptions=True)
         return any(getattr(r, "aborted", False) for r in results)
+
+
+def _logprobs(msg: decode_pb2.DecodeResponse, params: SamplingParams) -> list[TokenLogprobs] | None:
+    """The message's logprobs, one per token, when the request asks for them."""
+    if params.logprobs is None:
+        return None
+    if len(msg.logprobs) != len(msg.token_ids):
+        raise GatewayError(
+            grpc.StatusCode.INTERNAL,
+            f"the instance sent {len(msg.logprobs)} logprobs for {len(msg.token_ids)} tokens",
+        )
+    return [logprobs_from_proto(lp) for lp in msg.logprobs]
 
 
 def _gateway_error(exc: AdmissionError) -> GatewayError:

@@ -9,6 +9,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from dsmesh.v1 import prefill_pb2
+from gateway.routing import REASONS
 
 LATENCY_BUCKETS = (
     0.001,
@@ -71,6 +72,20 @@ class GatewayMetrics:
         self.generated_tokens = Counter(
             "dsmesh_generated_tokens", "tokens generated and sent to clients", registry=r
         )
+        self.cached_tokens = Counter(
+            "dsmesh_prefix_cache_hit_tokens",
+            "prompt tokens of finished requests that a prefix cache served, as the instances "
+            "reported",
+            registry=r,
+        )
+        self.routing = Counter(
+            "dsmesh_routing_decisions",
+            "requests dispatched, by why their target was chosen (KV-aware routing)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in REASONS:
+            self.routing.labels(reason)  # every reason shows, from 0
         self.requests = Counter(
             "dsmesh_requests", "finished requests by outcome", ["outcome"], registry=r
         )

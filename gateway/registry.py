@@ -5,6 +5,10 @@ gateway needs only the broker's address: it lists instances every second and pol
 ``GetLoad`` a few times a second. An instance that stops answering is skipped by routing
 until it answers again; one that leaves the broker's list is dropped. Listeners
 (``on_update``) run after every poll round and every change of the list.
+
+With ``follow_prefixes`` each poll of a prefill or unified instance also asks for the changes
+of its prefix cache since the last one, kept in ``prefixes`` (gateway/prefix_index.py) for
+KV-aware routing.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
+from engine.prefix_hashes import PrefixChanges
 from gateway.admission import MeshLoads
+from gateway.prefix_index import PrefixIndex
 from gateway.routing import DecodeLoad, PrefillLoad
 
 log = logging.getLogger(__name__)
@@ -45,11 +51,16 @@ class Instance:
 
 class InstanceRegistry:
     def __init__(
-        self, broker_address: str, poll_interval_s: float = 0.25, rpc_timeout_s: float = 2.0
+        self,
+        broker_address: str,
+        poll_interval_s: float = 0.25,
+        rpc_timeout_s: float = 2.0,
+        follow_prefixes: bool = True,
     ) -> None:
         self.broker_address = broker_address
         self.poll_interval_s = poll_interval_s
         self.rpc_timeout_s = rpc_timeout_s
+        self.prefixes = PrefixIndex() if follow_prefixes else None
         self._broker_channel = channel(broker_address)
         self.broker = kb_grpc.KVBrokerStub(self._broker_channel)
         self.broker_ok = False
@@ -109,6 +120,7 @@ class InstanceRegistry:
             decodes=of(kb.ROLE_DECODE),
             unifieds=of(kb.ROLE_UNIFIED),
             asked_at={i.instance_id: i.asked_at for i in polled},
+            prefixes=self.prefixes,
         )
 
     def _notify(self) -> None:
@@ -161,6 +173,8 @@ class InstanceRegistry:
             inst = self.instances.pop(gone)
             log.info("instance %s left", gone)
             asyncio.get_running_loop().create_task(inst.channel.close())
+        if self.prefixes is not None:
+            self.prefixes.retain(self.instances)
 
     async def _watch_loads(self) -> None:
         while True:
@@ -173,8 +187,13 @@ class InstanceRegistry:
 
     async def _poll(self, inst: Instance) -> None:
         asked_at = time.monotonic()
+        request = prefill_pb2.LoadRequest()
+        if self.prefixes is not None and inst.role in (kb.ROLE_PREFILL, kb.ROLE_UNIFIED):
+            epoch, seq = self.prefixes.cursor(inst.instance_id)
+            request.prefixes.epoch, request.prefixes.seq = epoch, seq
+            request.prefixes.SetInParent()  # asked for even from (0, 0)
         try:
-            msg = await inst.stub.GetLoad(prefill_pb2.LoadRequest(), timeout=self.rpc_timeout_s)
+            msg = await inst.stub.GetLoad(request, timeout=self.rpc_timeout_s)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
@@ -197,6 +216,12 @@ class InstanceRegistry:
                 msg.page_size,
                 msg.max_running_requests,
             )
+        if self.prefixes is not None and msg.HasField("prefixes"):
+            digest = msg.prefixes
+            changes = PrefixChanges(
+                digest.epoch, digest.seq, digest.reset, list(digest.stored), list(digest.removed)
+            )
+            self.prefixes.apply(inst.instance_id, changes, digest.page_size)
         inst.asked_at = asked_at
         inst.healthy = True
 

@@ -1,13 +1,28 @@
-"""Where a request runs, from reported load: pure policies.
+"""Where a request runs, from reported load and prefix caches: pure policies.
 
 A request runs either on a (prefill, decode) pair or on a unified instance (prefill and
 decode in one engine). Decode and unified instances report the same load (``DecodeLoad``): the
 KV pages a request holds for its whole life are taken there.
+
+KV-aware routing: prefill and unified instances hold a prefix cache, and a prompt whose
+leading tokens an instance holds costs that instance fewer tokens to prefill. ``PrefixHits``
+says how many leading tokens of the prompt each instance holds (gateway/prefix_index.py) and
+what a cached token is worth against load, as NVIDIA Dynamo's KV router weighs prefill tokens
+against active KV blocks: a cached token counts as ``weight`` tokens of queued prefill work
+less on a prefill, and as ``weight`` more free KV tokens on a unified instance.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+# Why a target was chosen (the gateway counts decisions by reason).
+PREFIX = "prefix"  # the instance holding the longest prefix of the prompt
+LOAD = "load"  # another instance held a longer prefix, but this one's lower load won
+NO_PREFIX = "no_prefix"  # no instance that could serve holds any of the prompt: load alone
+PREFIX_OFF = "prefix_off"  # KV-aware routing is off: load alone
+REASONS = (PREFIX, LOAD, NO_PREFIX, PREFIX_OFF)
 
 
 @dataclass(frozen=True)
@@ -60,23 +75,45 @@ class DecodeLoad:
 
 
 @dataclass(frozen=True)
+class PrefixHits:
+    """Leading prompt tokens each instance's prefix cache holds (absent: none), and what one
+    cached token weighs against a token of load (> 0)."""
+
+    cached_tokens: Mapping[str, int]
+    weight: float = 1.0
+
+    def of(self, instance_id: str) -> int:
+        return self.cached_tokens.get(instance_id, 0)
+
+
+@dataclass(frozen=True)
 class Target:
     """Where one request runs: ``instance_id`` is the decode or unified instance that holds
-    its pages and streams its tokens; ``prefill_id`` is set for a pair, None for unified."""
+    its pages and streams its tokens; ``prefill_id`` is set for a pair, None for unified.
+    ``cached_tokens``: prompt tokens the instance that prefills it is expected to hold;
+    ``reason``: why it was chosen (one of :data:`REASONS`)."""
 
     instance_id: str
     prefill_id: str | None = None
+    cached_tokens: int = field(default=0, compare=False)
+    reason: str = field(default=PREFIX_OFF, compare=False)
 
     @property
     def unified(self) -> bool:
         return self.prefill_id is None
 
 
-def choose_prefill(loads: list[PrefillLoad]) -> PrefillLoad | None:
-    """Least waiting prompt tokens, then fewest requests, then id (deterministic)."""
+def choose_prefill(loads: list[PrefillLoad], hits: PrefixHits | None = None) -> PrefillLoad | None:
+    """Least queued prefill work: waiting prompt tokens, less ``hits.weight`` per cached
+    token of this prompt; then fewest requests, then id (deterministic)."""
     if not loads:
         return None
-    return min(loads, key=lambda x: (x.waiting_tokens, x.running_requests, x.instance_id))
+
+    def cost(x: PrefillLoad) -> tuple[float, int, str]:
+        cached = hits.weight * hits.of(x.instance_id) if hits is not None else 0.0
+        return (x.waiting_tokens - cached, x.running_requests, x.instance_id)
+
+    return min(loads, key=cost)
 
 
 def choose_decode(loads: list[DecodeLoad], pages_needed: int = 0) -> DecodeLoad | None:
@@ -93,29 +130,60 @@ def choose_target(
     unifieds: list[DecodeLoad],
     prompt_tokens: int,
     total_tokens: int,
+    hits: PrefixHits | None = None,
 ) -> Target | None:
     """A target with room for a request of ``prompt_tokens`` prompt and ``total_tokens``
     prompt + new tokens (capped at the model's context), or None when none has room now.
 
     Among decode and unified instances with a free slot and free pages for ``total_tokens``,
-    the one with
-    the most free tokens, then the fewest running requests, then the smallest id; a decode
-    counts only when some prefill has room for the prompt, and gets the least loaded of
-    those (``choose_prefill``).
+    the one with the most free tokens (a unified instance's plus ``hits.weight`` per cached
+    token of the prompt), then the fewest running requests, then the smallest id. A decode
+    counts only when some prefill has room for the prompt, and gets the one with the least
+    queued work (``choose_prefill``). Without ``hits`` (KV-aware routing off), load alone.
     """
-    prefill = choose_prefill([p for p in prefills if p.has_room(prompt_tokens)])
-    candidates = [(u, True) for u in unifieds if u.has_room(total_tokens)]
-    if prefill is not None:
-        candidates += [(d, False) for d in decodes if d.has_room(total_tokens)]
-    if not candidates:
+    roomy_prefills = [p for p in prefills if p.has_room(prompt_tokens)]
+    prefill = choose_prefill(roomy_prefills, hits)
+    roomy_unifieds = [u for u in unifieds if u.has_room(total_tokens)]
+    roomy_decodes = [d for d in decodes if d.has_room(total_tokens)] if prefill else []
+    if not roomy_unifieds and not roomy_decodes:
         return None
-    best, unified = min(
-        candidates, key=lambda c: (-c[0].free_tokens, c[0].running_requests, c[0].instance_id)
+
+    def held(instance_id: str) -> int:
+        return hits.of(instance_id) if hits is not None else 0
+
+    weight = hits.weight if hits is not None else 0.0
+    unified_ids = {u.instance_id for u in roomy_unifieds}
+    best = min(
+        roomy_unifieds + roomy_decodes,
+        key=lambda x: (
+            # a decode holds no prefix for its request: its prefill does
+            -(
+                x.free_tokens
+                + (weight * held(x.instance_id) if x.instance_id in unified_ids else 0)
+            ),
+            x.running_requests,
+            x.instance_id,
+        ),
     )
-    if unified:
-        return Target(best.instance_id)
+    # the instances that could have prefilled it: unified ones with room, and the prefills
+    # with room when a pair could take it
+    servers = [u.instance_id for u in roomy_unifieds]
+    servers += [p.instance_id for p in roomy_prefills] if roomy_decodes else []
+    longest = max((held(i) for i in servers), default=0)
+    if best.instance_id in unified_ids:
+        chosen = held(best.instance_id)
+        return Target(best.instance_id, None, chosen, _reason(hits, chosen, longest))
     assert prefill is not None
-    return Target(best.instance_id, prefill.instance_id)
+    chosen = held(prefill.instance_id)
+    return Target(best.instance_id, prefill.instance_id, chosen, _reason(hits, chosen, longest))
+
+
+def _reason(hits: PrefixHits | None, chosen: int, longest: int) -> str:
+    if hits is None:
+        return PREFIX_OFF
+    if longest == 0:
+        return NO_PREFIX
+    return PREFIX if chosen == longest else LOAD
 
 
 def largest_pool_tokens(

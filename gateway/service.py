@@ -12,6 +12,7 @@ from pathlib import Path
 from aiohttp import web
 
 from dsmesh.runtime import telemetry
+from dsmesh.runtime.address import advertise_host, host_port
 from dsmesh.runtime.drain import Drain
 from dsmesh.runtime.grpc_server import method_paths, set_channel_defaults, start_server
 from dsmesh.runtime.lifecycle import (
@@ -39,7 +40,8 @@ SERVICE = _SERVICE.full_name
 class GatewayConfig:
     broker_address: str
     model_dir: str
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the address bound (gRPC and HTTP)
+    advertise_host: str = ""  # what clients dial; empty: from ``host`` (dsmesh.runtime.address)
     grpc_port: int = 50051
     http_port: int = 8000
     served_model_name: str = ""  # default: the model folder's name
@@ -48,6 +50,8 @@ class GatewayConfig:
     max_body_bytes: int = 8 << 20
     max_inflight: int = 512  # requests dispatched to instances at most; more wait in the queue
     max_queued: int = 1024  # requests waiting in the gateway's queue at most; more get 429
+    # KV-aware routing: what a cached prompt token weighs against a token of load; 0: off
+    kv_routing_weight: float = 1.0
     tls: TLSConfig = TLSConfig()  # the public gRPC port and every channel; off by default
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no key needed
@@ -55,6 +59,8 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         check_drain_timeout(self.drain_timeout_s)
+        if not self.kv_routing_weight >= 0:
+            raise ValueError(f"--kv-routing-weight must be >= 0, got {self.kv_routing_weight}")
 
 
 async def serve(
@@ -67,7 +73,7 @@ async def serve(
     model_config = load_config(config.model_dir)
     tokenizer = Tokenizer.from_dir(config.model_dir)
     name = config.served_model_name or Path(config.model_dir).resolve().name
-    registry = InstanceRegistry(config.broker_address)
+    registry = InstanceRegistry(config.broker_address, follow_prefixes=config.kv_routing_weight > 0)
     registry.start()
     metrics = GatewayMetrics(registry.kv_pages)
     core = GenerationCore(
@@ -80,6 +86,7 @@ async def serve(
             config.handoff_timeout_s,
             max_inflight=config.max_inflight,
             max_queued=config.max_queued,
+            kv_routing_weight=config.kv_routing_weight,
         ),
     )
     drain = Drain(method_paths(_SERVICE, "Generate"))  # Abort concerns accepted work
@@ -105,12 +112,11 @@ async def serve(
     await site.start()
     http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     log.info(
-        "gateway serving model %r: gRPC %s:%d, HTTP %s:%d",
+        "gateway serving model %r: gRPC %s, HTTP %s (bound to %s)",
         name,
+        host_port(advertise_host(config.host, config.advertise_host), grpc_server.port),
+        host_port(advertise_host(config.host, config.advertise_host), http_port),
         config.host,
-        grpc_server.port,
-        config.host,
-        http_port,
     )
     if ready is not None:
         ready(grpc_server.port, http_port)

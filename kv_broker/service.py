@@ -26,7 +26,8 @@ DEFAULT_PORT = 50054  # the CLI's default; BrokerConfig's 0 picks any free port
 
 @dataclass(frozen=True)
 class BrokerConfig:
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the address bound
+    advertise_host: str = ""  # what peers dial; empty: from ``host`` (dsmesh.runtime.address)
     port: int = 0  # 0: any free port (reported through ``ready``)
     handoff_timeout_s: float = 30.0  # whole-handoff deadline when Reserve gives none
     heartbeat_interval_s: float = 1.0  # heartbeat events on idle Attach streams

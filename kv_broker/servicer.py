@@ -105,7 +105,7 @@ def _pool_proto(pool: RemotePool | None) -> pb.RemotePool:
 
 
 def _status(h: Handoff) -> pb.HandoffStatus:
-    return pb.HandoffStatus(
+    status = pb.HandoffStatus(
         request_id=h.request_id,
         state=int(h.state),
         first_token_id=0 if h.first_token_id is None else h.first_token_id,
@@ -116,6 +116,9 @@ def _status(h: Handoff) -> pb.HandoffStatus:
         prefill_released=h.prefill_released,
         cause=int(h.cause),
     )
+    if h.first_token_logprobs is not None:
+        status.first_token_logprobs.ParseFromString(h.first_token_logprobs)
+    return status
 
 
 def _event(h: Handoff) -> pb.BrokerEvent:
@@ -502,8 +505,15 @@ class KVBrokerServicer(kv_broker_pb2_grpc.KVBrokerServicer):
     async def Commit(
         self, request: pb.CommitRequest, context: grpc.aio.ServicerContext
     ) -> pb.HandoffStatus:
+        logprobs = None
+        if request.HasField("first_token_logprobs"):
+            logprobs = request.first_token_logprobs.SerializeToString()
         t = self._table.commit(
-            request.request_id, request.first_token_id, request.bytes_written, self._clock()
+            request.request_id,
+            request.first_token_id,
+            request.bytes_written,
+            self._clock(),
+            first_token_logprobs=logprobs,
         )
         self._publish([t])
         return _status(t.handoff)

@@ -163,6 +163,9 @@ class Handoff:
     allowed_s: float = 0.0  # deadline minus the last report that set it
     expected_s: float = 0.0  # prefill's last estimate of the time to its commit
     first_token_id: int | None = None
+    # The first token's logprobs as prefill committed them (a serialised message), carried
+    # to decode unread; None when the request asked for none.
+    first_token_logprobs: bytes | None = None
     bytes_written: int = 0
     tokens_written: int = 0
     message: str = ""
@@ -385,7 +388,12 @@ class HandoffTable:
         return h.snapshot()
 
     def commit(
-        self, request_id: str, first_token_id: int, bytes_written: int, now: float
+        self,
+        request_id: str,
+        first_token_id: int,
+        bytes_written: int,
+        now: float,
+        first_token_logprobs: bytes | None = None,
     ) -> Transition:
         """All KV is written and the first token sampled: TRANSFERRING -> DONE."""
         if first_token_id < 0:
@@ -398,6 +406,7 @@ class HandoffTable:
                 h, "commit", HandoffState.TRANSFERRING, ErrorCode.FAILED_PRECONDITION
             )
         h.first_token_id = first_token_id
+        h.first_token_logprobs = first_token_logprobs
         h.tokens_written = h.num_tokens
         h.bytes_written = max(h.bytes_written, bytes_written)
         return self._finish(h, HandoffState.DONE, "", now, HandoffCause.UNSPECIFIED, True)

@@ -21,10 +21,12 @@ from opentelemetry.context import Context
 
 from dsmesh.instance.failures import CallFailed
 from dsmesh.instance.metrics import InstanceMetrics
+from dsmesh.instance.prefixes import prefix_digest
 from dsmesh.instance.rpc import parse_request, unary
 from dsmesh.instance.worker import EngineWorker
 from dsmesh.runtime import telemetry
 from dsmesh.runtime.background import BackgroundTasks
+from dsmesh.runtime.convert import logprobs_to_proto
 from dsmesh.runtime.transfer import KVTransport, RemotePool
 from dsmesh.v1 import generation_pb2, prefill_pb2, prefill_pb2_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
@@ -33,6 +35,7 @@ from engine.errors import InvalidRequestError
 from engine.kv_cache import pages_for
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.sampling_params import SamplingParams
+from engine.token_logprobs import TokenLogprobs
 from prefill_svc.estimate import Backlog, StepRate
 from prefill_svc.handoff import (
     Free,
@@ -65,8 +68,10 @@ class _Job:
     done: asyncio.Future[tuple[int, int]]  # first token and KV bytes, once every write landed
     trace_context: Context | None = None  # the Prefill RPC's, for spans made on other threads
     remote: RemotePool | None = None  # decode's pool, once resolved
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache served (set when prefilled)
     write_s: float = 0.0  # time the transfer lane spent writing this request's KV
+    # the first token's logprobs, when the request asks for them (set when prefilled)
+    first_logprobs: TokenLogprobs | None = None
     # Engine thread only: when the request was queued, the end of its last traced interval
     # (submit, then each chunk), and whether its prefill.queue span is still due.
     submit_ns: int = 0
@@ -181,7 +186,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             first_token, nbytes = await job.done
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(len(prompt))
-                self.metrics.cached_tokens.inc(job.cached_tokens)
             with telemetry.tracer().start_as_current_span(
                 "kv.commit", attributes={"dsmesh.request_id": rid, "dsmesh.kv.bytes": nbytes}
             ):
@@ -262,23 +266,20 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def _submit(self, job: _Job, prompt: list[int], params: SamplingParams) -> None:
         job.handoff.submit()  # a request stopped meanwhile fails here, before the engine
         try:
-            cached_pages = await self.worker.call(lambda e: self._start(e, job, prompt, params))
+            await self.worker.call(lambda e: self._start(e, job, prompt, params))
         except InvalidRequestError as exc:
             await self._stop(job, job.handoff.fail(kb.CAUSE_INVALID_REQUEST, str(exc)))
             raise
-        job.cached_tokens = cached_pages * self.page_size
 
     def _start(
         self, engine: LLMEngine, job: _Job, prompt: list[int], params: SamplingParams
-    ) -> int:
-        """Engine thread: queue the prompt and route its outputs to the transfer lanes;
-        returns its pages found in the prefix cache."""
+    ) -> None:
+        """Engine thread: queue the prompt and route its outputs to the transfer lanes."""
         self.transfers.begin(job.request_id)
         engine.add_request(prompt, params, request_id=job.request_id, prefill_only=True)
         job.submit_ns = job.mark_ns = time.time_ns()
         job.queued = True
         self.worker.listen(job.request_id, lambda out: self._on_output(engine, job, out))
-        return engine.requests[job.request_id].num_cached_pages
 
     def _on_output(self, engine: LLMEngine, job: _Job, out: StepOutput) -> None:
         """Engine thread: a chunk's KV is in our pages; queue its write to decode."""
@@ -298,6 +299,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self._token_rate.add(self.worker.num_steps, end - start, time.monotonic())
         if out.finished:
             handoff.prefilled(time.monotonic())
+            job.first_logprobs = out.logprobs[0] if out.logprobs else None
+            job.cached_tokens = req.num_cached_prompt_tokens or 0
         pages = handoff.pages_to_send(end)
         if pages:
             assert job.remote is not None
@@ -380,6 +383,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         req = kb.CommitRequest(
             request_id=job.request_id, first_token_id=first_token, bytes_written=nbytes
         )
+        if job.first_logprobs is not None:  # set on the engine thread before the final write
+            req.first_token_logprobs.CopyFrom(logprobs_to_proto(job.first_logprobs))
         try:
             await self.broker.Commit(req, timeout=self.limits.broker_rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -492,7 +497,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def GetLoad(  # noqa: N802
         self, request: prefill_pb2.LoadRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.PrefillLoad:
-        load = await self.worker.call(lambda e: e.load())
+        load, prefixes = await self.worker.call(lambda e: (e.load(), prefix_digest(e, request)))
         return prefill_pb2.PrefillLoad(
             instance_id=self.limits.instance_id,
             waiting_tokens=load.pending_prompt_tokens,
@@ -500,4 +505,5 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             free_pages=load.free_pages,
             total_pages=load.total_pages,
             max_queued_tokens=self.limits.max_queued_tokens,
+            prefixes=prefixes,
         )

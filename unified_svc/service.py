@@ -33,7 +33,9 @@ SERVICE = _SERVICE.full_name
 class UnifiedConfig:
     broker_address: str
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(prefix_cache=True))
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the address bound
+    # what peers dial, registered with kv_broker; empty: from ``host`` (dsmesh.runtime.address)
+    advertise_host: str = ""
     port: int = 0
     instance_id: str = ""
     metrics_port: int = 0  # Prometheus /metrics port; 0 = off

@@ -10,12 +10,15 @@ import grpc
 
 from dsmesh.instance.failures import already_active
 from dsmesh.instance.metrics import InstanceMetrics
+from dsmesh.instance.prefixes import prefix_digest
 from dsmesh.instance.rpc import parse_request, server_stream, unary
 from dsmesh.instance.worker import EngineWorker, drain_outputs
 from dsmesh.runtime.background import BackgroundTasks
+from dsmesh.runtime.convert import logprobs_to_proto
 from dsmesh.v1 import decode_pb2, decode_pb2_grpc, generation_pb2, prefill_pb2
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, StepOutput
+from engine.request import Request
 from unified_svc.load import unified_load
 
 
@@ -40,9 +43,11 @@ class UnifiedServicer(decode_pb2_grpc.DecodeServicer):
         prompt = list(request.input_ids)
         loop = asyncio.get_running_loop()
         streams: list[asyncio.Queue[StepOutput]] = []
+        requests: list[Request] = []
 
         def submit(engine: LLMEngine) -> None:
             engine.add_request(prompt, params, request_id=rid)
+            requests.append(engine.requests[rid])
             streams.append(self.worker.stream(rid, loop))
 
         settled = False  # nothing left in the engine: finished, or never queued
@@ -63,12 +68,16 @@ class UnifiedServicer(decode_pb2_grpc.DecodeServicer):
                 if self.metrics is not None:
                     self.metrics.generated_tokens.inc(len(out.new_token_ids))
                 settled = out.finished
+                # set on the engine thread at admission, before any token was delivered
+                cached = requests[0].num_cached_prompt_tokens or 0
                 yield decode_pb2.DecodeResponse(
                     request_id=rid,
                     token_ids=out.new_token_ids,
                     finish_reason=out.finish_reason or "",
                     prompt_tokens=len(prompt),
                     completion_tokens=completion,
+                    cached_tokens=cached,
+                    logprobs=[logprobs_to_proto(lp) for lp in out.logprobs or ()],
                 )
         finally:
             if settled:
@@ -98,7 +107,10 @@ class UnifiedServicer(decode_pb2_grpc.DecodeServicer):
     async def GetLoad(  # noqa: N802
         self, request: prefill_pb2.LoadRequest, context: grpc.aio.ServicerContext
     ) -> decode_pb2.DecodeLoad:
-        load = unified_load(await self.worker.call(lambda e: e.load()))
+        engine_load, prefixes = await self.worker.call(
+            lambda e: (e.load(), prefix_digest(e, request))
+        )
+        load = unified_load(engine_load)
         return decode_pb2.DecodeLoad(
             instance_id=self.instance_id,
             free_pages=load.free_pages,
@@ -107,4 +119,5 @@ class UnifiedServicer(decode_pb2_grpc.DecodeServicer):
             waiting_handoffs=load.waiting_requests,
             page_size=self.worker.engine.config.page_size,
             max_running_requests=self.worker.engine.config.max_running_requests,
+            prefixes=prefixes,
         )

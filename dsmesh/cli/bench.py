@@ -28,9 +28,16 @@ from bench.serving import (
     sample_random_requests,
     summarize,
 )
+from bench.workloads import (
+    MultiTurnConfig,
+    SharedPrefixConfig,
+    multi_turn_requests,
+    shared_prefix_requests,
+)
 from dsmesh.cli.common import add_engine_args, engine_config_from
 
 DEFAULT_NUM_PROMPTS = 100
+WORKLOADS = ("random", "shared-prefix", "multi-turn")
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -76,7 +83,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="deadline of each request (default: %(default)s)",
     )
 
-    g = p.add_argument_group("prompts (random token ids unless --dataset)")
+    g = p.add_argument_group("prompts (random token ids unless --dataset or --workload)")
+    g.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="random",
+        help="random: independent prompts (--num-prompts, --input-len, --output-len); "
+        "shared-prefix: groups of prompts sharing a long system prompt (--gsp-*); "
+        "multi-turn: conversations whose turns resend the whole history (--mt-*) "
+        "(default: %(default)s)",
+    )
     g.add_argument(
         "--num-prompts",
         type=int,
@@ -111,6 +127,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--seed", type=int, default=d.seed, help="prompts and arrivals (default: %(default)s)"
     )
+    _add_workload_args(p)
 
     g = p.add_argument_group("load")
     g.add_argument(
@@ -158,6 +175,33 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    gsp, mt = SharedPrefixConfig(), MultiTurnConfig()
+    g = p.add_argument_group(
+        "--workload shared-prefix (as sglang.bench_serving's generated-shared-prefix)"
+    )
+    for flag, default, text in (
+        ("--gsp-groups", gsp.num_groups, "groups, one system prompt each"),
+        ("--gsp-prompts-per-group", gsp.prompts_per_group, "prompts per group"),
+        ("--gsp-system-len", gsp.system_len, "tokens of each system prompt"),
+        ("--gsp-question-len", gsp.question_len, "tokens of each prompt's own question"),
+        ("--gsp-output-len", gsp.output_len, "new tokens per prompt, EOS ignored"),
+    ):
+        g.add_argument(
+            flag, type=int, default=default, metavar="N", help=f"{text} (default: {default})"
+        )
+    g = p.add_argument_group("--workload multi-turn (each turn waits for the one before)")
+    for flag, default, text in (
+        ("--mt-conversations", mt.num_conversations, "conversations, arriving as --request-rate"),
+        ("--mt-turns", mt.num_turns, "turns per conversation"),
+        ("--mt-user-len", mt.user_len, "new user tokens per turn"),
+        ("--mt-output-len", mt.output_len, "answer tokens per turn, EOS ignored"),
+    ):
+        g.add_argument(
+            flag, type=int, default=default, metavar="N", help=f"{text} (default: {default})"
+        )
+
+
 def config_from(args: argparse.Namespace) -> BenchConfig:
     if args.request_rate <= 0:
         raise ValueError("--request-rate must be positive (inf = all at once)")
@@ -185,13 +229,32 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
 def requests_from(args: argparse.Namespace) -> list[BenchRequest]:
     if args.num_prompts is not None and args.num_prompts < 1:
         raise ValueError("--num-prompts must be at least 1")
+    ids = (args.min_token_id, args.max_token_id)
+    if args.workload != "random":
+        if args.dataset or args.num_prompts is not None:
+            raise ValueError(
+                f"--dataset and --num-prompts do not apply to --workload {args.workload}"
+            )
+        if args.workload == "shared-prefix":
+            gsp = SharedPrefixConfig(
+                args.gsp_groups,
+                args.gsp_prompts_per_group,
+                args.gsp_system_len,
+                args.gsp_question_len,
+                args.gsp_output_len,
+            )
+            return shared_prefix_requests(gsp, ids, args.seed)
+        mt = MultiTurnConfig(
+            args.mt_conversations, args.mt_turns, args.mt_user_len, args.mt_output_len
+        )
+        return multi_turn_requests(mt, ids, args.seed)
     if args.dataset:
         return load_dataset(args.dataset, args.num_prompts, args.output_len, args.seed)
     return sample_random_requests(
         args.num_prompts or DEFAULT_NUM_PROMPTS,
         args.input_len,
         args.output_len,
-        (args.min_token_id, args.max_token_id),
+        ids,
         args.seed,
     )
 

@@ -6,6 +6,14 @@ import argparse
 import sys
 
 from dsmesh.cli import argtypes
+from dsmesh.runtime.address import (
+    LOOPBACK,
+    advertise_host,
+    ep_master_addr,
+    host_port,
+    interface_of,
+    unbracket,
+)
 from dsmesh.runtime.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
 from dsmesh.runtime.security import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -189,8 +197,11 @@ def add_ep_args(p: argparse.ArgumentParser, multi_node: bool = True) -> None:
     )
     g.add_argument(
         "--ep-master-addr",
-        default="127.0.0.1",
-        help="address of node 0, where the group's rendezvous listens",
+        default="",
+        metavar="HOST",
+        help="address of node 0, where the group's rendezvous listens (default: 127.0.0.1 "
+        "for one host; node 0's advertised host when the group spans hosts; required on "
+        "the other nodes)",
     )
     g.add_argument(
         "--ep-master-port",
@@ -219,26 +230,52 @@ def add_ep_args(p: argparse.ArgumentParser, multi_node: bool = True) -> None:
     )
 
 
-def ep_config_from(args: argparse.Namespace, deepep_mode: str = "normal"):
+def ep_config_from(
+    args: argparse.Namespace, deepep_mode: str = "normal", advertised: str = LOOPBACK
+):
+    """``advertised``: this process's advertised host; with ``--ep-nnodes`` > 1 it is node 0's
+    rendezvous address by default, and its interface carries the group's gloo/NCCL traffic."""
     from engine.ep.runtime import EPConfig
 
+    nnodes = getattr(args, "ep_nnodes", 1)
+    node_rank = getattr(args, "ep_node_rank", 0)
     ep = EPConfig(
         dispatch=args.moe_dispatch,
         deepep_mode=deepep_mode,
         ep_size=args.ep_size,
         num_redundant_experts=args.num_redundant_experts,
-        master_addr=getattr(args, "ep_master_addr", "127.0.0.1"),
+        master_addr=ep_master_addr(
+            getattr(args, "ep_master_addr", ""), nnodes, node_rank, advertised
+        ),
         master_port=getattr(args, "ep_master_port", 0),
-        nnodes=getattr(args, "ep_nnodes", 1),
-        node_rank=getattr(args, "ep_node_rank", 0),
+        nnodes=nnodes,
+        node_rank=node_rank,
         timeout_s=getattr(args, "ep_timeout", 120.0),
+        socket_ifname=(interface_of(advertised) or "") if nnodes > 1 else "",
     )
     ep.validate()
     return ep
 
 
+def add_host_args(p: argparse.ArgumentParser, default_host: str = LOOPBACK) -> None:
+    """``--host`` (what the server binds) and ``--advertise-host`` (what peers dial)."""
+    p.add_argument(
+        "--host",
+        default=default_host,
+        help=f"address to bind (default {default_host}; 0.0.0.0 or :: for every interface)",
+    )
+    p.add_argument(
+        "--advertise-host",
+        default="",
+        metavar="HOST",
+        help="address peers dial to reach this process, registered with kv_broker and printed "
+        "in the 'listening on' line (default: --host, or the address of the default route's "
+        "interface when --host binds every interface; docs/DEPLOY.md, 'Addresses')",
+    )
+
+
 def add_server_args(p: argparse.ArgumentParser, default_port: int = 0) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    add_host_args(p)
     p.add_argument(
         "--port", type=argtypes.port, default=default_port, help="gRPC port (0 = any free port)"
     )
@@ -276,18 +313,21 @@ def add_transfer_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--transfer-hostname",
-        default="127.0.0.1",
-        help="address peers use to reach this process's transfer engine",
+        default="",
+        metavar="HOST",
+        help="address peers use to reach this process's transfer engine (default: the "
+        "advertised host, --advertise-host)",
     )
     g.add_argument("--transfer-device", default="", help='RDMA devices, e.g. "mlx5_0,mlx5_1"')
 
 
-def transfer_config_from(args: argparse.Namespace):
+def transfer_config_from(args: argparse.Namespace, advertised: str):
+    """``advertised``: the process's advertised host, the transfer engine's by default."""
     from dsmesh.instance.attach import TransferConfig
 
     return TransferConfig(
         protocol=args.transfer_protocol,
-        hostname=args.transfer_hostname,
+        hostname=unbracket(args.transfer_hostname) or advertised,
         device_name=args.transfer_device,
     )
 
@@ -358,10 +398,16 @@ def api_keys_from(args: argparse.Namespace) -> tuple[str, ...]:
     return api_keys_from_env_and_args(args.api_key)
 
 
+def advertise_host_from(args: argparse.Namespace) -> str:
+    """The host this process's peers dial (``--advertise-host``, else from ``--host``)."""
+    return advertise_host(args.host, args.advertise_host)
+
+
 def server_fields_from(args: argparse.Namespace) -> dict:
-    """The fields every server's config shares (host, ports, TLS, message size, drain)."""
+    """The fields every server's config shares (addresses, ports, TLS, message size, drain)."""
     return {
         "host": args.host,
+        "advertise_host": advertise_host_from(args),
         "port": args.port,
         "metrics_port": args.metrics_port,
         "tls": tls_config_from(args),
@@ -376,7 +422,7 @@ def run_server(label: str, serve, config) -> int:
     from dsmesh.runtime.grpc_server import run_until_signal
 
     def ready(port: int) -> None:
-        print(f"{label} listening on {config.host}:{port}", flush=True)
+        print(f"{label} listening on {host_port(config.advertise_host, port)}", flush=True)
 
     run_until_signal(lambda stop: serve(config, stop, ready))
     return 0
@@ -384,11 +430,12 @@ def run_server(label: str, serve, config) -> int:
 
 def instance_fields_from(args: argparse.Namespace) -> dict:
     """The fields every prefill and decode config shares, from their common flags."""
+    fields = server_fields_from(args)
     return {
-        **server_fields_from(args),
+        **fields,
         "broker_address": args.broker,
         "engine": engine_config_from(args),
-        "transfer": transfer_config_from(args),
+        "transfer": transfer_config_from(args, fields["advertise_host"]),
         "instance_id": args.instance_id,
     }
 
@@ -401,9 +448,12 @@ def run_instance(role: str, serve, config, args: argparse.Namespace, deepep_mode
     from dsmesh.runtime.grpc_server import run_until_signal
 
     def ready(instance_id: str, port: int) -> None:
-        print(f"{role} {instance_id} listening on {args.host}:{port}", flush=True)
+        print(
+            f"{role} {instance_id} listening on {host_port(config.advertise_host, port)}",
+            flush=True,
+        )
 
-    ep = ep_config_from(args, deepep_mode=deepep_mode)
+    ep = ep_config_from(args, deepep_mode=deepep_mode, advertised=config.advertise_host)
     if ep.ep_size > 1 or ep.num_redundant_experts:
         from dsmesh.instance.attach import new_instance_id
         from dsmesh.instance.ep_group import RankTarget, run_group

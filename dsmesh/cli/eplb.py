@@ -7,6 +7,7 @@ import argparse
 from dsmesh.cli import argtypes
 from dsmesh.cli.common import (
     add_drain_arg,
+    add_host_args,
     add_security_args,
     run_server,
     server_fields_from,
@@ -34,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "predicted balancedness gain exceeds --threshold. Prints 'eplb listening on "
         "HOST:PORT' once ready; SIGTERM/SIGINT stop it gracefully.",
     )
-    s.add_argument("--host", default=d.host, help=f"address to bind (default {d.host})")
+    add_host_args(s, d.host)
     s.add_argument(
         "--port",
         type=argtypes.port,

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from dsmesh.cli.common import add_drain_arg, add_security_args, api_keys_from, tls_config_from
+from dsmesh.cli.common import (
+    add_drain_arg,
+    add_host_args,
+    add_security_args,
+    advertise_host_from,
+    api_keys_from,
+    tls_config_from,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -18,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--broker", required=True, help="kv_broker address HOST:PORT")
     p.add_argument("--model", default=None, help="checkpoint folder (tokenizer, chat template)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    add_host_args(p)
     p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0 = any free port)")
     p.add_argument("--http-port", type=int, default=8000, help="HTTP port (0 = any free port)")
     p.add_argument("--served-model-name", default="", help="model id in the OpenAI routes")
@@ -40,12 +47,22 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="requests waiting in the gateway's queue at most; beyond it clients get 429 / "
         "RESOURCE_EXHAUSTED (default 1024; 0: no queue)",
     )
+    p.add_argument(
+        "--kv-routing-weight",
+        type=float,
+        default=1.0,
+        metavar="W",
+        help="KV-aware routing: what one prompt token cached on an instance weighs against "
+        "one token of load (queued prefill tokens, free KV tokens); 0: route by load alone "
+        "(default 1.0, docs/GATEWAY.md)",
+    )
     add_security_args(p, api_keys=True)
     add_drain_arg(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from dsmesh.runtime.address import host_port
     from dsmesh.runtime.grpc_server import run_until_signal
     from engine.llm_engine import resolve_model_dir
     from gateway.service import GatewayConfig, serve
@@ -54,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         broker_address=args.broker,
         model_dir=str(resolve_model_dir(args.model)),
         host=args.host,
+        advertise_host=advertise_host_from(args),
         grpc_port=args.grpc_port,
         http_port=args.http_port,
         served_model_name=args.served_model_name,
@@ -62,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         max_inflight=args.max_inflight,
         max_queued=args.max_queued,
+        kv_routing_weight=args.kv_routing_weight,
         tls=tls_config_from(args),
         max_message_bytes=args.max_message_bytes,
         drain_timeout_s=args.drain_timeout,
@@ -69,8 +88,10 @@ def run(args: argparse.Namespace) -> int:
     )
 
     def ready(grpc_port: int, http_port: int) -> None:
-        print(f"gateway listening on {args.host}:{grpc_port}", flush=True)
-        print(f"gateway http listening on {args.host}:{http_port}", flush=True)
+        print(f"gateway listening on {host_port(config.advertise_host, grpc_port)}", flush=True)
+        print(
+            f"gateway http listening on {host_port(config.advertise_host, http_port)}", flush=True
+        )
 
     run_until_signal(lambda stop: serve(config, stop, ready))
     return 0

@@ -7,6 +7,7 @@ import argparse
 from dsmesh.cli import argtypes
 from dsmesh.cli.common import (
     add_drain_arg,
+    add_host_args,
     add_security_args,
     run_server,
     server_fields_from,
@@ -26,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "SIGTERM/SIGINT stop it gracefully."
         ),
     )
-    p.add_argument("--host", default=d.host, help=f"address to bind (default {d.host})")
+    add_host_args(p, d.host)
     p.add_argument(
         "--port",
         type=argtypes.port,

@@ -30,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dsmesh.runtime.address import host_port
     from dsmesh.runtime.grpc_server import run_until_signal
     from unified_svc.service import UnifiedConfig, serve
 
@@ -41,7 +42,10 @@ def run(args: argparse.Namespace) -> int:
     )
 
     def ready(instance_id: str, port: int) -> None:
-        print(f"unified {instance_id} listening on {args.host}:{port}", flush=True)
+        print(
+            f"unified {instance_id} listening on {host_port(config.advertise_host, port)}",
+            flush=True,
+        )
 
     run_until_signal(lambda stop: serve(config, stop, ready))
     return 0

@@ -199,6 +199,12 @@ ROLE_FLAGS: tuple[tuple[str, tuple[str, ...], type, str], ...] = (
     ),
     ("--max-inflight", ("gateway",), int, "requests the gateway dispatches at most (more queue)"),
     ("--max-queued", ("gateway",), int, "requests queued at the gateway at most (429 past)"),
+    (
+        "--kv-routing-weight",
+        ("gateway",),
+        float,
+        "KV-aware routing: a cached prompt token against a token of load; 0: load alone",
+    ),
     ("--max-queued-tokens", ("prefill",), int, "prompt tokens queued per prefill at most"),
 )
 

@@ -59,7 +59,8 @@ async def generate_pd(
     ``broker``: kv_broker, told that the handoff FAILED when prefill becomes unreachable
     (e.g. it died), before decode's call is cancelled; without it the handoff ends ABORTED.
     ``on_prefilled``: called with prefill's answer when it succeeded (the request has left
-    prefill's queue by then; the answer says what its KV handoff cost).
+    prefill's queue by then; the answer says what its KV handoff cost and how much of the
+    prompt its prefix cache served), at the latest before the last message is yielded.
     """
     decode_call = decode.Decode(
         decode_pb2.DecodeRequest(
@@ -115,10 +116,13 @@ async def generate_pd(
     messages = decode_call.__aiter__()
     try:
         async for message in _relay(messages, done):
+            if message.finish_reason and not prefill_task.done():
+                # prefill committed before decode streamed: its answer is on its way
+                await asyncio.wait({prefill_task}, timeout=PREFILL_SETTLE_S)
             yield message
     except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
-        if isinstance(exc, asyncio.CancelledError) and not _failed(prefill_task):
-            raise  # our caller was cancelled
+        if isinstance(exc, asyncio.CancelledError) and _caller_cancelled():
+            raise
         raise await _explain(exc, prefill_task) from None
     finally:
         if not done[0]:
@@ -160,6 +164,10 @@ async def generate_unified(
             yield message
     except grpc.aio.AioRpcError as exc:
         raise PDError(exc.code(), f"unified: {exc.details()}") from None
+    except asyncio.CancelledError:
+        if _caller_cancelled():
+            raise
+        raise PDError(grpc.StatusCode.UNAVAILABLE, f"unified: {_CLOSED_UNDER_US}") from None
     finally:
         if not done[0]:
             call.cancel()
@@ -168,6 +176,20 @@ async def generate_unified(
 
 def _failed(task: asyncio.Future) -> bool:
     return task.done() and not task.cancelled() and task.exception() is not None
+
+
+# grpc.aio raises CancelledError in the awaiting task both when that task is cancelled and
+# when a call is cancelled under it: by prefill_done (prefill failed), or by the close of its
+# channel, which the gateway does when the instance leaves kv_broker's list (a dead host).
+_CLOSED_UNDER_US = "the call was cancelled: the instance left the mesh (its channel was closed)"
+
+
+def _caller_cancelled() -> bool:
+    """Is the current task being cancelled (by whoever awaits the request), as opposed to a
+    call of ours cancelled under it? Only the first must propagate as CancelledError: the
+    second must end the request with a status, or its client waits for its deadline."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 async def _relay(messages: AsyncIterator, done: list[bool]) -> AsyncIterator:
@@ -216,4 +238,6 @@ async def _explain(decode_error: BaseException, prefill_task: asyncio.Future) ->
             return PDError(exc.code(), f"prefill: {exc.details()}")
     if isinstance(decode_error, grpc.aio.AioRpcError):
         return PDError(decode_error.code(), f"decode: {decode_error.details()}")
-    return PDError(grpc.StatusCode.UNAVAILABLE, "decode stream stopped after prefill failed")
+    if _failed(prefill_task):  # prefill_done cancelled decode's call
+        return PDError(grpc.StatusCode.UNAVAILABLE, "decode stream stopped after prefill failed")
+    return PDError(grpc.StatusCode.UNAVAILABLE, f"decode: {_CLOSED_UNDER_US}")

@@ -20,6 +20,7 @@ from dsmesh.clients.broker import BrokerLink
 from dsmesh.instance.ep_group import RankSpec
 from dsmesh.instance.layout import layout_of
 from dsmesh.instance.worker import EngineWorker
+from dsmesh.runtime.address import advertise_host, host_port
 from dsmesh.runtime.drain import Drain
 from dsmesh.runtime.grpc_server import RunningServer, method_paths, start_server
 from dsmesh.runtime.lifecycle import STOP_GRACE_S, ServiceConfig, serve_until_stopped
@@ -222,9 +223,17 @@ async def serve_attached(
         max_message_bytes=config.max_message_bytes,
         interceptors=[drain.interceptor()],
     )
-    instance.grpc_address = f"{config.host}:{server.port}"
+    instance.grpc_address = host_port(
+        advertise_host(config.host, config.advertise_host), server.port
+    )
     broker.start()
-    log.info("%s %s listening on %s:%d", role, instance.instance_id, config.host, server.port)
+    log.info(
+        "%s %s listening on %s, registered as %s",
+        role,
+        instance.instance_id,
+        host_port(config.host, server.port),
+        instance.grpc_address,
+    )
     if ready is not None:
         ready(instance.instance_id, server.port)
     try:

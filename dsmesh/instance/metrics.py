@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.llm_engine import LLMEngine
@@ -59,6 +59,71 @@ class _EngineGauges(Collector):
             yield family
 
 
+class _CacheCounters(Collector):
+    """The prefix cache's counters and the scheduler's retractions, read at scrape time
+    (plain ints the engine thread updates: safe to read from the HTTP thread)."""
+
+    def __init__(self, engine: LLMEngine, role: str) -> None:
+        self.engine = engine
+        self.role = role
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        stats = self.engine.stats
+        rows: list[tuple[type, str, str, float]] = [
+            (
+                CounterMetricFamily,
+                "dsmesh_retractions",
+                "requests taken out of the running batch for lack of KV pages",
+                stats.num_retractions,
+            ),
+            (
+                CounterMetricFamily,
+                "dsmesh_retracted_tokens",
+                "computed tokens the retracted requests gave up (recomputed, less cache hits)",
+                stats.num_retracted_tokens,
+            ),
+        ]
+        cache = self.engine.scheduler.prefix_cache
+        if cache is not None:
+            c = cache.stats()
+            rows += [
+                (
+                    CounterMetricFamily,
+                    "dsmesh_prefix_cache_lookup_tokens",
+                    "prompt tokens looked up in the prefix cache at admission",
+                    c.num_lookup_tokens,
+                ),
+                (
+                    CounterMetricFamily,
+                    "dsmesh_prefix_cache_hit_tokens",
+                    "of those, tokens served from the prefix cache",
+                    c.num_hit_tokens,
+                ),
+                (
+                    GaugeMetricFamily,
+                    "dsmesh_prefix_cache_hit_rate",
+                    "hit tokens / lookup tokens since the instance started",
+                    c.hit_rate,
+                ),
+                (
+                    GaugeMetricFamily,
+                    "dsmesh_prefix_cache_pages",
+                    "KV pages the prefix cache holds (in use or idle)",
+                    c.num_cached_pages,
+                ),
+                (
+                    CounterMetricFamily,
+                    "dsmesh_prefix_cache_evicted_pages",
+                    "idle cached pages evicted to make room",
+                    c.num_evicted_pages,
+                ),
+            ]
+        for kind, name, doc, value in rows:
+            family = kind(name, doc, labels=["role"])
+            family.add_metric([self.role], value)
+            yield family
+
+
 class InstanceMetrics:
     """``waiting``: the requests-waiting gauge, from the engine's load (default: its queue)."""
 
@@ -66,14 +131,10 @@ class InstanceMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         r.register(_EngineGauges(engine, role, waiting))
+        r.register(_CacheCounters(engine, role))
         self.prompt_tokens = Counter(
             "dsmesh_prompt_tokens",
             "prompt tokens computed (prefill) or received (decode)",
-            registry=r,
-        )
-        self.cached_tokens = Counter(
-            "dsmesh_prefix_cache_hit_tokens",
-            "prompt tokens served from the prefix cache",
             registry=r,
         )
         self.generated_tokens = Counter("dsmesh_generated_tokens", "tokens generated", registry=r)

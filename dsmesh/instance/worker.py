@@ -64,16 +64,22 @@ def _put_all(items: list[tuple[asyncio.Queue[StepOutput], StepOutput]]) -> None:
 
 
 def drain_outputs(first: StepOutput, outputs: asyncio.Queue[StepOutput]) -> StepOutput:
-    """``first`` merged with every output already queued behind it (their tokens in order,
-    the last one's finish): a stream that fell behind catches up in one message."""
+    """``first`` merged with every output already queued behind it (their tokens and
+    logprobs in order, the last one's finish): a stream that fell behind catches up in one
+    message."""
     if outputs.empty():
         return first
     tokens = list(first.new_token_ids)
+    logprobs = None if first.logprobs is None else list(first.logprobs)
     last = first
     while not outputs.empty() and not last.finished:
         last = outputs.get_nowait()
         tokens += last.new_token_ids
-    return StepOutput(last.request_id, tokens, last.finished, last.finish_reason, last.computed)
+        if last.logprobs is not None:
+            logprobs = (logprobs or []) + last.logprobs
+    return StepOutput(
+        last.request_id, tokens, last.finished, last.finish_reason, last.computed, logprobs
+    )
 
 
 class EngineWorker:

@@ -7,6 +7,7 @@ import grpc
 from dsmesh.v1 import generation_pb2
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
+from engine.token_logprobs import TokenLogprobs
 
 DEFAULT_MAX_NEW_TOKENS = 16
 MAX_STOP_STRINGS = 16
@@ -29,6 +30,15 @@ def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         stop=tuple(msg.stop),
         ignore_eos=msg.ignore_eos,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=(
+            msg.repetition_penalty
+            if msg.HasField("repetition_penalty")
+            else defaults.repetition_penalty
+        ),
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
     )
     try:
         params.validate()
@@ -47,10 +57,28 @@ def sampling_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
         stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        logit_bias=dict(params.logit_bias),
     )
     if params.seed is not None:
         msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
     return msg
+
+
+def logprobs_to_proto(logprobs: TokenLogprobs) -> generation_pb2.TokenLogprobs:
+    return generation_pb2.TokenLogprobs(
+        token_id=logprobs.token_id,
+        logprob=logprobs.logprob,
+        top=[generation_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in logprobs.top],
+    )
+
+
+def logprobs_from_proto(msg: generation_pb2.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(msg.token_id, msg.logprob, tuple((t.token_id, t.logprob) for t in msg.top))
 
 
 def require_request_id(request_id: str) -> None:

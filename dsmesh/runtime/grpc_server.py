@@ -25,12 +25,22 @@ from dsmesh.runtime.telemetry import client_interceptors, server_interceptors
 
 log = logging.getLogger(__name__)
 
-# Keepalive so that a peer that vanished (SIGKILL, cable) is noticed within seconds.
+# Keepalive, so that a peer that vanished without closing its sockets (a dead host, a pulled
+# cable) is noticed within seconds, on servers and channels alike. Each side pings after
+# KEEPALIVE_TIME_MS and closes the connection when the ack takes over KEEPALIVE_TIMEOUT_MS;
+# gRPC also sets that timeout as the socket's TCP_USER_TIMEOUT, so data left unacknowledged
+# that long closes it too. Every call on the connection then fails with UNAVAILABLE: within
+# 3 s of the link going down when data was in flight, 8 s at most on an idle connection
+# (docs/RELIABILITY.md, "A host goes dark"; measured in tests/multihost).
+KEEPALIVE_TIME_MS = 5000
+KEEPALIVE_TIMEOUT_MS = 3000
 KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
-    ("grpc.keepalive_time_ms", 5000),
-    ("grpc.keepalive_timeout_ms", 3000),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # pings without data sent and accepted at most this often: below KEEPALIVE_TIME_MS, so
+    # that a server never answers a peer's keepalive with GOAWAY "too many pings"
     ("grpc.http2.min_ping_interval_without_data_ms", 4000),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 4000),
 ]

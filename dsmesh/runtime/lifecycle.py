@@ -26,6 +26,7 @@ from typing import Protocol
 import grpc
 from prometheus_client import CollectorRegistry
 
+from dsmesh.runtime.address import advertise_host, host_port
 from dsmesh.runtime.drain import Drain
 from dsmesh.runtime.grpc_server import RunningServer, set_channel_defaults, start_server
 from dsmesh.runtime.metrics_http import metrics_endpoint
@@ -92,6 +93,7 @@ async def serve_until_stopped(
 
 class ServiceConfig(Protocol):
     host: str
+    advertise_host: str
     port: int
     metrics_port: int
     drain_timeout_s: float
@@ -140,7 +142,12 @@ async def serve_control_plane(
 
     try:
         async with metrics_endpoint(registry, config.metrics_port, config.host, label):
-            log.info("%s listening on %s:%d", label, config.host, running.port)
+            log.info(
+                "%s listening on %s, advertised as %s",
+                label,
+                host_port(config.host, running.port),
+                host_port(advertise_host(config.host, config.advertise_host), running.port),
+            )
             if ready is not None:
                 ready(running.port)
             await serve_until_stopped(

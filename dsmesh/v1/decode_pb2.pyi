@@ -21,21 +21,25 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., handoff_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens")
+    __slots__ = ("request_id", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class DecodeLoad(_message.Message):
-    __slots__ = ("instance_id", "free_pages", "total_pages", "running_requests", "waiting_handoffs", "page_size", "max_running_requests")
+    __slots__ = ("instance_id", "free_pages", "total_pages", "running_requests", "waiting_handoffs", "page_size", "max_running_requests", "prefixes")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +47,7 @@ class DecodeLoad(_message.Message):
     WAITING_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREFIXES_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     free_pages: int
     total_pages: int
@@ -50,4 +55,5 @@ class DecodeLoad(_message.Message):
     waiting_handoffs: int
     page_size: int
     max_running_requests: int
-    def __init__(self, instance_id: _Optional[str] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_handoffs: _Optional[int] = ..., page_size: _Optional[int] = ..., max_running_requests: _Optional[int] = ...) -> None: ...
+    prefixes: _prefill_pb2.PrefixDigest
+    def __init__(self, instance_id: _Optional[str] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_handoffs: _Optional[int] = ..., page_size: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., prefixes: _Optional[_Union[_prefill_pb2.PrefixDigest, _Mapping]] = ...) -> None: ...

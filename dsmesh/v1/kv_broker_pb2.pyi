@@ -1,3 +1,4 @@
+from dsmesh.v1 import generation_pb2 as _generation_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -187,14 +188,16 @@ class ProgressRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tokens_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., expected_ms: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "bytes_written")
+    __slots__ = ("request_id", "first_token_id", "bytes_written", "first_token_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     bytes_written: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., bytes_written: _Optional[int] = ...) -> None: ...
+    first_token_logprobs: _generation_pb2.TokenLogprobs
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., bytes_written: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class FailRequest(_message.Message):
     __slots__ = ("request_id", "reason", "cause")
@@ -221,7 +224,7 @@ class AwaitRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class HandoffStatus(_message.Message):
-    __slots__ = ("request_id", "state", "first_token_id", "message", "decode_instance_id", "prefill_instance_id", "bytes_written", "prefill_released", "cause")
+    __slots__ = ("request_id", "state", "first_token_id", "message", "decode_instance_id", "prefill_instance_id", "bytes_written", "prefill_released", "cause", "first_token_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +234,7 @@ class HandoffStatus(_message.Message):
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     PREFILL_RELEASED_FIELD_NUMBER: _ClassVar[int]
     CAUSE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     state: HandoffState
     first_token_id: int
@@ -240,7 +244,8 @@ class HandoffStatus(_message.Message):
     bytes_written: int
     prefill_released: bool
     cause: HandoffCause
-    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[HandoffState, str]] = ..., first_token_id: _Optional[int] = ..., message: _Optional[str] = ..., decode_instance_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., bytes_written: _Optional[int] = ..., prefill_released: _Optional[bool] = ..., cause: _Optional[_Union[HandoffCause, str]] = ...) -> None: ...
+    first_token_logprobs: _generation_pb2.TokenLogprobs
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[HandoffState, str]] = ..., first_token_id: _Optional[int] = ..., message: _Optional[str] = ..., decode_instance_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., bytes_written: _Optional[int] = ..., prefill_released: _Optional[bool] = ..., cause: _Optional[_Union[HandoffCause, str]] = ..., first_token_logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class ListInstancesRequest(_message.Message):
     __slots__ = ()

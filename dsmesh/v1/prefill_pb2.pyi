@@ -35,22 +35,50 @@ class PrefillResponse(_message.Message):
     handoff_us: int
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_write_us: _Optional[int] = ..., handoff_us: _Optional[int] = ...) -> None: ...
 
+class PrefixCursor(_message.Message):
+    __slots__ = ("epoch", "seq")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    seq: int
+    def __init__(self, epoch: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class PrefixDigest(_message.Message):
+    __slots__ = ("epoch", "seq", "reset", "page_size", "stored", "removed")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    seq: int
+    reset: bool
+    page_size: int
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, epoch: _Optional[int] = ..., seq: _Optional[int] = ..., reset: _Optional[bool] = ..., page_size: _Optional[int] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class LoadRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("prefixes",)
+    PREFIXES_FIELD_NUMBER: _ClassVar[int]
+    prefixes: PrefixCursor
+    def __init__(self, prefixes: _Optional[_Union[PrefixCursor, _Mapping]] = ...) -> None: ...
 
 class PrefillLoad(_message.Message):
-    __slots__ = ("instance_id", "waiting_tokens", "running_requests", "free_pages", "total_pages", "max_queued_tokens")
+    __slots__ = ("instance_id", "waiting_tokens", "running_requests", "free_pages", "total_pages", "max_queued_tokens", "prefixes")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIXES_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     waiting_tokens: int
     running_requests: int
     free_pages: int
     total_pages: int
     max_queued_tokens: int
-    def __init__(self, instance_id: _Optional[str] = ..., waiting_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., max_queued_tokens: _Optional[int] = ...) -> None: ...
+    prefixes: PrefixDigest
+    def __init__(self, instance_id: _Optional[str] = ..., waiting_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., max_queued_tokens: _Optional[int] = ..., prefixes: _Optional[_Union[PrefixDigest, _Mapping]] = ...) -> None: ...

@@ -42,6 +42,9 @@ class EPConfig:
     timeout_s: float = 120.0  # a collective waiting longer than this fails (a peer is gone)
     dispatch: str = "auto"  # "auto" (DeepEP when usable) | "all-to-all" | "deepep"
     deepep_mode: str = "normal"  # "normal" (prefill, offline) | "low_latency" (decode)
+    # the network interface gloo and NCCL use between hosts (GLOO_SOCKET_IFNAME,
+    # NCCL_SOCKET_IFNAME, unless the environment sets them); empty: their own choice
+    socket_ifname: str = ""
 
     def validate(self) -> None:
         if self.ep_size < 1:
@@ -82,6 +85,12 @@ def init_group(ep: EPConfig, rank: int, device: torch.device) -> None:
     for var in ("NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS"):
         os.environ.setdefault(var, "0" if var.startswith("NCCL") else "1")  # no NVLink multicast
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    if ep.socket_ifname:
+        # Else gloo binds the address this machine's hostname resolves to, which need not be
+        # on the group's network (or in this network namespace: then it falls back to
+        # loopback, which the other hosts cannot reach).
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", ep.socket_ifname)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", ep.socket_ifname)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(

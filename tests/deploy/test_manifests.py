@@ -168,6 +168,22 @@ def test_ep_size_is_gpus_per_pod_times_nodes(target: Path) -> None:
         assert ep == nodes * gpus, f"{target.name} {role}: EP{ep} != {nodes} nodes x {gpus} GPUs"
 
 
+@pytest.mark.parametrize("target", TARGETS, ids=lambda p: p.name)
+def test_every_service_advertises_its_pod_ip(target: Path) -> None:
+    """Peers dial the advertised host (docs/DEPLOY.md, "Addresses"): the pod's IP, never the
+    bind address 0.0.0.0 nor a default route's address guessed inside the container."""
+    from dsmesh.cli.common import advertise_host_from
+    from dsmesh.cli.main import build_parser
+    from tests.deploy.manifests import FIELD_SAMPLES
+
+    pod_ip = FIELD_SAMPLES["status.podIP"]
+    for c in dsmesh_containers(render(target)):
+        args = build_parser().parse_args(c.argv)
+        assert advertise_host_from(args) == pod_ip, f"{c.where}: advertises {args.advertise_host}"
+        if hasattr(args, "transfer_hostname"):
+            assert args.transfer_hostname in ("", pod_ip), c.where
+
+
 def test_seed_overlay_is_4_prefill_nodes_at_ep32_and_9_decode_nodes_at_ep72() -> None:
     groups = _ep_groups(K8S / "overlays" / "seed-ep32-ep72")
     deepseek_v3_routed_experts = 256

@@ -1,6 +1,7 @@
 """Overlapped decode: a greedy decode step launches the next one (fed its tokens on the
-device) before its own bookkeeping. Stop tokens, aborts, sampled rows and length limits
-around a step launched ahead must leave the tokens and the KV pages exactly as without it.
+device) before its own bookkeeping. Stop tokens, aborts, sampled rows (and greedy rows with
+penalties, logit bias or logprobs) and length limits around a step launched ahead must leave
+the tokens and the KV pages exactly as without it.
 
 On CPU the graph runner runs without graphs (each launch computes at once), which exercises
 the engine's bookkeeping; the GPU tests and bench/gpu.py run it with real graphs."""
@@ -102,6 +103,26 @@ def test_a_sampled_row_turns_overlap_off_for_its_batch(v2_greedy_ckpt: HFCheckpo
     step by step, with the same tokens as without overlap."""
     params = _greedy([6, 6, 6, 6])
     params[2] = SamplingParams(max_new_tokens=6, temperature=0.8, seed=5, ignore_eos=True)
+    want = _run(_engine(v2_greedy_ckpt, False), params)
+    engine = _engine(v2_greedy_ckpt, True)
+    assert _run(engine, params) == want
+    assert engine.num_launched_ahead == 0
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=2),
+        SamplingParams(max_new_tokens=6, ignore_eos=True, frequency_penalty=1.0),
+        SamplingParams(max_new_tokens=6, ignore_eos=True, logit_bias=((7, 5.0),)),
+    ],
+)
+def test_greedy_rows_with_logit_adjustments_or_logprobs_run_step_by_step(
+    v2_greedy_ckpt: HFCheckpoint, row: SamplingParams
+) -> None:
+    """Greedy, but not a plain argmax of the logits: no launch ahead, the same tokens."""
+    params = _greedy([6, 6, 6, 6])
+    params[1] = row
     want = _run(_engine(v2_greedy_ckpt, False), params)
     engine = _engine(v2_greedy_ckpt, True)
     assert _run(engine, params) == want

@@ -409,3 +409,30 @@ def test_eviction_makes_room_under_pressure(model) -> None:
     alloc = engine.kv_pool.allocator
     assert alloc.num_used_pages == engine.scheduler.prefix_cache.num_cached_pages
     assert engine.scheduler.prefix_cache.num_evicted_pages > 0
+
+
+def test_share_caches_a_running_requests_pages_until_a_prefix_cached_meanwhile() -> None:
+    alloc = PageAllocator(12)
+    cache = PrefixCache(alloc, page_size=2)
+    other = alloc.allocate(2)
+    alloc.free(cache.insert([0, 1, 7, 7], other, num_matched=0))  # [0, 1] then [7, 7]
+    pages = alloc.allocate(3)
+    matched = cache.match([0, 1, 2, 3, 4, 5, 6, 7])  # [0, 1] hits
+    assert matched == [other[0]]
+    mine = matched + pages
+    # Shares [2, 3] and [4, 5]; [6] is not a full page yet.
+    assert cache.share([0, 1, 2, 3, 4, 5, 6], mine, num_matched=1) == 3
+    assert cache.num_cached_pages == 4 and cache.num_evictable_pages == 1  # only [7, 7] idle
+    assert cache.match([0, 1, 2, 3, 4, 5, 9]) == [other[0], pages[0], pages[1]]
+    # A request with its own copy of a cached page keeps it and the rest private.
+    dup = alloc.allocate(2)
+    assert cache.match([0, 1, 2, 3]) == [other[0]]
+    assert cache.share([0, 1, 7, 7], [other[0], dup[1]], num_matched=1) == 1
+    # Finishing drops the references; nothing is freed twice, nothing leaks.
+    alloc.free(cache.insert([0, 1, 2, 3, 4, 5, 6, 7], mine, num_matched=3))
+    alloc.free(cache.insert([0, 1, 7, 7], [other[0], dup[1]], num_matched=1))
+    cache.release([other[0], pages[0], pages[1]])
+    alloc.free(dup[:1])
+    assert cache.num_evictable_pages == cache.num_cached_pages == 5
+    cache.clear()
+    assert alloc.num_free_pages == 12

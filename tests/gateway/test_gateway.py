@@ -219,6 +219,21 @@ def test_kv_pages_return_to_zero_when_idle(gw) -> None:
     assert metric(text, "dsmesh_requests_waiting") == 0
 
 
+def test_a_resent_prompt_reports_the_tokens_prefill_had_cached(gw, client) -> None:
+    """Through prefill and decode: prefill's prefix cache serves the resent prompt's full pages
+    (16 tokens each), and clients see it as OpenAI's cached_tokens and in /v1/generate's
+    usage."""
+    ids = [10 + (i * 3) % 200 for i in range(70)]
+    first = client.completions.create(model=gw.model_name, prompt=ids, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model=gw.model_name, prompt=ids, max_tokens=2)
+    assert again.usage.prompt_tokens_details.cached_tokens == 64
+    status, raw = post(
+        f"{gw.url}/v1/generate", {"input_ids": ids + [1], "sampling": {"max_new_tokens": 2}}
+    )
+    assert status == 200 and json.loads(raw)["usage"]["cached_tokens"] == 64
+
+
 def test_rest_sse_and_aggregate(gw, offline) -> None:
     body = {"input_ids": [42, 43], "sampling": {"max_new_tokens": 5, "ignore_eos": True}}
     status, raw = post(f"{gw.url}/v1/generate", body)
@@ -226,7 +241,7 @@ def test_rest_sse_and_aggregate(gw, offline) -> None:
     agg = json.loads(raw)
     ref = offline.generate([[42, 43]], SamplingParams(max_new_tokens=5, ignore_eos=True))[0]
     assert agg["token_ids"] == ref.output_ids and agg["finish_reason"] == "length"
-    assert agg["usage"] == {"prompt_tokens": 2, "completion_tokens": 5}
+    assert agg["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "cached_tokens": 0}
     status, raw = post(f"{gw.url}/v1/generate", {**body, "stream": True})
     assert status == 200
     events = [
@@ -249,6 +264,9 @@ BAD_REST = [
     ({"input_ids": "1,2"}, "input_ids"),
     ({"text": 5}, "text"),
     ({"text": "hi", "nonsense": 1}, "nonsense"),
+    ({"text": "hi", "sampling": {"logprobs": 21}}, "logprobs"),
+    ({"text": "hi", "sampling": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ({"text": "hi", "sampling": {"logit_bias": {"999999": 1}}}, "logit_bias"),
 ]
 
 
@@ -275,7 +293,9 @@ BAD_OPENAI = [
     ({"prompt": [1, 999999]}, "prompt"),
     ({"prompt": "x" * 5000}, "prompt"),
     ({"prompt": "hi", "max_tokens": "3"}, "max_tokens"),
-    ({"prompt": "hi", "n": 2}, "n"),
+    ({"prompt": "hi", "n": 0}, "n"),
+    ({"prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "hi", "logit_bias": {"999999": 1}}, "logit_bias"),
     ({"prompt": {"a": 1}}, "prompt"),
 ]
 

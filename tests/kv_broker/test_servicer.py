@@ -12,6 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from dsmesh.v1 import generation_pb2 as gen_pb
 from dsmesh.v1 import kv_broker_pb2 as pb
 from tests.kv_broker.conftest import (
     LAYOUT,
@@ -97,6 +98,27 @@ async def test_resolve_waits_for_a_later_reservation(broker: Broker) -> None:
     assert (await prefill.next_event()).state == S.HANDOFF_TRANSFERRING
     final = await broker.stub.Await(pb.AwaitRequest(request_id="r1", wait_ms=0))
     assert final.state == S.HANDOFF_DONE and final.first_token_id == 7
+
+
+@pytest.mark.asyncio
+async def test_the_first_tokens_logprobs_travel_to_decode_unread(broker: Broker) -> None:
+    await broker.decode("d1")
+    await broker.prefill("p1")
+    await broker.stub.Reserve(reserve_request("r1"))
+    await broker.stub.Resolve(resolve_request("r1"))
+    logprobs = gen_pb.TokenLogprobs(
+        token_id=7, logprob=-0.0, top=[gen_pb.TokenLogprob(token_id=7, logprob=-0.0)]
+    )
+    commit = pb.CommitRequest(request_id="r1", first_token_id=7, first_token_logprobs=logprobs)
+    done = await broker.stub.Commit(commit)
+    final = await broker.stub.Await(pb.AwaitRequest(request_id="r1", wait_ms=0))
+    for status in (done, final):  # present even when every field is a default value
+        assert status.HasField("first_token_logprobs")
+        assert status.first_token_logprobs == logprobs
+    await broker.stub.Reserve(reserve_request("r2"))
+    await broker.stub.Resolve(resolve_request("r2"))
+    plain = await broker.stub.Commit(pb.CommitRequest(request_id="r2", first_token_id=1))
+    assert not plain.HasField("first_token_logprobs")
 
 
 @pytest.mark.asyncio

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dsmesh.clients.pd import PDError, generate_pd
+from dsmesh.runtime.convert import sampling_to_proto
 from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import decode_pb2_grpc, generation_pb2, prefill_pb2, prefill_pb2_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
@@ -140,6 +141,72 @@ def test_seeded_sampling_equals_offline_engine(mesh, offline) -> None:
             await client.close()
 
     assert [t for t, _ in asyncio.run(main())] == expected
+
+
+def test_logprobs_and_penalties_cross_the_handoff(mesh, offline) -> None:
+    """Prefill samples the first token: its logprobs reach decode through kv_broker and lead
+    decode's stream; penalties on decode count it among the output. Everything equals the
+    offline engine's."""
+    prompts = mixed_prompts(3, seed=7)
+    params = [
+        SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=3),
+        SamplingParams(
+            max_new_tokens=8,
+            ignore_eos=True,
+            logprobs=0,
+            frequency_penalty=1.5,
+            repetition_penalty=1.3,
+            logit_bias=((5, 2.0),),
+        ),
+        SamplingParams(
+            max_new_tokens=8, ignore_eos=True, temperature=0.9, seed=3, presence_penalty=1.0
+        ),
+    ]
+    expected = []
+    for prompt, sp in zip(prompts, params, strict=True):
+        rid = offline.add_request(prompt, sp)
+        tokens, logprobs = [], []
+        while offline.has_unfinished():
+            for out in offline.step():
+                if out.request_id == rid:
+                    tokens += out.new_token_ids
+                    logprobs += out.logprobs or []
+        expected.append((tokens, logprobs))
+
+    async def run(client: Client, rid: str, prompt: list[int], sp: SamplingParams) -> list:
+        return [
+            msg
+            async for msg in generate_pd(
+                client.prefill, client.decode, rid, prompt, sampling_to_proto(sp), 120
+            )
+        ]
+
+    async def main() -> list:
+        client = Client(mesh, 16, 16)
+        try:
+            return await asyncio.gather(
+                *[
+                    run(client, f"lp-{i}", p, sp)
+                    for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+                ]
+            )
+        finally:
+            await client.close()
+
+    results = asyncio.run(main())
+    for sp, messages, (tokens, logprobs) in zip(params, results, expected, strict=True):
+        assert [t for m in messages for t in m.token_ids] == tokens
+        got = [lp for m in messages for lp in m.logprobs]
+        if sp.logprobs is None:
+            assert got == []
+            continue
+        first = messages[0]
+        assert first.logprobs[0].token_id == first.token_ids[0] == tokens[0]  # prefill's
+        assert [lp.token_id for lp in got] == tokens
+        assert [lp.logprob for lp in got] == pytest.approx([e.logprob for e in logprobs], abs=1e-4)
+        assert [[t.token_id for t in lp.top] for lp in got] == [
+            [t for t, _ in e.top] for e in logprobs
+        ]
 
 
 def test_layout_mismatch_is_refused_at_the_handshake(mesh) -> None:

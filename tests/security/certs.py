@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,7 +95,17 @@ def _ca(common_name: str):
     return cert, key
 
 
-def _leaf(common_name: str, ca_cert, ca_key, server: bool):
+LOCAL_NAMES = ("127.0.0.1", "localhost")
+
+
+def _san(name: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(name))
+    except ValueError:
+        return x509.DNSName(name)
+
+
+def _leaf(common_name: str, ca_cert, ca_key, server: bool, names: Sequence[str] = LOCAL_NAMES):
     key = ec.generate_private_key(ec.SECP256R1())
     usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
     builder = _builder(common_name, ca_cert.subject, key.public_key()).add_extension(
@@ -102,12 +113,22 @@ def _leaf(common_name: str, ca_cert, ca_key, server: bool):
     )
     if server:
         usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
-        san = [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
-        builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        san = x509.SubjectAlternativeName([_san(name) for name in names])
+        builder = builder.add_extension(san, critical=False)
     cert = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False).sign(
         ca_key, hashes.SHA256()
     )
     return cert, key
+
+
+def make_service_pair(folder: Path, names: Sequence[str]) -> tuple[Path, Pair]:
+    """A CA of its own (returned) and a service certificate with exactly the SANs ``names``
+    (IP addresses and DNS names)."""
+    ca_cert, ca_key = _ca("dsmesh names CA")
+    ca_path = folder / "names-ca.pem"
+    ca_path.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    pair = _write(folder, "named", *_leaf("dsmesh-service", ca_cert, ca_key, True, names))
+    return ca_path, pair
 
 
 def make_pki(folder: Path) -> Pki:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from dsmesh.cli.common import advertise_host_from, transfer_config_from
 from dsmesh.cli.main import build_parser
 from dsmesh.cli.supervisor import MeshConfig, broker_stage, gateway_stage, instance_stage
 from dsmesh.runtime.security import TLSConfig, api_keys_from_env_and_args, bearer_matches
@@ -139,5 +140,7 @@ def test_up_adds_nothing_by_default() -> None:
 def test_services_bind_loopback_by_default(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
     assert args.host == "127.0.0.1"
+    if hasattr(args, "advertise_host"):
+        assert advertise_host_from(args) == "127.0.0.1"
     if hasattr(args, "transfer_hostname"):
-        assert args.transfer_hostname == "127.0.0.1"
+        assert transfer_config_from(args, advertise_host_from(args)).hostname == "127.0.0.1"

@@ -16,6 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dsmesh.cli.launcher import dsmesh_command, start_service
+from dsmesh.runtime.convert import sampling_to_proto
 from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import decode_pb2, decode_pb2_grpc, generation_pb2, prefill_pb2
 from dsmesh.v1 import kv_broker_pb2 as kb
@@ -112,6 +113,38 @@ def test_greedy_tokens_equal_the_offline_engine(small_mesh, offline) -> None:
     assert {r.finish_reason for r in expected} == {"length", "stop"}  # both ends covered
     assert SMALL_BATCH_TOKENS < 150  # the long prompts were chunked
     assert pages_used(small_mesh.unified_metrics_port) == 0
+
+
+def test_logprobs_and_penalties_equal_the_offline_engine(small_mesh, offline) -> None:
+    ids = prompt(70, 3)  # longer than one forward: chunked, then sampled
+    params = SamplingParams(
+        max_new_tokens=10,
+        ignore_eos=True,
+        logprobs=2,
+        frequency_penalty=0.8,
+        seed=4,
+        temperature=0.7,
+        logit_bias=((9, 1.5),),
+    )
+    rid = offline.add_request(ids, params)
+    tokens, logprobs = [], []
+    while offline.has_unfinished():
+        for out in offline.step():
+            if out.request_id == rid:
+                tokens += out.new_token_ids
+                logprobs += out.logprobs or []
+
+    async def main() -> list[decode_pb2.DecodeResponse]:
+        async with channel(small_mesh.unified.address) as ch:
+            stub = decode_pb2_grpc.DecodeStub(ch)
+            return await decode(stub, "logprobs-0", ids, sampling_to_proto(params))
+
+    messages = asyncio.run(main())
+    assert [t for m in messages for t in m.token_ids] == tokens
+    got = [lp for m in messages for lp in m.logprobs]
+    assert [lp.token_id for lp in got] == tokens
+    assert [lp.logprob for lp in got] == pytest.approx([e.logprob for e in logprobs], abs=1e-4)
+    assert all(len(lp.top) == 2 for lp in got)
 
 
 def test_abort_and_cancel_free_every_page(small_mesh) -> None:

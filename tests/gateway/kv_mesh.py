@@ -1,0 +1,98 @@
+"""A mesh of unified instances with their prefix caches on (the default), behind a gateway,
+as separate processes on loopback with the tiny default model in float32: for KV-aware
+routing and the cached-token figures of ``dsmesh bench``."""
+
+from __future__ import annotations
+
+import os
+import re
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsmesh.cli.launcher import ServiceProcess, dsmesh_command, start_service
+from tests.reliability.soak_harness import wait_http_ok
+from tests.up.harness import free_port
+
+PAGE_SIZE = 16
+
+
+@dataclass
+class KVMesh:
+    gateway: ServiceProcess
+    http_port: int
+    metrics_ports: list[int]  # of each unified instance, in start order
+    model_dir: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_address(self) -> str:
+        return self.gateway.address
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        return resp.read().decode()
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    """The value of ``name{labels}`` in Prometheus text (0 when absent)."""
+    pattern = rf"^{re.escape(name)}{re.escape('{' + labels + '}') if labels else ''} (\S+)$"
+    m = re.search(pattern, text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+@contextmanager
+def running_kv_mesh(
+    num_unified: int,
+    cache: Path,
+    logs: Path,
+    unified_args: tuple[str, ...] = (),
+    gateway_args: tuple[str, ...] = (),
+) -> Iterator[KVMesh]:
+    env = {"DSMESH_CACHE_DIR": str(cache)}
+    os.environ["DSMESH_CACHE_DIR"] = str(cache)
+    from engine.tiny_model import default_model_dir
+
+    model = default_model_dir()  # built once here, before the children race for it
+    started: list[ServiceProcess] = []
+    try:
+        broker = start_service(
+            "kv-broker", dsmesh_command("kv-broker", "--port", "0"), env=env, log_dir=logs
+        )
+        started.append(broker)
+        http_port = free_port()
+        metrics_ports = [free_port() for _ in range(num_unified)]
+        specs = {
+            f"unified-{i}": dsmesh_command(
+                "unified",
+                *("--broker", broker.address, "--dtype", "float32"),
+                *("--instance-id", f"unified-{i}", "--page-size", str(PAGE_SIZE)),
+                *("--metrics-port", str(port), *unified_args),
+            )
+            for i, port in enumerate(metrics_ports)
+        }
+        specs["gateway"] = dsmesh_command(
+            "gateway",
+            *("--broker", broker.address, "--model", str(model)),
+            *("--grpc-port", "0", "--http-port", str(http_port), *gateway_args),
+        )
+        with ThreadPoolExecutor(len(specs)) as pool:
+            futures = {
+                name: pool.submit(start_service, name, args, env, logs)
+                for name, args in specs.items()
+            }
+            procs = {name: future.result() for name, future in futures.items()}
+        started += procs.values()
+        mesh = KVMesh(procs["gateway"], http_port, metrics_ports, model)
+        wait_http_ok(f"{mesh.url}/health", 60)
+        yield mesh
+    finally:
+        for proc in reversed(started):
+            proc.stop()

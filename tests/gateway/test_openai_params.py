@@ -1,0 +1,107 @@
+"""The OpenAI routes' request fields, in process: penalties, logit_bias, logprobs and n map
+onto the engine's sampling; what the gateway cannot do yet is a 400 naming the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from gateway.openai_params import OpenAIError, num_choices, sampling_from_openai
+
+
+def chat(body: dict[str, Any]) -> SamplingParams:
+    return sampling_from_openai(body, 100, "max_completion_tokens", chat=True)
+
+
+def test_penalties_and_logit_bias() -> None:
+    params = sampling_from_openai(
+        {
+            "presence_penalty": 0.5,
+            "frequency_penalty": -1,
+            "repetition_penalty": 1.2,
+            "logit_bias": {"50": -100, "7": 2.5},
+        },
+        10,
+    )
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1.0)
+    assert params.repetition_penalty == 1.2
+    assert params.logit_bias == ((7, 2.5), (50, -100.0))
+    assert sampling_from_openai({}, 10).adjusts_logits is False
+
+
+def test_logprobs_fields() -> None:
+    assert sampling_from_openai({"logprobs": 3}, 10).logprobs == 3
+    assert sampling_from_openai({"logprobs": 0}, 10).logprobs == 0
+    assert sampling_from_openai({"logprobs": None}, 10).logprobs is None
+    assert sampling_from_openai({"logprobs": False}, 10).logprobs is None
+    assert chat({"logprobs": True, "top_logprobs": 5}).logprobs == 5
+    assert chat({"logprobs": True}).logprobs == 0
+    assert chat({"logprobs": False}).logprobs is None
+    assert chat({}).logprobs is None
+
+
+def test_choices() -> None:
+    assert num_choices({}) == 1
+    assert num_choices({"n": 3}) == 3
+    assert num_choices({"n": 2, "best_of": 2}) == 2
+    assert num_choices({"best_of": 1}) == 1  # as SGLang's bench_serving sends it
+
+
+BAD_COMPLETIONS = [
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": "high"}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"5": "1"}}, "logit_bias"),
+    ({"logit_bias": [1, 2]}, "logit_bias"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
+    ({"echo": True}, "echo"),
+    ({"suffix": "x"}, "suffix"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+]
+
+
+@pytest.mark.parametrize(("extra", "param"), BAD_COMPLETIONS)
+def test_bad_completions_fields_name_the_param(extra: dict[str, Any], param: str) -> None:
+    with pytest.raises(OpenAIError) as info:
+        sampling_from_openai(extra, 10)
+    assert info.value.status == 400 and info.value.param == param
+    assert info.value.message.startswith(f"{param}: ")
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+BAD_CHAT = [
+    ({"top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": 3}, "logprobs"),
+    ({"tools": TOOLS}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+]
+
+
+@pytest.mark.parametrize(("extra", "param"), BAD_CHAT)
+def test_bad_chat_fields_name_the_param(extra: dict[str, Any], param: str) -> None:
+    with pytest.raises(OpenAIError) as info:
+        chat(extra)
+    assert info.value.status == 400 and info.value.param == param
+
+
+def test_tools_with_tool_choice_none_and_text_format_are_accepted() -> None:
+    chat({"tools": TOOLS, "tool_choice": "none", "response_format": {"type": "text"}})
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [({"n": 0}, "n"), ({"n": 129}, "n"), ({"n": 2, "best_of": 3}, "best_of"), ({"n": "2"}, "n")],
+)
+def test_bad_choices_name_the_param(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(OpenAIError) as info:
+        num_choices(body)
+    assert info.value.param == param

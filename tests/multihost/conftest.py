@@ -1,0 +1,157 @@
+"""A mesh across hosts: kv_broker, prefill, decode and the gateway each in its own network
+namespace (tests/multihost/netns.py), each bound to 0.0.0.0 and advertising its own IP as
+the address of its default route's interface (no ``--advertise-host``). Every service uses
+its default port: each host has its own ports. Skipped where namespaces cannot be made."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from dsmesh.cli.launcher import ServiceProcess, dsmesh_command, start_service
+from dsmesh.v1 import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from dsmesh.v1 import kv_broker_pb2 as kb
+from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
+from tests.multihost import netns
+
+BROKER_PORT, PREFILL_PORT, DECODE_PORT, GRPC_PORT, HTTP_PORT = 50054, 50100, 50200, 50051, 8000
+EP_MASTER_PORT = 29600
+LIVENESS_GRACE_S = 2.0  # kv_broker's default, stated here because the bounds add it
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.1):
+    """``predicate()``'s first truthy value within ``timeout_s``, else None."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(interval_s)
+
+
+@dataclass
+class Mesh:
+    net: netns.Network
+    hosts: dict[str, netns.Host]  # service -> the host it runs in
+    services: dict[str, ServiceProcess]
+    model_dir: Path
+    log_dir: Path
+
+    @property
+    def http(self) -> str:
+        return f"http://{self.hosts['gateway'].address}:{HTTP_PORT}"
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{self.hosts['gateway'].address}:{GRPC_PORT}"
+
+    @property
+    def broker(self) -> str:
+        return self.services["kv-broker"].address
+
+    def instances(self) -> list[kb.Instance]:
+        with grpc.insecure_channel(self.broker) as ch:
+            try:
+                return list(
+                    kb_grpc.KVBrokerStub(ch)
+                    .ListInstances(kb.ListInstancesRequest(), timeout=2)
+                    .instances
+                )
+            except grpc.RpcError:
+                return []
+
+    def attached(self, role: kb.Role.ValueType) -> kb.Instance | None:
+        return next((i for i in self.instances() if i.role == role), None)
+
+    def handoff(self, request_id: str) -> kb.HandoffStatus | None:
+        with grpc.insecure_channel(self.broker) as ch:
+            try:
+                return kb_grpc.KVBrokerStub(ch).Get(
+                    kb.HandoffRequest(request_id=request_id), timeout=2
+                )
+            except grpc.RpcError:
+                return None
+
+    def load(self, service: str):
+        """GetLoad of the prefill or decode instance, or None when it does not answer."""
+        address = self.services[service].address
+        with grpc.insecure_channel(address) as ch:
+            stub = (
+                prefill_pb2_grpc.PrefillStub(ch)
+                if service == "prefill"
+                else decode_pb2_grpc.DecodeStub(ch)
+            )
+            try:
+                return stub.GetLoad(prefill_pb2.LoadRequest(), timeout=2)
+            except grpc.RpcError:
+                return None
+
+    def pages_free(self, service: str) -> bool:
+        load = self.load(service)
+        return load is not None and load.free_pages == load.total_pages > 0
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.http}/health", timeout=2) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def log_tails(self, lines: int = 15) -> str:
+        out = []
+        for name, proc in self.services.items():
+            if proc.log_path is not None and proc.log_path.exists():
+                tail = proc.log_path.read_text().splitlines()[-lines:]
+                out.append(f"--- {name} ---\n" + "\n".join(tail))
+        return "\n".join(out)
+
+
+@pytest.fixture(scope="package")
+def network() -> Iterator[netns.Network]:
+    reason = netns.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"multi-host tests need network namespaces: {reason}")
+    with netns.network(5) as net:  # the fifth: node 1 of an EP group
+        yield net
+
+
+@pytest.fixture(scope="package")
+def mesh(network: netns.Network, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    from engine.tiny_model import default_model_dir
+
+    model_dir = default_model_dir()  # built once here, before four processes look for it
+    log_dir = tmp_path_factory.mktemp("multihost-logs")
+    names = ("kv-broker", "prefill", "decode", "gateway", "spare")
+    hosts = dict(zip(names, network.hosts, strict=True))
+    services: dict[str, ServiceProcess] = {}
+    model = ("--model", str(model_dir))
+    bind = ("--host", "0.0.0.0", "--drain-timeout", "1")
+
+    def start(name: str, *args: str) -> ServiceProcess:
+        argv = hosts[name].command(dsmesh_command("--log-level", "INFO", *args))
+        services[name] = proc = start_service(name, argv, log_dir=log_dir, timeout=120)
+        return proc
+
+    try:
+        broker = start("kv-broker", "kv-broker", *bind, "--port", str(BROKER_PORT))
+        # 32 tokens per forward: a long prompt is still being written when a test cuts a cable
+        prefill_args = ("--port", str(PREFILL_PORT), "--max-batch-tokens", "32")
+        start("prefill", "prefill", "--broker", broker.address, *bind, *prefill_args, *model)
+        decode_args = ("--port", str(DECODE_PORT))
+        start("decode", "decode", "--broker", broker.address, *bind, *decode_args, *model)
+        gateway_ports = ("--grpc-port", str(GRPC_PORT), "--http-port", str(HTTP_PORT))
+        start("gateway", "gateway", "--broker", broker.address, *bind, *gateway_ports, *model)
+        mesh = Mesh(network, hosts, services, model_dir, log_dir)
+        assert wait_until(mesh.healthy, 60), mesh.log_tails()
+        yield mesh
+    finally:
+        for proc in reversed(services.values()):
+            proc.stop(timeout=10)

@@ -1,0 +1,233 @@
+"""Hosts on one machine: network namespaces joined by a bridge, each with its own IP.
+
+:func:`network` makes ``n`` hosts for the life of a ``with`` block and removes them after it,
+whatever happened inside, killing the processes still running in them (stop the services a
+test ran there, :meth:`Host.command`, first, to let them end cleanly). Names carry this
+process's pid and a letter per network (``dsm<pid><tag>``), so parallel runs don't collide,
+and what a run that died left behind is removed by the next one (:func:`remove_stale`).
+
+Addresses come from 198.18.0.0/15, the range RFC 2544 reserves for benchmarking networks:
+a /24 per network that no interface of the machine uses, ``.1`` on the bridge (so this
+process reaches every host), ``.2`` onwards for the hosts. Each host has loopback up and a
+default route out of its interface (no gateway: nothing leaves the machine), so a service
+bound to 0.0.0.0 finds its own address as "the default route's".
+
+Faults: :meth:`Host.link_down` / :meth:`Host.link_up` (the host's cable: its bridge port) and
+:meth:`Network.netem` (``tc netem`` delay and loss on every host's bridge port, so that each
+packet between two hosts is delayed once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import re
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+# A network of run <pid> is named dsm<pid><tag> (tag: a letter per network of the run): its
+# namespaces dsm<pid><tag>-h<i>, its bridge dsm<pid><tag>br, its hosts' bridge ports
+# dsm<pid><tag>h<i> (15 characters at most, as Linux wants).
+PREFIX = "dsm"
+_NAME = re.compile(rf"^({PREFIX}(\d+)[a-z]?)(?:-h\d+|-probe|br|h\d+|n\d+)$")
+_TAGS = iter("abcdefghijklmnopqrstuvwxyz")
+SUPERNET = ipaddress.IPv4Network("198.18.0.0/15")  # RFC 2544
+
+
+class NetnsError(RuntimeError):
+    pass
+
+
+def ip(*args: str, check: bool = True) -> str:
+    """Run ``ip ARGS``; its stdout, or NetnsError with its stderr."""
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if check and done.returncode != 0:
+        raise NetnsError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout
+
+
+def tc(*args: str) -> None:
+    done = subprocess.run(["tc", *args], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise NetnsError(f"tc {' '.join(args)}: {done.stderr.strip()}")
+
+
+def unavailable_reason() -> str | None:
+    """Why namespaces cannot be made here (None: they can)."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"{' and '.join(missing)} not installed (iproute2)"
+    probe = f"{PREFIX}{os.getpid()}-probe"
+    try:
+        ip("netns", "add", probe)
+    except NetnsError as exc:
+        return f"cannot create a network namespace: {exc}"
+    ip("netns", "delete", probe, check=False)
+    return None
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str  # the namespace
+    address: str  # its IP on the bridge
+    port_link: str  # its veth's end on the bridge (this side), what link_down cuts
+
+    def command(self, argv: list[str]) -> list[str]:
+        """``argv`` run inside this host."""
+        return ["ip", "netns", "exec", self.name, *argv]
+
+    def link_down(self) -> None:
+        """Unplug the host: packets to and from it are dropped, its sockets stay open."""
+        ip("link", "set", self.port_link, "down")
+
+    def link_up(self) -> None:
+        ip("link", "set", self.port_link, "up")
+
+
+@dataclass(frozen=True)
+class Network:
+    bridge: str
+    bridge_address: str
+    hosts: tuple[Host, ...]
+
+    def netem_unavailable_reason(self) -> str | None:
+        """Why :meth:`netem` cannot work here (None: it can)."""
+        link = self.hosts[0].port_link
+        try:
+            tc("qdisc", "add", "dev", link, "root", "netem", "delay", "0ms")
+        except NetnsError as exc:
+            return f"tc netem does not work here (a kernel without sch_netem?): {exc}"
+        tc("qdisc", "del", "dev", link, "root")
+        return None
+
+    def netem(self, delay_ms: float = 0, loss_percent: float = 0) -> None:
+        """Delay and drop the packets into every host; ``netem()`` with no argument clears."""
+        for host in self.hosts:
+            with contextlib.suppress(NetnsError):
+                tc("qdisc", "del", "dev", host.port_link, "root")
+            if delay_ms or loss_percent:
+                tc(
+                    "qdisc",
+                    "add",
+                    "dev",
+                    host.port_link,
+                    "root",
+                    "netem",
+                    "delay",
+                    f"{delay_ms}ms",
+                    "loss",
+                    f"{loss_percent}%",
+                )
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _kill_inside(namespace: str) -> None:
+    """SIGKILL whatever still runs in ``namespace`` (a dead run's services)."""
+    for word in ip("netns", "pids", namespace, check=False).split():
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(word), signal.SIGKILL)
+
+
+def _owned(name: str, owner: str | None) -> bool:
+    """Is ``name`` one of network ``owner``'s (``dsm<pid><tag>``), or, with ``owner`` None,
+    left behind by a run that died?"""
+    m = _NAME.match(name)
+    if m is None:
+        return False
+    if owner is None:
+        return not _pid_alive(int(m.group(2)))
+    return m.group(1) == owner
+
+
+def _namespaces() -> list[str]:
+    return [line.split()[0] for line in ip("netns", "list").splitlines() if line.strip()]
+
+
+def _links() -> list[str]:
+    return [line.split()[0].split("@")[0] for line in ip("-br", "link").splitlines() if line]
+
+
+def remove(owner: str | None) -> None:
+    """Remove the namespaces and links of network ``owner`` (see :func:`_owned`; None: of
+    every run that died), after killing what still runs inside them."""
+    for namespace in _namespaces():
+        if _owned(namespace, owner):
+            _kill_inside(namespace)
+            ip("netns", "delete", namespace, check=False)
+    for link in _links():
+        if _owned(link, owner):
+            ip("link", "delete", link, check=False)
+
+
+def remove_stale() -> None:
+    remove(None)
+
+
+def _free_subnet(pid: int) -> ipaddress.IPv4Network:
+    """A /24 of 198.18.0.0/15 that no interface of this machine uses, chosen from ``pid``."""
+    used = [
+        ipaddress.ip_interface(word).network
+        for line in ip("-br", "-4", "addr").splitlines()
+        for word in line.split()[2:]
+    ]
+    subnets = list(SUPERNET.subnets(new_prefix=24))
+    for i in range(len(subnets)):
+        candidate = subnets[(pid + i) % len(subnets)]
+        if not any(candidate.overlaps(net) for net in used):
+            return candidate
+    raise NetnsError("every /24 of 198.18.0.0/15 is in use")
+
+
+@contextlib.contextmanager
+def network(num_hosts: int) -> Iterator[Network]:
+    """``num_hosts`` hosts on one bridge; everything is removed on exit, processes still
+    running inside included."""
+    pid = os.getpid()
+    remove_stale()
+    owner = f"{PREFIX}{pid}{next(_TAGS)}"
+    subnet = _free_subnet(pid)
+    addresses = list(subnet.hosts())
+    bridge = f"{owner}br"
+    prefix = subnet.prefixlen
+    try:
+        ip("link", "add", bridge, "type", "bridge")
+        ip("addr", "add", f"{addresses[0]}/{prefix}", "dev", bridge)
+        ip("link", "set", bridge, "up")
+        hosts = []
+        for i in range(num_hosts):
+            namespace, port_link, inner = (
+                f"{owner}-h{i}",
+                f"{owner}h{i}",
+                f"{owner}n{i}",
+            )
+            address = str(addresses[i + 1])
+            ip("netns", "add", namespace)
+            ip("link", "add", port_link, "type", "veth", "peer", "name", inner)
+            ip("link", "set", inner, "netns", namespace)
+            ip("link", "set", port_link, "master", bridge)
+            ip("link", "set", port_link, "up")
+            inside = ("-n", namespace)
+            ip(*inside, "link", "set", inner, "name", "eth0")
+            ip(*inside, "addr", "add", f"{address}/{prefix}", "dev", "eth0")
+            ip(*inside, "link", "set", "eth0", "up")
+            ip(*inside, "link", "set", "lo", "up")
+            ip(*inside, "route", "add", "default", "dev", "eth0")
+            hosts.append(Host(namespace, address, port_link))
+        yield Network(bridge, str(addresses[0]), tuple(hosts))
+    finally:
+        remove(owner)
