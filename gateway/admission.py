@@ -15,7 +15,8 @@ its own prompts not yet answered bound what it sends there.
 
 With KV-aware routing (``prefix_weight`` > 0) targets are also scored by the prefix of the
 prompt that each instance's cache holds (``MeshLoads.prefixes``, gateway/prefix_index.py),
-and a prefill is charged only the prompt tokens it is expected to compute.
+while a prefill is still charged its whole prompt: its queue bound (``--max-queued-tokens``)
+counts whole prompts, whatever its cache holds.
 """
 
 from __future__ import annotations
@@ -266,11 +267,6 @@ class Ledger:
             del self._entries[request_id]
 
 
-def _to_compute(ticket: Ticket, target: Target) -> int:
-    """Prompt tokens the target's prefill (or unified instance) is expected to compute."""
-    return ticket.prompt_tokens - target.cached_tokens
-
-
 # ---- the queue -----------------------------------------------------------------------------
 
 
@@ -353,7 +349,7 @@ class AdmissionQueue:
             if target is None:
                 break
             del self._waiting[request_id]
-            view = view.charged(target, _to_compute(ticket, target), view.pages_for(target, ticket))
+            view = view.charged(target, ticket.prompt_tokens, view.pages_for(target, ticket))
             out.dispatched.append((ticket, target))
         return out
 
@@ -375,7 +371,7 @@ class AdmissionQueue:
         target = view.choose(ticket, self.prefix_weight)
         if target is not None:
             pages = view.pages_for(target, ticket)
-            self.ledger.charge(ticket.request_id, target, _to_compute(ticket, target), pages)
+            self.ledger.charge(ticket.request_id, target, ticket.prompt_tokens, pages)
         return target
 
     @staticmethod

@@ -26,6 +26,7 @@ class KVMesh:
     http_port: int
     metrics_ports: list[int]  # of each unified instance, in start order
     model_dir: Path
+    unified_addresses: list[str]  # gRPC address of each unified instance, in start order
 
     @property
     def url(self) -> str:
@@ -90,7 +91,8 @@ def running_kv_mesh(
             }
             procs = {name: future.result() for name, future in futures.items()}
         started += procs.values()
-        mesh = KVMesh(procs["gateway"], http_port, metrics_ports, model)
+        unified = [procs[f"unified-{i}"].address for i in range(num_unified)]
+        mesh = KVMesh(procs["gateway"], http_port, metrics_ports, model, unified)
         wait_http_ok(f"{mesh.url}/health", 60)
         yield mesh
     finally:

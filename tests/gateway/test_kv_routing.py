@@ -5,13 +5,14 @@ repeated prefix goes to the instance that holds it."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 
+import grpc
 import pytest
 
+from dsmesh.v1 import decode_pb2, decode_pb2_grpc, generation_pb2
 from engine.prefix_hashes import PrefixChanges, page_hashes
 from gateway.admission import AdmissionQueue, MeshLoads, Ticket
 from gateway.prefix_index import PrefixIndex, PromptPages
@@ -123,7 +124,7 @@ def test_a_prefill_that_holds_the_prefix_is_charged_only_what_it_computes() -> N
     assert mixed == Target("u0") and mixed.reason == PREFIX
 
 
-def test_admission_routes_by_the_index_and_charges_what_prefill_computes() -> None:
+def test_admission_routes_by_the_index_and_charges_the_whole_prompt() -> None:
     index = PrefixIndex()
     index.apply("p0", PrefixChanges(1, 1, True, page_hashes(PROMPT, 4)[:8], []), page_size=4)
     loads = MeshLoads(
@@ -137,7 +138,8 @@ def test_admission_routes_by_the_index_and_charges_what_prefill_computes() -> No
     target = queue.submit(ticket, loads, 0.0)
     assert target == Target("d0", "p0") and target.cached_tokens == 32
     view = queue.ledger.corrected(loads)
-    assert view.prefills[0].waiting_tokens == 10 + len(PROMPT) - 32
+    # prefill's queue bound counts whole prompts, cached or not: so does the ledger
+    assert view.prefills[0].waiting_tokens == 10 + len(PROMPT)
     # without the prompt's pages (KV-aware routing off at the core), load alone
     plain = Ticket("r2", len(PROMPT), len(PROMPT) + 8)
     assert queue.submit(plain, loads, 0.0) == Target("d0", "p1")
@@ -174,24 +176,29 @@ def cached_pages(mesh: KVMesh) -> list[float]:
     ]
 
 
+def decode_directly(address: str, request_id: str, ids: list[int], new_tokens: int) -> None:
+    """Run a request on one unified instance itself, past the gateway: it holds the prompt's
+    pages afterwards."""
+    sampling = generation_pb2.SamplingParams(
+        max_new_tokens=new_tokens, ignore_eos=True, temperature=0
+    )
+    request = decode_pb2.DecodeRequest(request_id=request_id, input_ids=ids, sampling=sampling)
+    with grpc.insecure_channel(address) as ch:
+        replies = list(decode_pb2_grpc.DecodeStub(ch).Decode(request, timeout=120))
+    assert sum(len(r.token_ids) for r in replies) == new_tokens
+
+
 @pytest.mark.timeout(300)
 def test_a_repeated_prefix_goes_to_the_instance_that_holds_it(mesh: KVMesh) -> None:
     a = [3 + (i * 7) % 200 for i in range(100)]  # 6 full pages of 16
     b = [3 + (i * 11) % 200 for i in range(100)]
-    # A and B at once: load alone sends A to unified-0 (a tie, the smaller id) and B, which
-    # comes while A holds pages there, to unified-1
-    results: dict[str, dict] = {}
-    first = threading.Thread(target=lambda: results.update(a=generate(mesh, a, 200)))
-    first.start()
-    time.sleep(0.3)
-    results["b"] = generate(mesh, b, 8)
-    first.join()
-    assert results["a"]["usage"]["cached_tokens"] == 0 == results["b"]["usage"]["cached_tokens"]
-    assert all(pages >= 6 for pages in cached_pages(mesh)), "A and B should run apart"
-    time.sleep(1.0)  # the gateway polls each instance's prefix digest 4 times a second
+    decode_directly(mesh.unified_addresses[0], "direct-a", a, 8)  # unified-0 holds A
+    decode_directly(mesh.unified_addresses[1], "direct-b", b, 8)  # unified-1 holds B
+    assert all(pages >= 6 for pages in cached_pages(mesh))
+    time.sleep(1.5)  # the gateway polls each instance's prefix digest 4 times a second
 
-    # Both instances are idle now: by load alone B would go to unified-0 (the smaller id).
-    # It goes to unified-1, which holds its 96 leading tokens (6 pages).
+    # Both instances are idle and alike: by load alone both follow-ups would go to unified-0
+    # (a tie, the smaller id). Each goes to the instance that holds its 96 leading tokens.
     completion = post(
         f"{mesh.url}/v1/completions",
         {"model": mesh.model_dir.name, "prompt": b + [7, 8], "max_tokens": 4, "temperature": 0},
@@ -206,7 +213,6 @@ def test_a_repeated_prefix_goes_to_the_instance_that_holds_it(mesh: KVMesh) -> N
     assert hits == [96, 96]
     gateway = scrape_gateway(mesh)
     assert metric(gateway, "dsmesh_routing_decisions_total", 'reason="prefix"') == 2
-    assert metric(gateway, "dsmesh_routing_decisions_total", 'reason="no_prefix"') == 2
     assert metric(gateway, "dsmesh_prefix_cache_hit_tokens_total") == 192
 
 
