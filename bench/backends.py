@@ -13,7 +13,6 @@ from google.protobuf import json_format
 
 from dsmesh.v1 import generation_pb2 as pb
 from dsmesh.v1 import generation_pb2_grpc
-from engine.llm_engine import EngineConfig
 
 BACKENDS = ("grpc", "rest", "offline")
 
@@ -155,18 +154,3 @@ class RestBackend(Backend):
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
-
-
-def make_backend(
-    kind: str, grpc_addr: str, url: str, engine: EngineConfig | None = None
-) -> Backend:
-    """``kind`` is one of :data:`BACKENDS`; ``engine`` configures the offline one."""
-    if kind == "grpc":
-        return GrpcBackend(grpc_addr)
-    if kind == "rest":
-        return RestBackend(url)
-    if kind == "offline":
-        from bench.offline import OfflineBackend
-
-        return OfflineBackend(engine)
-    raise ValueError(f"unknown backend {kind!r}; choose from {', '.join(BACKENDS)}")

@@ -25,8 +25,17 @@ from typing import Any
 
 import numpy as np
 
-from bench.backends import Backend, BenchError, RequestError, make_backend
+from bench.backends import (
+    BACKENDS,
+    Backend,
+    BenchError,
+    GrpcBackend,
+    RequestError,
+    RestBackend,
+)
+from bench.offline import OfflineBackend
 from dsmesh.v1 import generation_pb2 as pb
+from engine.llm_engine import EngineConfig
 
 MAX_ERRORS_SHOWN = 5
 
@@ -323,6 +332,19 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> BenchSumma
 
 
 # --------------------------------------------------------------------------- backends
+
+
+def make_backend(
+    kind: str, grpc_addr: str, url: str, engine: EngineConfig | None = None
+) -> Backend:
+    """``kind`` is one of :data:`BACKENDS`; ``engine`` configures the offline one."""
+    if kind == "grpc":
+        return GrpcBackend(grpc_addr)
+    if kind == "rest":
+        return RestBackend(url)
+    if kind == "offline":
+        return OfflineBackend(engine)
+    raise ValueError(f"unknown backend {kind!r}; choose from {', '.join(BACKENDS)}")
 
 
 # --------------------------------------------------------------------------- running

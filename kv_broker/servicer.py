@@ -39,7 +39,7 @@ from kv_broker.state import (
 )
 
 if TYPE_CHECKING:
-    from kv_broker.service import BrokerConfig
+    from kv_broker.config import BrokerConfig
 
 log = logging.getLogger(__name__)
 
