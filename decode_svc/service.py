@@ -10,40 +10,32 @@ from dataclasses import dataclass, field
 from decode_svc.handoff import DecodeHandoffs
 from decode_svc.servicer import DecodeLimits, DecodeServicer
 from dsmesh.clients.broker import BrokerLink
-from dsmesh.instance.attach import TransferConfig, build_instance, new_instance_id, serve_attached
+from dsmesh.instance.attach import (
+    InstanceConfig,
+    TransferConfig,
+    build_instance,
+    new_instance_id,
+    serve_attached,
+)
 from dsmesh.instance.ep_group import RankSpec
 from dsmesh.instance.metrics import start_metrics
 from dsmesh.runtime.grpc_server import channel, set_channel_defaults
-from dsmesh.runtime.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
-from dsmesh.runtime.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
 from dsmesh.runtime.telemetry import tracing
 from dsmesh.v1 import decode_pb2, decode_pb2_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
-from engine.llm_engine import EngineConfig
 
 log = logging.getLogger(__name__)
 _SERVICE = decode_pb2.DESCRIPTOR.services_by_name["Decode"]
 SERVICE = _SERVICE.full_name
 
 
-@dataclass(frozen=True)
-class DecodeConfig:
-    broker_address: str
-    engine: EngineConfig = field(default_factory=EngineConfig)
+@dataclass(frozen=True, kw_only=True)
+class DecodeConfig(InstanceConfig):
     transfer: TransferConfig = field(default_factory=TransferConfig)
-    host: str = "127.0.0.1"  # the address bound
-    # what peers dial, registered with kv_broker; empty: from ``host`` (dsmesh.runtime.address)
-    advertise_host: str = ""
-    port: int = 0
-    instance_id: str = ""
-    metrics_port: int = 0  # Prometheus /metrics port; 0 = off
     handoff_timeout_s: float = 30.0
     release_quarantine_s: float = 10.0
     reserve_wait_s: float = 10.0
-    tls: TLSConfig = TLSConfig()  # every gRPC server and channel of the process; off by default
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # requests in flight at SIGTERM finish
     ep_rank: RankSpec | None = None  # set on each rank of an expert-parallel group
 
 

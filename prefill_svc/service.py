@@ -9,12 +9,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dsmesh.clients.broker import BrokerLink
-from dsmesh.instance.attach import TransferConfig, build_instance, new_instance_id, serve_attached
+from dsmesh.instance.attach import (
+    InstanceConfig,
+    TransferConfig,
+    build_instance,
+    new_instance_id,
+    serve_attached,
+)
 from dsmesh.instance.ep_group import RankSpec
 from dsmesh.instance.metrics import start_metrics
 from dsmesh.runtime.grpc_server import channel, set_channel_defaults
-from dsmesh.runtime.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
-from dsmesh.runtime.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
 from dsmesh.runtime.telemetry import tracing
 from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
@@ -27,23 +31,13 @@ _SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"]
 SERVICE = _SERVICE.full_name
 
 
-@dataclass(frozen=True)
-class PrefillConfig:
-    broker_address: str
+@dataclass(frozen=True, kw_only=True)
+class PrefillConfig(InstanceConfig):
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(prefix_cache=True))
     transfer: TransferConfig = field(default_factory=TransferConfig)
-    host: str = "127.0.0.1"  # the address bound
-    # what peers dial, registered with kv_broker; empty: from ``host`` (dsmesh.runtime.address)
-    advertise_host: str = ""
-    port: int = 0
-    instance_id: str = ""
-    metrics_port: int = 0  # Prometheus /metrics port; 0 = off
     resolve_wait_s: float = 30.0
     max_queued_tokens: int = 262144
     max_transfer_backlog_s: float = 1.0
-    tls: TLSConfig = TLSConfig()  # every gRPC server and channel of the process; off by default
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # requests in flight at SIGTERM finish
     ep_rank: RankSpec | None = None  # set on each rank of an expert-parallel group
 
 

@@ -12,12 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dsmesh.clients.broker import BrokerLink
-from dsmesh.instance.attach import new_instance_id, serve_attached
+from dsmesh.instance.attach import InstanceConfig, new_instance_id, serve_attached
 from dsmesh.instance.metrics import start_metrics
 from dsmesh.instance.worker import EngineWorker
 from dsmesh.runtime.grpc_server import set_channel_defaults
-from dsmesh.runtime.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
-from dsmesh.runtime.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
 from dsmesh.runtime.telemetry import tracing
 from dsmesh.v1 import decode_pb2, decode_pb2_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
@@ -29,19 +27,9 @@ _SERVICE = decode_pb2.DESCRIPTOR.services_by_name["Decode"]
 SERVICE = _SERVICE.full_name
 
 
-@dataclass(frozen=True)
-class UnifiedConfig:
-    broker_address: str
+@dataclass(frozen=True, kw_only=True)
+class UnifiedConfig(InstanceConfig):
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(prefix_cache=True))
-    host: str = "127.0.0.1"  # the address bound
-    # what peers dial, registered with kv_broker; empty: from ``host`` (dsmesh.runtime.address)
-    advertise_host: str = ""
-    port: int = 0
-    instance_id: str = ""
-    metrics_port: int = 0  # Prometheus /metrics port; 0 = off
-    tls: TLSConfig = TLSConfig()  # every gRPC server and channel of the process; off by default
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # requests in flight at SIGTERM finish
 
 
 async def serve(

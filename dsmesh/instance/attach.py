@@ -11,7 +11,7 @@ import os
 import socket
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
@@ -23,7 +23,14 @@ from dsmesh.instance.worker import EngineWorker
 from dsmesh.runtime.address import advertise_host, host_port
 from dsmesh.runtime.drain import Drain
 from dsmesh.runtime.grpc_server import RunningServer, method_paths, start_server
-from dsmesh.runtime.lifecycle import STOP_GRACE_S, ServiceConfig, serve_until_stopped
+from dsmesh.runtime.lifecycle import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    STOP_GRACE_S,
+    ServiceConfig,
+    check_drain_timeout,
+    serve_until_stopped,
+)
+from dsmesh.runtime.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
 from dsmesh.runtime.transfer import (
     KVTransport,
     RemotePool,
@@ -45,6 +52,27 @@ class TransferConfig:
     protocol: str = "auto"
     hostname: str = "127.0.0.1"  # address peers use to reach this process's transfer engine
     device_name: str = ""  # RDMA devices, e.g. "mlx5_0,mlx5_1"
+
+
+@dataclass(frozen=True, kw_only=True)
+class InstanceConfig:
+    """What every prefill, decode and unified instance is told at start-up; each role's
+    config adds its own fields (keyword-only)."""
+
+    broker_address: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"  # the address bound
+    # what peers dial, registered with kv_broker; empty: from ``host`` (dsmesh.runtime.address)
+    advertise_host: str = ""
+    port: int = 0
+    instance_id: str = ""
+    metrics_port: int = 0  # Prometheus /metrics port; 0 = off
+    tls: TLSConfig = TLSConfig()  # every gRPC server and channel of the process; off by default
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # requests in flight at SIGTERM finish
+
+    def __post_init__(self) -> None:
+        check_drain_timeout(self.drain_timeout_s)
 
 
 @dataclass
