@@ -27,13 +27,15 @@ def build_app(
     max_body_bytes: int,
     api_keys: Sequence[str] = (),
     drain: Drain | None = None,
+    reasoning_parser: str = "",
 ) -> web.Application:
     """``api_keys`` non-empty: every route but /health and /metrics needs
     ``Authorization: Bearer <key>`` (401 otherwise). A body over ``max_body_bytes`` is 413.
     ``drain`` (shared with the gRPC port) counts requests in flight; once it drains, new
-    requests get 503 and /health answers 503 ``draining``."""
+    requests get 503 and /health answers 503 ``draining``. ``reasoning_parser``: "" (off) or
+    a gateway/reasoning.py parser for chat completions' ``reasoning_content``."""
     drain = drain if drain is not None else Drain()
-    openai_routes = OpenAIRoutes(core, model_name).routes()
+    openai_routes = OpenAIRoutes(core, model_name, reasoning_parser).routes()
     openai_paths = frozenset(route.path for route in openai_routes)  # type: ignore[attr-defined]
     middlewares = [admit(drain, openai_paths), body_limit(max_body_bytes, openai_paths)]
     if api_keys:

@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions.
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions, and vLLM's
+and SGLang's /v1/tokenize and /v1/detokenize.
 
 Follows the OpenAI API's request and response shapes (and its defaults: temperature 1; with
 ``max_tokens`` omitted, generation runs up to the room left in the context after the prompt),
@@ -6,7 +7,9 @@ with vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eo
 (gateway/openai_params.py). ``n`` choices run as independent requests sharing the prompt's KV
 (gateway/choices.py); logprobs come in OpenAI's chat and completions shapes
 (gateway/openai_logprobs.py), streamed too. Chat prompts are the checkpoint's chat template
-rendered over the messages as sent (tool calls and tool messages included). What is not
+rendered over the messages as sent (tool calls and tool messages included); with
+``--reasoning-parser deepseek-r1`` (gateway/reasoning.py) chat output's ``<think>`` part goes to
+``reasoning_content``. What is not
 supported yet (tool calls, structured outputs, echo, suffix) is refused with 400 naming the
 parameter.
 """
@@ -36,6 +39,7 @@ from gateway.openai_params import (
     sampling_from_openai,
     utf8_text,
 )
+from gateway.reasoning import ReasoningParser, make_reasoning_parser
 from gateway.rest import http_status, read_json, sse
 
 __all__ = ["OpenAIError", "OpenAIRoutes", "sampling_from_openai"]
@@ -57,9 +61,10 @@ def _from_gateway(
 
 
 class OpenAIRoutes:
-    def __init__(self, core: GenerationCore, model_name: str) -> None:
+    def __init__(self, core: GenerationCore, model_name: str, reasoning_parser: str = "") -> None:
         self.core = core
         self.model_name = model_name
+        self.reasoning_parser = reasoning_parser  # "" (off) or a gateway/reasoning.py parser
         self.created = int(time.time())
 
     def routes(self) -> list[web.RouteDef]:
@@ -67,6 +72,8 @@ class OpenAIRoutes:
             web.get("/v1/models", self.models),
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat),
+            web.post("/v1/tokenize", self.tokenize),
+            web.post("/v1/detokenize", self.detokenize),
         ]
 
     async def models(self, request: web.Request) -> web.Response:
@@ -141,6 +148,91 @@ class OpenAIRoutes:
             return _from_gateway(exc, prompt_param="messages", chat=True).response()
         return await self._respond(request, body, choice_inputs(inp, n), chat=True)
 
+    # ---- /v1/tokenize, /v1/detokenize (vLLM's and SGLang's) ---------------------------------
+
+    async def _extras_body(self, request: web.Request, fields: frozenset[str]) -> dict[str, Any]:
+        """A JSON object of only ``fields``; ``model`` optional, but ours when given."""
+        try:
+            body = await read_json(request)
+        except GatewayError as exc:
+            raise _from_gateway(exc) from exc
+        if not isinstance(body, dict):
+            raise bad_param("body", "must be a JSON object")
+        for name in body:
+            if name not in fields:
+                raise bad_param(name, "unknown field")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise bad_param("model", "must be a string")
+        if model is not None and model != self.model_name:
+            raise OpenAIError(
+                404, f"The model '{model}' does not exist", param="model", code="model_not_found"
+            )
+        return body
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """``prompt`` (text, special tokens added as /v1/completions does unless
+        ``add_special_tokens: false``) or ``messages`` (the chat template, with
+        ``add_generation_prompt`` default true, and ``tools``) -> the ids /v1/completions and
+        /v1/chat/completions would run, their count, and the model's context length."""
+        try:
+            body = await self._extras_body(request, _TOKENIZE_FIELDS)
+            prompt, messages = body.get("prompt"), body.get("messages")
+            if (prompt is None) == (messages is None):
+                raise bad_param("prompt", "give exactly one of prompt and messages")
+            if prompt is not None:
+                if body.get("add_generation_prompt") is not None or body.get("tools") is not None:
+                    gen = body.get("add_generation_prompt") is not None
+                    name = "add_generation_prompt" if gen else "tools"
+                    raise bad_param(name, "only with messages")
+                if not isinstance(prompt, str):
+                    raise bad_param("prompt", "must be a string")
+                special = _flag(body, "add_special_tokens", True)
+                ids = self.core.tokenizer.encode(utf8_text("prompt", prompt), special)
+            else:
+                if body.get("add_special_tokens") is not None:
+                    raise bad_param("add_special_tokens", "only with prompt")
+                generation = _flag(body, "add_generation_prompt", True)
+                try:
+                    ids = self.core.tokenizer.apply_chat_template(
+                        _messages(messages),
+                        add_generation_prompt=generation,
+                        tokenize=True,
+                        tools=_tools(body.get("tools")),
+                    )
+                except OpenAIError:
+                    raise
+                except Exception as exc:  # template errors are the request's fault
+                    raise bad_param("messages", f"cannot apply the chat template: {exc}") from exc
+        except OpenAIError as exc:
+            return exc.response()
+        tokens = list(ids)
+        return web.json_response(
+            {
+                "tokens": tokens,
+                "count": len(tokens),
+                "max_model_len": self.core.model_config.max_position_embeddings,
+            }
+        )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """``tokens`` -> ``prompt``: their text, special tokens included (the inverse of
+        /v1/tokenize)."""
+        try:
+            body = await self._extras_body(request, _DETOKENIZE_FIELDS)
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in tokens
+            ):
+                raise bad_param("tokens", "is required and must be a list of token ids")
+            vocab = self.core.tokenizer.vocab_size
+            for i, token in enumerate(tokens):
+                if not 0 <= token < vocab:
+                    raise bad_param(f"tokens[{i}]", f"token id {token} is not in [0, {vocab})")
+        except OpenAIError as exc:
+            return exc.response()
+        return web.json_response({"prompt": self.core.tokenizer.decode(tokens)})
+
     # ---- shared ----------------------------------------------------------------------------
 
     async def _respond(
@@ -156,7 +248,10 @@ class OpenAIRoutes:
             "object": "chat.completion" if chat else "text_completion",
             "model": self.model_name,
         }
-        choices = [_Choice(self.core.tokenizer, inp.params.logprobs is not None) for inp in inputs]
+        parser = self.reasoning_parser if chat else ""
+        choices = [
+            _Choice(self.core.tokenizer, inp.params.logprobs is not None, parser) for inp in inputs
+        ]
         deltas = generate_choices(self.core, inputs, context_from_headers(request.headers))
         if body.get("stream"):
             options = body.get("stream_options")
@@ -177,10 +272,15 @@ class OpenAIRoutes:
 
 
 class _Choice:
-    """One choice's text, end and logprobs as its deltas arrive."""
+    """One choice's text, end and logprobs as its deltas arrive; with a reasoning parser,
+    its text split into reasoning and content."""
 
-    def __init__(self, tokenizer: Tokenizer, logprobs: bool) -> None:
+    def __init__(self, tokenizer: Tokenizer, logprobs: bool, reasoning_parser: str = "") -> None:
         self.parts: list[str] = []
+        self.reasoner: ReasoningParser | None = make_reasoning_parser(reasoning_parser)
+        self.reasoning: list[str] = []
+        self.new_reasoning = ""  # what the last delta added to each part
+        self.new_content = ""
         self.reason: str | None = None
         self.last: Delta | None = None  # the finishing delta: its usage counts
         self.logprobs = LogprobsFormatter(tokenizer) if logprobs else None
@@ -188,7 +288,16 @@ class _Choice:
         self.sent_any = False
 
     def add(self, delta: Delta) -> None:
-        self.parts.append(delta.text)
+        if self.reasoner is None:
+            self.new_reasoning, self.new_content = "", delta.text
+        else:
+            self.new_reasoning, self.new_content = self.reasoner.feed(delta.text)
+            if delta.finish_reason:
+                reasoning, content = self.reasoner.finish()
+                self.new_reasoning += reasoning
+                self.new_content += content
+        self.reasoning.append(self.new_reasoning)
+        self.parts.append(self.new_content)
         self.entries += delta.logprobs or ()
         if delta.finish_reason:
             self.reason = _finish(delta.finish_reason)
@@ -204,6 +313,8 @@ class _Choice:
         out: dict[str, Any] = {"index": index}
         if chat:
             out["message"] = {"role": "assistant", "content": text}
+            if self.reasoner is not None:
+                out["message"]["reasoning_content"] = "".join(self.reasoning) or None
         else:
             out["text"] = text
         out["finish_reason"] = self.reason
@@ -213,16 +324,19 @@ class _Choice:
     def part(self, delta: Delta, chat: bool) -> dict[str, Any] | None:
         """The chunk's entry for ``delta``; None when it carries nothing to send yet."""
         finish = _finish(delta.finish_reason) if delta.finish_reason else None
-        if not (delta.text or delta.logprobs or finish or not self.sent_any):
+        new_text = self.new_reasoning or self.new_content
+        if not (new_text or delta.logprobs or finish or not self.sent_any):
             return None
         out: dict[str, Any] = {"index": delta.index}
         if chat:
             message: dict[str, Any] = {} if self.sent_any else {"role": "assistant"}
-            if delta.text:
-                message["content"] = delta.text
+            if self.new_reasoning:
+                message["reasoning_content"] = self.new_reasoning
+            if self.new_content:
+                message["content"] = self.new_content
             out["delta"] = message
         else:
-            out["text"] = delta.text
+            out["text"] = self.new_content
         out["finish_reason"] = finish
         out["logprobs"] = self.rendered(delta.logprobs or [], chat)
         self.sent_any = True
@@ -273,6 +387,21 @@ def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+
+
+_TOKENIZE_FIELDS = frozenset(
+    {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "tools"}
+)
+_DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
+
+
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_param(name, "must be a boolean")
+    return value
 
 
 def _prompt(prompt: Any) -> tuple[str | None, list[int] | None]:

@@ -29,6 +29,7 @@ from gateway.core import CoreLimits, GenerationCore
 from gateway.grpc_servicer import GenerationServicer
 from gateway.http_app import build_app
 from gateway.metrics import GatewayMetrics
+from gateway.reasoning import check_reasoning_parser
 from gateway.registry import InstanceRegistry
 
 log = logging.getLogger(__name__)
@@ -56,11 +57,14 @@ class GatewayConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no key needed
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # requests in flight at SIGTERM finish
+    # "deepseek-r1": chat's <think>...</think> goes to reasoning_content (gateway/reasoning.py)
+    reasoning_parser: str = ""
 
     def __post_init__(self) -> None:
         check_drain_timeout(self.drain_timeout_s)
         if not self.kv_routing_weight >= 0:
             raise ValueError(f"--kv-routing-weight must be >= 0, got {self.kv_routing_weight}")
+        check_reasoning_parser(self.reasoning_parser)
 
 
 async def serve(
@@ -103,7 +107,14 @@ async def serve(
         ],
     )
     runner = web.AppRunner(
-        build_app(core, name, config.max_body_bytes, config.api_keys, drain),
+        build_app(
+            core,
+            name,
+            config.max_body_bytes,
+            config.api_keys,
+            drain,
+            reasoning_parser=config.reasoning_parser,
+        ),
         handler_cancellation=True,  # a client that disconnects cancels its request
         access_log=None,
     )

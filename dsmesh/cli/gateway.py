@@ -56,6 +56,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "one token of load (queued prefill tokens, free KV tokens); 0: route by load alone "
         "(default 1.0, docs/GATEWAY.md)",
     )
+    p.add_argument(
+        "--reasoning-parser",
+        default="",
+        metavar="NAME",
+        help="split a reasoning model's output in chat completions: deepseek-r1 puts "
+        "<think>...</think> in reasoning_content (default: off, docs/GATEWAY.md)",
+    )
     add_security_args(p, api_keys=True)
     add_drain_arg(p)
     p.set_defaults(func=run)
@@ -85,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes,
         drain_timeout_s=args.drain_timeout,
         api_keys=api_keys_from(args),
+        reasoning_parser=args.reasoning_parser,
     )
 
     def ready(grpc_port: int, http_port: int) -> None:

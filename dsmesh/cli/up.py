@@ -206,6 +206,12 @@ ROLE_FLAGS: tuple[tuple[str, tuple[str, ...], type, str], ...] = (
         "KV-aware routing: a cached prompt token against a token of load; 0: load alone",
     ),
     ("--max-queued-tokens", ("prefill",), int, "prompt tokens queued per prefill at most"),
+    (
+        "--reasoning-parser",
+        ("gateway",),
+        str,
+        "deepseek-r1: chat's <think>...</think> goes to reasoning_content (gateway)",
+    ),
 )
 
 
