@@ -23,7 +23,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def build_app(
     core: GenerationCore,
-    model_name: str,
+    model_name: str | Sequence[str],
     max_body_bytes: int,
     api_keys: Sequence[str] = (),
     drain: Drain | None = None,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -33,10 +33,12 @@ from gateway.openai_logprobs import LogprobsFormatter
 from gateway.openai_params import (
     OpenAIError,
     bad_param,
+    include_usage,
     num_choices,
     openai_param,
     refuse_unsupported,
     sampling_from_openai,
+    sent_max_tokens_key,
     utf8_text,
 )
 from gateway.reasoning import ReasoningParser, make_reasoning_parser
@@ -46,24 +48,35 @@ __all__ = ["OpenAIError", "OpenAIRoutes", "sampling_from_openai"]
 
 
 def _from_gateway(
-    exc: GatewayError, prompt_param: str = "prompt", chat: bool = False
+    exc: GatewayError,
+    prompt_param: str = "prompt",
+    chat: bool = False,
+    max_tokens_key: str = "max_tokens",
 ) -> OpenAIError:
-    """Map a pipeline error; its field names become OpenAI parameter names."""
+    """Map a pipeline error; its field names become OpenAI parameter names (the token limit's
+    as ``max_tokens_key``, the field the client sent)."""
     status = http_status(exc.code)
     message, param = exc.message, None
     if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
         field, _, rest = message.partition(": ")
         field = {"input_ids": prompt_param, "text": prompt_param}.get(field, field)
-        field = openai_param(field.removeprefix("sampling."), chat)
+        field = openai_param(field.removeprefix("sampling."), chat, max_tokens_key)
         message, param = f"{field}: {rest}", field
     kind = "invalid_request_error" if status < 500 else "server_error"
     return OpenAIError(status, message, param=param, code=exc.code.name.lower(), kind=kind)
 
 
 class OpenAIRoutes:
-    def __init__(self, core: GenerationCore, model_name: str, reasoning_parser: str = "") -> None:
+    def __init__(
+        self, core: GenerationCore, model_name: str | Sequence[str], reasoning_parser: str = ""
+    ) -> None:
+        """``model_name``: the served model's names (``--served-model-name``, repeated or a
+        comma list); a request may use any, /v1/models lists them all."""
         self.core = core
-        self.model_name = model_name
+        self.model_names = served_model_names(model_name)
+        if not self.model_names:
+            raise ValueError("the gateway needs a served model name")
+        self.model_name = self.model_names[0]
         self.reasoning_parser = reasoning_parser  # "" (off) or a gateway/reasoning.py parser
         self.created = int(time.time())
 
@@ -77,11 +90,12 @@ class OpenAIRoutes:
         ]
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._model_card()]})
+        cards = [self._model_card(name) for name in self.model_names]
+        return web.json_response({"object": "list", "data": cards})
 
-    def _model_card(self) -> dict[str, Any]:
+    def _model_card(self, name: str) -> dict[str, Any]:
         return {
-            "id": self.model_name,
+            "id": name,
             "object": "model",
             "created": self.created,
             "owned_by": "dsmesh",
@@ -97,7 +111,7 @@ class OpenAIRoutes:
         model = body.get("model")
         if not isinstance(model, str):
             raise bad_param("model", "is required and must be a string")
-        if model != self.model_name:
+        if model not in self.model_names:
             raise OpenAIError(
                 404, f"The model '{model}' does not exist", param="model", code="model_not_found"
             )
@@ -112,13 +126,14 @@ class OpenAIRoutes:
             if ids is None:
                 ids = self.core.tokenizer.encode(text)
             n = num_choices(body)
+            usage = include_usage(body)
             params = sampling_from_openai(body, self.core.room_to_generate(len(ids)))
             inp = self.core.prepare("", None, ids, params)
         except OpenAIError as exc:
             return exc.response()
         except GatewayError as exc:
             return _from_gateway(exc).response()
-        return await self._respond(request, body, choice_inputs(inp, n), chat=False)
+        return await self._respond(request, body, choice_inputs(inp, n), False, usage)
 
     # ---- /v1/chat/completions -------------------------------------------------------------
 
@@ -128,6 +143,7 @@ class OpenAIRoutes:
             messages = _messages(body.get("messages"))
             tools = _tools(body.get("tools"))
             n = num_choices(body)
+            usage = include_usage(body)
             refuse_unsupported(body, chat=True)  # tools: before the template renders them
             try:
                 ids = self.core.tokenizer.apply_chat_template(
@@ -145,8 +161,9 @@ class OpenAIRoutes:
         except OpenAIError as exc:
             return exc.response()
         except GatewayError as exc:
-            return _from_gateway(exc, prompt_param="messages", chat=True).response()
-        return await self._respond(request, body, choice_inputs(inp, n), chat=True)
+            key = sent_max_tokens_key(body, "max_completion_tokens")
+            return _from_gateway(exc, "messages", chat=True, max_tokens_key=key).response()
+        return await self._respond(request, body, choice_inputs(inp, n), True, usage)
 
     # ---- /v1/tokenize, /v1/detokenize (vLLM's and SGLang's) ---------------------------------
 
@@ -164,7 +181,7 @@ class OpenAIRoutes:
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise bad_param("model", "must be a string")
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise OpenAIError(
                 404, f"The model '{model}' does not exist", param="model", code="model_not_found"
             )
@@ -241,12 +258,14 @@ class OpenAIRoutes:
         body: dict[str, Any],
         inputs: list[GenerationInput],
         chat: bool,
+        include_usage: bool = False,
     ) -> web.StreamResponse:
-        """Run every choice; one JSON object, or SSE chunks when the body says ``stream``."""
+        """Run every choice; one JSON object, or SSE chunks when the body says ``stream``
+        (with ``include_usage``, a last chunk of the usage and no choices)."""
         head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": "chat.completion" if chat else "text_completion",
-            "model": self.model_name,
+            "model": body["model"],  # the name the client used
         }
         parser = self.reasoning_parser if chat else ""
         choices = [
@@ -254,8 +273,6 @@ class OpenAIRoutes:
         ]
         deltas = generate_choices(self.core, inputs, context_from_headers(request.headers))
         if body.get("stream"):
-            options = body.get("stream_options")
-            include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
             if chat:
                 head["object"] = "chat.completion.chunk"
             events = _chunks(head, deltas, choices, chat, include_usage)
@@ -264,7 +281,8 @@ class OpenAIRoutes:
             async for delta in deltas:
                 choices[delta.index].add(delta)
         except GatewayError as exc:
-            return _from_gateway(exc, chat=chat).response()
+            key = sent_max_tokens_key(body, "max_completion_tokens" if chat else "max_tokens")
+            return _from_gateway(exc, chat=chat, max_tokens_key=key).response()
         out = {**head, "created": int(time.time())}
         out["choices"] = [c.whole(i, chat) for i, c in enumerate(choices)]
         out["usage"] = _choices_usage(choices)
@@ -393,6 +411,18 @@ _TOKENIZE_FIELDS = frozenset(
     {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "tools"}
 )
 _DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
+
+
+def served_model_names(names: str | Sequence[str]) -> tuple[str, ...]:
+    """``--served-model-name`` values (each maybe a comma list) as names, in order, once each."""
+    items = [names] if isinstance(names, str) else list(names)
+    out: list[str] = []
+    for item in items:
+        for name in item.split(","):
+            name = name.strip()
+            if name and name not in out:
+                out.append(name)
+    return tuple(out)
 
 
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:

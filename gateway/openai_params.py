@@ -137,9 +137,8 @@ def sampling_from_openai(
     """The request's sampling; ``default_max_tokens`` when it sets no ``max_tokens`` (chat:
     ``max_completion_tokens``, else ``max_tokens``)."""
     refuse_unsupported(body, chat)
+    max_tokens_key = sent_max_tokens_key(body, max_tokens_key)
     max_tokens = body.get(max_tokens_key)
-    if max_tokens is None and max_tokens_key != "max_tokens":
-        max_tokens = body.get("max_tokens")
     if max_tokens is None:
         max_tokens = default_max_tokens
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
@@ -165,6 +164,35 @@ def sampling_from_openai(
     except InvalidRequestError as exc:
         raise bad_param(openai_param(exc.field, chat, max_tokens_key), exc.reason) from exc
     return params
+
+
+def sent_max_tokens_key(body: dict[str, Any], max_tokens_key: str = "max_tokens") -> str:
+    """The field that sets the request's token limit, as the client sent it: chat's
+    ``max_completion_tokens`` wins over its older ``max_tokens``; neither sent: the route's own
+    (``max_tokens_key``)."""
+    for key in (max_tokens_key, "max_tokens"):
+        if body.get(key) is not None:
+            return key
+    return max_tokens_key
+
+
+def include_usage(body: dict[str, Any]) -> bool:
+    """``stream_options``: only with ``stream: true``, and only ``include_usage`` (a boolean:
+    a last chunk with the usage and no choices)."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not body.get("stream"):
+        raise bad_param("stream_options", "only allowed with stream: true")
+    if not isinstance(options, dict):
+        raise bad_param("stream_options", "must be an object")
+    for key in options:
+        if key != "include_usage":
+            raise bad_param(f"stream_options.{key}", "unknown field (only include_usage)")
+    value = options.get("include_usage")
+    if value is not None and not isinstance(value, bool):
+        raise bad_param("stream_options.include_usage", "must be a boolean")
+    return bool(value)
 
 
 def openai_param(field: str, chat: bool, max_tokens_key: str = "max_tokens") -> str:

@@ -29,6 +29,7 @@ from gateway.core import CoreLimits, GenerationCore
 from gateway.grpc_servicer import GenerationServicer
 from gateway.http_app import build_app
 from gateway.metrics import GatewayMetrics
+from gateway.openai_api import served_model_names
 from gateway.reasoning import check_reasoning_parser
 from gateway.registry import InstanceRegistry
 
@@ -45,7 +46,7 @@ class GatewayConfig:
     advertise_host: str = ""  # what clients dial; empty: from ``host`` (dsmesh.runtime.address)
     grpc_port: int = 50051
     http_port: int = 8000
-    served_model_name: str = ""  # default: the model folder's name
+    served_model_name: str = ""  # comma list of aliases; default: the model folder's name
     request_timeout_s: float = 600.0
     handoff_timeout_s: float = 30.0
     max_body_bytes: int = 8 << 20
@@ -76,7 +77,7 @@ async def serve(
     set_channel_defaults(config.tls, config.max_message_bytes)  # ditto
     model_config = load_config(config.model_dir)
     tokenizer = Tokenizer.from_dir(config.model_dir)
-    name = config.served_model_name or Path(config.model_dir).resolve().name
+    names = served_model_names(config.served_model_name) or (Path(config.model_dir).resolve().name,)
     registry = InstanceRegistry(config.broker_address, follow_prefixes=config.kv_routing_weight > 0)
     registry.start()
     metrics = GatewayMetrics(registry.kv_pages)
@@ -109,7 +110,7 @@ async def serve(
     runner = web.AppRunner(
         build_app(
             core,
-            name,
+            names,
             config.max_body_bytes,
             config.api_keys,
             drain,
@@ -123,8 +124,8 @@ async def serve(
     await site.start()
     http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     log.info(
-        "gateway serving model %r: gRPC %s, HTTP %s (bound to %s)",
-        name,
+        "gateway serving model %s: gRPC %s, HTTP %s (bound to %s)",
+        ", ".join(map(repr, names)),
         host_port(advertise_host(config.host, config.advertise_host), grpc_server.port),
         host_port(advertise_host(config.host, config.advertise_host), http_port),
         config.host,

@@ -28,7 +28,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_host_args(p)
     p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0 = any free port)")
     p.add_argument("--http-port", type=int, default=8000, help="HTTP port (0 = any free port)")
-    p.add_argument("--served-model-name", default="", help="model id in the OpenAI routes")
+    p.add_argument(
+        "--served-model-name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="model id in the OpenAI routes; repeat it or give a comma list for aliases, any "
+        "of which a request may use (default: the model folder's name)",
+    )
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument(
         "--handoff-timeout", type=float, default=30.0, help="seconds to wait for the prompt's KV"
@@ -81,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         advertise_host=advertise_host_from(args),
         grpc_port=args.grpc_port,
         http_port=args.http_port,
-        served_model_name=args.served_model_name,
+        served_model_name=",".join(args.served_model_name),
         request_timeout_s=args.request_timeout,
         handoff_timeout_s=args.handoff_timeout,
         max_body_bytes=args.max_body_bytes,

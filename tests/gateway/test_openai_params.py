@@ -8,7 +8,13 @@ from typing import Any
 import pytest
 
 from engine.sampling_params import SamplingParams
-from gateway.openai_params import OpenAIError, num_choices, sampling_from_openai
+from gateway.openai_api import OpenAIRoutes, served_model_names
+from gateway.openai_params import (
+    OpenAIError,
+    include_usage,
+    num_choices,
+    sampling_from_openai,
+)
 
 
 def chat(body: dict[str, Any]) -> SamplingParams:
@@ -105,3 +111,70 @@ def test_bad_choices_name_the_param(body: dict[str, Any], param: str) -> None:
     with pytest.raises(OpenAIError) as info:
         num_choices(body)
     assert info.value.param == param
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),  # chat's older field, as the client sent it
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"max_tokens": "8"}, "max_tokens"),
+        ({"max_tokens": 8, "max_completion_tokens": -1}, "max_completion_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"min_p": 1}, "min_p"),
+        ({"seed": -1}, "seed"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+    ],
+)
+def test_chat_sampling_errors_name_the_field_sent(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(OpenAIError) as info:
+        chat(body)
+    assert info.value.status == 400 and info.value.param == param
+    assert info.value.message.startswith(f"{param}: ")
+    assert "max_new_tokens" not in info.value.message
+
+
+def test_completions_max_tokens_error_names_max_tokens() -> None:
+    with pytest.raises(OpenAIError) as info:
+        sampling_from_openai({"max_tokens": 0}, 10)
+    assert info.value.message == "max_tokens: must be in [1, 2**31 - 1], got 0"
+
+
+def test_stream_options() -> None:
+    assert include_usage({"stream": True, "stream_options": {"include_usage": True}})
+    assert not include_usage({"stream": True, "stream_options": {"include_usage": False}})
+    assert not include_usage({"stream": True, "stream_options": {}})
+    assert not include_usage({"stream": False})
+    assert not include_usage({"stream_options": None})
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # no stream
+        ({"stream": False, "stream_options": {}}, "stream_options"),
+        ({"stream": True, "stream_options": [1]}, "stream_options"),
+        ({"stream": True, "stream_options": {"continuous_usage_stats": True}},
+         "stream_options.continuous_usage_stats"),
+        ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ],
+)  # fmt: skip
+def test_bad_stream_options_name_the_field(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(OpenAIError) as info:
+        include_usage(body)
+    assert info.value.status == 400 and info.value.param == param
+    assert info.value.message.startswith(f"{param}: ")
+
+
+def test_served_model_names() -> None:
+    assert served_model_names("a") == ("a",)
+    assert served_model_names("a, b,,a") == ("a", "b")
+    assert served_model_names(["a,b", "c", "b"]) == ("a", "b", "c")
+    assert served_model_names(["", " "]) == ()
+    with pytest.raises(ValueError):
+        OpenAIRoutes(None, "")  # type: ignore[arg-type]
+    routes = OpenAIRoutes(None, ["deepseek-v3", "ds3,default"])  # type: ignore[arg-type]
+    assert routes.model_name == "deepseek-v3"
+    assert routes.model_names == ("deepseek-v3", "ds3", "default")

@@ -215,6 +215,46 @@ def test_unsupported_fields_are_400(gw) -> None:
         assert json.loads(raw)["error"]["param"] == param
 
 
+def test_stream_usage_chunk_and_errors_name_the_field_sent(gw, client) -> None:
+    """include_usage: every chunk's usage is null, then one chunk of usage and no choices;
+    a bad stream_options or token limit is a 400 naming the field as the client sent it."""
+    stream = client.completions.create(
+        model=gw.model_name,
+        prompt="hello",
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert all(c.usage is None and len(c.choices) == 1 for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    chat = [{"role": "user", "content": "hi"}]
+    for route, extra, param in [
+        ("chat/completions", {"messages": chat, "max_tokens": 0}, "max_tokens"),
+        (
+            "chat/completions",
+            {"messages": chat, "max_completion_tokens": 0},
+            "max_completion_tokens",
+        ),
+        ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        (
+            "completions",
+            {"prompt": "hi", "stream_options": {"include_usage": True}},
+            "stream_options",
+        ),
+        (
+            "chat/completions",
+            {"messages": chat, "stream": True, "stream_options": {"x": 1}},
+            "stream_options.x",
+        ),
+    ]:
+        status, raw = post(f"{gw.url}/v1/{route}", {"model": gw.model_name, **extra})
+        assert status == 400, raw
+        error = json.loads(raw)["error"]
+        assert error["param"] == param and error["message"].startswith(f"{param}: "), error
+
+
 def test_rest_and_grpc_logprobs_include_the_first_token(gw, offline) -> None:
     """The first token is sampled on prefill: its logprobs cross the handoff to decode."""
     sampling = {"max_new_tokens": 4, "ignore_eos": True, "logprobs": 2}
