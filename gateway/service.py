@@ -29,7 +29,6 @@ from gateway.core import CoreLimits, GenerationCore
 from gateway.grpc_servicer import GenerationServicer
 from gateway.http_app import build_app
 from gateway.metrics import GatewayMetrics
-from gateway.openai_api import served_model_names
 from gateway.reasoning import check_reasoning_parser
 from gateway.registry import InstanceRegistry
 
@@ -46,7 +45,8 @@ class GatewayConfig:
     advertise_host: str = ""  # what clients dial; empty: from ``host`` (dsmesh.runtime.address)
     grpc_port: int = 50051
     http_port: int = 8000
-    served_model_name: str = ""  # comma list of aliases; default: the model folder's name
+    # model ids of the OpenAI routes, any of which a request may use; empty: the folder's name
+    served_model_names: tuple[str, ...] = ()
     request_timeout_s: float = 600.0
     handoff_timeout_s: float = 30.0
     max_body_bytes: int = 8 << 20
@@ -77,7 +77,7 @@ async def serve(
     set_channel_defaults(config.tls, config.max_message_bytes)  # ditto
     model_config = load_config(config.model_dir)
     tokenizer = Tokenizer.from_dir(config.model_dir)
-    names = served_model_names(config.served_model_name) or (Path(config.model_dir).resolve().name,)
+    names = config.served_model_names or (Path(config.model_dir).resolve().name,)
     registry = InstanceRegistry(config.broker_address, follow_prefixes=config.kv_routing_weight > 0)
     registry.start()
     metrics = GatewayMetrics(registry.kv_pages)

@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     from dsmesh.runtime.address import host_port
     from dsmesh.runtime.grpc_server import run_until_signal
     from engine.llm_engine import resolve_model_dir
+    from gateway.openai_api import served_model_names
     from gateway.service import GatewayConfig, serve
 
     config = GatewayConfig(
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         advertise_host=advertise_host_from(args),
         grpc_port=args.grpc_port,
         http_port=args.http_port,
-        served_model_name=",".join(args.served_model_name),
+        served_model_names=served_model_names(args.served_model_name),
         request_timeout_s=args.request_timeout,
         handoff_timeout_s=args.handoff_timeout,
         max_body_bytes=args.max_body_bytes,
