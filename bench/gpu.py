@@ -530,7 +530,7 @@ def graph_replay_seconds(runner, batch: int, device: torch.device) -> float | No
     scheduling, upload or sampling): the GPU time of a decode step."""
     if runner is None or not runner.graphs:
         return None
-    from engine.cuda_graph import bucket_for
+    from engine.graph_buckets import bucket_for
 
     b = bucket_for(batch, runner.buckets)
     keys = [k for k in runner.graphs if k[0] == b]
@@ -541,9 +541,9 @@ def graph_replay_seconds(runner, batch: int, device: torch.device) -> float | No
 
 
 def profile_static_forward(runner, batch: int, device: torch.device, rows: int = 60) -> str:
-    """Kernel table (CUDA time) of one static decode forward at ``batch``, run eagerly on
-    the buffers of the last step of that bucket."""
-    from engine.cuda_graph import bucket_for
+    """Kernel table (CUDA time) of one decode forward at ``batch``, run uncaptured on the
+    runner's buffers of the last step of that bucket."""
+    from engine.graph_buckets import bucket_for
 
     b = bucket_for(batch, runner.buckets)
     keys = [k for k in runner.keys_used if k[0] == b]
@@ -553,10 +553,10 @@ def profile_static_forward(runner, batch: int, device: torch.device, rows: int =
 
     _, p = max(keys)
     with torch.inference_mode():
-        runner.forward_static(b, p)
+        runner.forward(b, p)
         sync(device)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            runner.forward_static(b, p)
+            runner.forward(b, p)
             sync(device)
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
 
@@ -569,7 +569,7 @@ def bench_other_attention(engine, vocab: int, b: int, context: int, steps: int, 
     other = "kernel" if runner.attention_backend == "flashinfer" else "flashinfer"
     key = f"graphs_{'triton' if other == 'kernel' else other}_attention"
     try:
-        runner.set_attention_backend(other)
+        engine.switch_kernels(decode_attention=other)
     except Exception as exc:  # not installed, or it fails to build: say so in the results
         return key, {"error": f"{type(exc).__name__}: {exc}"}
     try:
@@ -577,7 +577,7 @@ def bench_other_attention(engine, vocab: int, b: int, context: int, steps: int, 
         replay = graph_replay_seconds(runner, b, device)
         return key, {"step_ms": step * 1e3, "replay_ms": replay * 1e3 if replay else None}
     finally:
-        runner.set_attention_backend("auto")
+        engine.switch_kernels(decode_attention="auto")
 
 
 def run_v2(args, device, ceilings, results) -> None:
@@ -645,14 +645,14 @@ def run_v2(args, device, ceilings, results) -> None:
                     row["graphs_no_overlap"] = {"step_ms": base * 1e3}
                 if b == max(batches) and getattr(runner, "moe_backend", "") == "fused":
                     # Baseline in the same run: the grouped-GEMM MoE path it replaced.
-                    runner.set_moe_backend("grouped")
+                    engine.switch_kernels(moe_backend="grouped")
                     base = bench_decode(engine, cfg.vocab_size, b, context, args.steps, 3, True)
                     replay = graph_replay_seconds(runner, b, device)
                     row["graphs_grouped_moe"] = {
                         "step_ms": base * 1e3,
                         "replay_ms": replay * 1e3 if replay else None,
                     }
-                    runner.set_moe_backend("auto")
+                    engine.switch_kernels(moe_backend="auto")
                 if args.attention_ab and runner is not None:
                     key, ab = bench_other_attention(
                         engine, cfg.vocab_size, b, context, args.steps, device

@@ -458,18 +458,18 @@ def moe_fp8_crossover(quick: bool) -> None:
 
 
 def _grouped_routed(x, ids, weights, w13, w2):
-    """The graph runner's grouped-GEMM routed-expert path (``moe_backend="grouped"``): sort,
-    gather, two ``torch._grouped_mm`` with SwiGLU between, weighted ``index_add_`` back."""
-    import types
-
-    from engine.cuda_graph import CudaGraphRunner
+    """The grouped-GEMM routed-expert path (``moe_backend="grouped"``): LocalDispatcher's
+    sort and gather, two ``torch._grouped_mm`` with SwiGLU between, the weighted combine."""
     from engine.moe import RoutedExperts
+    from engine.moe_dispatch import LocalDispatcher
 
     experts = RoutedExperts(w13.shape[0], w13.shape[2], w2.shape[2])
     experts.w13 = torch.nn.Parameter(w13, requires_grad=False)
     experts.w2 = torch.nn.Parameter(w2, requires_grad=False)
-    moe = types.SimpleNamespace(experts=experts)
-    return CudaGraphRunner._routed_grouped(moe, x, weights, ids)
+    dispatcher = LocalDispatcher(w13.shape[0])
+    out = dispatcher.dispatch(x, ids, weights)
+    assert out.tokens_per_expert is not None
+    return dispatcher.combine(experts(out.hidden, out.tokens_per_expert), out)
 
 
 def fused_moe_bench(quick: bool) -> None:

@@ -8,11 +8,32 @@ tokens; a decode step is ``extend_len == 1``. One call may mix all three.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+
+@dataclass(frozen=True)
+class DecodeMeta:
+    """The decode rows of one forward (requests feeding exactly one token).
+
+    rows: [D] int64 on the device, each decode request's token row in the batch; None when
+        every row of the batch is a decode row, in order (decode-only and captured steps).
+    page_table: [D, P] int32 on the device, each request's pages (padded with page 0).
+    seq_lens: [D] int32 on the device, context lengths including the new token.
+    host: the same page table and lengths in numpy, for backends that plan on the host;
+        None in a captured forward, whose runner plans before each replay.
+    """
+
+    rows: torch.Tensor | None
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+    host: tuple[np.ndarray, np.ndarray] | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.seq_lens.shape[0])
 
 
 @dataclass(frozen=True)
@@ -32,15 +53,9 @@ class ForwardBatch:
     kv_slots[i]: [prefix_lens[i] + extend_lens[i]] int64 slots of request i's whole context.
     last_rows: [B] int64 row of each request's last new token (its logits row).
     decode_ids: indices (into the request list) of single-token requests.
-    decode_slots: [len(decode_ids), max_context] int64 context slots of those requests,
-        padded with -1; lets decode attention run as one batched op.
-    decode_page_table: [len(decode_ids), max_pages] int32 pages of those requests (padded
-        with page 0) and decode_seq_lens [len(decode_ids)] int32 their context lengths: the
-        paged form the decode kernel (kernels.mla_decode) reads; decode_host holds the same
-        two on the host (numpy), for kernels that plan their work there (FlashInfer).
-    decode_attention: a decode kernel already planned for this batch's decode rows (the
-        engine's FlashInfer kernel, engine/decode_attention.py), called as
-        kernels.mla_decode.mla_decode; None = dsmesh's Triton kernel.
+    decode: the paged context of those requests' rows, as every decode attention backend
+        reads it (engine/mla_decode_backend.py); None when there are none.
+    last_rows may be None: every row is a request's last (decode-only batches).
     """
 
     input_ids: torch.Tensor
@@ -49,13 +64,9 @@ class ForwardBatch:
     kv_slots: list[torch.Tensor]
     extend_lens: list[int]
     prefix_lens: list[int]
-    last_rows: torch.Tensor
+    last_rows: torch.Tensor | None
     decode_ids: list[int]
-    decode_slots: torch.Tensor | None
-    decode_page_table: torch.Tensor | None = None
-    decode_seq_lens: torch.Tensor | None = None
-    decode_host: tuple[np.ndarray, np.ndarray] | None = None
-    decode_attention: Callable[..., torch.Tensor] | None = None
+    decode: DecodeMeta | None = None
 
     @property
     def num_requests(self) -> int:
@@ -69,7 +80,24 @@ class ForwardBatch:
     def empty(cls, device: torch.device | str) -> ForwardBatch:
         """No tokens: an idle expert-parallel rank still joins the step's collectives."""
         none = torch.empty(0, dtype=torch.int64, device=device)
-        return cls(none, none, none, [], [], [], none, [], None)
+        return cls(none, none, none, [], [], [], none, [])
+
+    @classmethod
+    def decode_only(
+        cls,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_slots: torch.Tensor,
+        page_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> ForwardBatch:
+        """B requests feeding one token each, from device tensors only (no host work, so a
+        CUDA graph can capture the forward): ids, positions and KV slots [B] int64, pages
+        [B, P] int32 and context lengths [B] int32. ``kv_slots`` is empty: decode rows read
+        their context through the page table."""
+        b = int(input_ids.shape[0])
+        meta = DecodeMeta(None, page_table, seq_lens)
+        return cls(input_ids, positions, out_slots, [], [1] * b, [], None, list(range(b)), meta)
 
     @classmethod
     def build(
@@ -104,15 +132,15 @@ class ForwardBatch:
         kv_slots = list(torch.split(flat_dev, total.tolist()))
         extend_lens, prefix_lens = extend.tolist(), prefix.tolist()
         decode_ids = np.nonzero(extend == 1)[0]
-        decode_slots = decode_pages = decode_lens = decode_host = None
+        decode = None
         if len(decode_ids):
             lens = total[decode_ids]
-            decode_slots = _padded(flat, ctx_start[decode_ids], lens, -1, np.int64)
             used = -(-lens // page_size)
             host_pages = _padded(all_pages, page_start[decode_ids], used, 0, np.int32)
-            decode_host = (host_pages, lens.astype(np.int32))
-            decode_slots, decode_pages = _to(decode_slots, device), _to(host_pages, device)
-            decode_lens = _to(decode_host[1], device)
+            host = (host_pages, lens.astype(np.int32))
+            every = len(decode_ids) == len(chunks)
+            rows = None if every else _to((np.cumsum(extend) - 1)[decode_ids], device)
+            decode = DecodeMeta(rows, _to(host_pages, device), _to(host[1], device), host)
         return cls(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
             positions=_to(new_pos, device),
@@ -122,16 +150,12 @@ class ForwardBatch:
             prefix_lens=prefix_lens,
             last_rows=_to(np.cumsum(extend) - 1, device),
             decode_ids=decode_ids.tolist(),
-            decode_slots=decode_slots,
-            decode_page_table=decode_pages,
-            decode_seq_lens=decode_lens,
-            decode_host=decode_host,
+            decode=decode,
         )
 
     def split(self) -> tuple[ForwardBatch, ForwardBatch]:
         """Two micro-batches of whole requests with about half the tokens each (either may be
-        empty), for two-batch overlap. Requests keep their order: first, then second. A planned
-        ``decode_attention`` is not carried over (its plan covers the whole batch)."""
+        empty), for two-batch overlap. Requests keep their order: first, then second."""
         total = self.num_tokens
         best, acc, best_gap = 0, 0, total
         for i, n in enumerate(self.extend_lens):
@@ -149,17 +173,17 @@ class ForwardBatch:
         extend = self.extend_lens[lo:hi]
         keep = [r for r, i in enumerate(self.decode_ids) if lo <= i < hi]
         decode_ids = [self.decode_ids[r] - lo for r in keep]
-        slots = pages = lens = host = None
+        last = np.cumsum(extend) - 1
+        decode = None
         if keep:
-            assert self.decode_slots is not None
+            assert self.decode is not None and self.decode.host is not None
             index = torch.tensor(keep, device=device)
-            width = max(self.prefix_lens[i] + 1 for i in range(lo, hi) if self.extend_lens[i] == 1)
-            slots = self.decode_slots.index_select(0, index)[:, :width]
-            if self.decode_page_table is not None and self.decode_seq_lens is not None:
-                pages = self.decode_page_table.index_select(0, index)
-                lens = self.decode_seq_lens.index_select(0, index)
-            if self.decode_host is not None:
-                host = (self.decode_host[0][keep], self.decode_host[1][keep])
+            pages, lens = self.decode.host
+            host = (pages[keep], lens[keep])
+            every = len(decode_ids) == len(extend)
+            rows = None if every else _to(last[decode_ids], device)
+            table = self.decode.page_table.index_select(0, index)
+            decode = DecodeMeta(rows, table, self.decode.seq_lens.index_select(0, index), host)
         return ForwardBatch(
             input_ids=self.input_ids[start:end],
             positions=self.positions[start:end],
@@ -167,12 +191,9 @@ class ForwardBatch:
             kv_slots=self.kv_slots[lo:hi],
             extend_lens=extend,
             prefix_lens=self.prefix_lens[lo:hi],
-            last_rows=(torch.tensor(extend).cumsum(0) - 1).to(device),
+            last_rows=_to(last, device),
             decode_ids=decode_ids,
-            decode_slots=slots,
-            decode_page_table=pages,
-            decode_seq_lens=lens,
-            decode_host=host,
+            decode=decode,
         )
 
 

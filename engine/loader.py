@@ -8,6 +8,7 @@ import torch
 
 from engine.config import ModelConfig, load_config
 from engine.expert_location import ExpertLocation
+from engine.kernel_choice import KernelChoice
 from engine.model import DeepseekForCausalLM
 from engine.moe import MoEGate
 from engine.moe_dispatch import MoEDispatcher
@@ -47,7 +48,8 @@ def load_model(
     dispatcher: MoEDispatcher | None = None,
     ep_rank: int = 0,
 ) -> DeepseekForCausalLM:
-    """Read config.json and the safetensors of ``checkpoint_dir`` into a ready model."""
+    """Read config.json and the safetensors of ``checkpoint_dir`` into a ready model, with
+    the kernels "auto" picks for ``device`` and ``dtype`` (an engine may choose again)."""
     cfg = load_config(checkpoint_dir)
     model = build_model(cfg, dtype, device, expert_location, dispatcher, ep_rank)
     load_weights(model, checkpoint_dir, keep_fp8=keep_fp8)
@@ -55,6 +57,7 @@ def load_model(
         from kernels.moe_gemm import attach_fp8_experts  # FP8 grouped GEMM for the experts
 
         attach_fp8_experts(model)
+    model.set_kernels(KernelChoice.resolve(torch.device(device), dtype))
     return model
 
 

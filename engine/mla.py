@@ -13,14 +13,17 @@ shared rope key [qk_rope_head_dim]. ``kv_b_proj`` expands ``c`` into per-head ``
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import DecodeMeta, ForwardBatch
+from engine.kernel_choice import KernelChoice
 from engine.kv_cache import MLAKVPool
+from engine.mla_decode_backend import MLADecodeBackend, TorchMLADecode
+from engine.mla_prefill_backend import MLAPrefillBackend, TorchMLAPrefill
 from engine.norm import RMSNorm
 from engine.rope import RotaryEmbedding
-from kernels._triton import use_triton
 
 ATTENTION_MODES = ("auto", "naive", "absorbed")
 
@@ -54,10 +57,45 @@ class MLAttention(nn.Module):
         )
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=mla.attention_bias)
 
+        # Set by DeepseekForCausalLM.set_kernels, once, before serving.
+        self.kernels = KernelChoice.reference()
+        self.decode_backend: MLADecodeBackend = TorchMLADecode()
+        self.prefill_backend: MLAPrefillBackend = TorchMLAPrefill()
+        # One weight for both projections of the layer input (q or q_a, then kv_a), made by
+        # fuse_input_projections at load; the two modules keep views of it.
+        self.fused_input_weight: torch.Tensor | None = None
+
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [heads, nope, kv_lora] and W_UV [heads, v, kv_lora], views of kv_b_proj."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, -1)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
+
+    @torch.no_grad()
+    def fuse_input_projections(self) -> bool:
+        """Move the two projections of the layer input into one weight, so that one GEMM
+        computes both; the modules keep views of it, so no memory is added and every path
+        reads the same values. Only for bias-free plain Linear layers of one dtype and
+        device (FP8-quantised or biased projections keep two GEMMs). Returns whether fused."""
+        q = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        kv = self.kv_a_proj_with_mqa
+        plain = all(type(m) is nn.Linear and m.bias is None for m in (q, kv))
+        if not plain or q.weight.dtype != kv.weight.dtype or q.weight.device != kv.weight.device:
+            return False
+        split = q.weight.shape[0]
+        weight = torch.cat([q.weight, kv.weight])
+        q.weight.data, kv.weight.data = weight[:split], weight[split:]
+        self.fused_input_weight = weight
+        return True
+
+    def _project_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q or q_a, kv_a) of the layer input ``x`` [T, hidden]."""
+        weight = self.fused_input_weight
+        if weight is None:
+            q = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+            return q(x), self.kv_a_proj_with_mqa(x)
+        both = F.linear(x, weight)
+        split = weight.shape[0] - self.kv_a_proj_with_mqa.weight.shape[0]
+        return both[:, :split], both[:, split:]
 
     def forward(
         self,
@@ -68,135 +106,88 @@ class MLAttention(nn.Module):
         sin: torch.Tensor,
         mode: str = "auto",
     ) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; writes this layer's new latents into ``kv_pool``."""
-        t = x.shape[0]
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(t, self.num_heads, self.nope_dim + self.rope_dim)
-        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q_pe = self.rotary(q_pe, cos, sin)
+        """x [T, hidden] -> [T, hidden]; writes this layer's new latents into ``kv_pool``.
 
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
-        latent = self.kv_a_layernorm(latent)
-        k_pe = self.rotary(k_pe, cos, sin)
-        kv_pool.write(self.layer_idx, batch.out_slots, torch.cat([latent, k_pe], dim=-1))
+        Decode rows (one new token) attend through the decode backend, weight-absorbed;
+        the other requests through the prefill backend ("naive" mode sends every request
+        there, "absorbed" attends over latents in both)."""
+        t = x.shape[0]
+        q_in, kv_a = self._project_input(x)
+        q = q_in if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(q_in))
+        q = q.view(t, self.num_heads, self.nope_dim + self.rope_dim)
+        self._rope_and_cache(q, kv_a, kv_pool, batch.out_slots, cos, sin)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
 
         out = torch.empty(t, self.num_heads, self.v_dim, dtype=x.dtype, device=x.device)
-        batched_decode = mode != "naive" and batch.decode_slots is not None
-        if batched_decode:
-            rows = batch.last_rows[batch.decode_ids]
-            out[rows] = self._decode_absorbed(q_nope[rows], q_pe[rows], kv_pool, batch)
-        if use_triton(x) and mode != "absorbed":  # one Triton launch for every prefill
-            self._prefill_fused(q_nope, q_pe, kv_pool, batch, out, skip_decode=batched_decode)
-            return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
-        start = 0
-        for i, n in enumerate(batch.extend_lens):
-            rows = slice(start, start + n)
-            start += n
-            if batched_decode and n == 1:
-                continue
-            ctx = kv_pool.read(self.layer_idx, batch.kv_slots[i]).to(x.dtype)
-            absorbed = mode == "absorbed" or (mode == "auto" and n == 1)
-            attend = self._attend_absorbed if absorbed else self._attend_naive
-            out[rows] = attend(q_nope[rows], q_pe[rows], ctx, batch.prefix_lens[i])
-        return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
+        meta = batch.decode if mode != "naive" else None
+        if meta is not None and meta.rows is None:
+            self._decode(q_nope, q_pe, kv_pool, meta, out)
+        elif meta is not None:
+            rows = meta.rows
+            out[rows] = self._decode(q_nope[rows], q_pe[rows], kv_pool, meta)
+        if meta is None:
+            prefill = list(range(batch.num_requests))
+        else:
+            prefill = [i for i, n in enumerate(batch.extend_lens) if n > 1]
+        if prefill:
+            absorbed = mode == "absorbed"
+            self.prefill_backend.forward(
+                self, q_nope, q_pe, kv_pool, batch, prefill, out, absorbed=absorbed
+            )
+        return self.o_proj(out.view(t, self.num_heads * self.v_dim))
 
-    def _decode_absorbed(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_pool: MLAKVPool, batch: ForwardBatch
-    ) -> torch.Tensor:
-        """All single-token requests at once over their padded latent contexts.
+    def _rope_and_cache(
+        self,
+        q: torch.Tensor,
+        kv_a: torch.Tensor,
+        kv_pool: MLAKVPool,
+        slots: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> None:
+        """Rope on ``q``'s rope channels (in place); RMSNorm of the new latents and rope of
+        their shared key, written to ``slots`` of this layer's cache. One Triton launch
+        (kernels.mla_rope.mla_decode_prep) when the kernels are chosen."""
+        norm = self.kv_a_layernorm
+        if self.kernels.triton and q.shape[0]:
+            from kernels.mla_rope import mla_decode_prep
 
-        q_nope [B, H, nope], q_pe [B, H, rope] -> [B, H, v]; padding slots are masked out.
-        """
-        if use_triton(q_nope) and batch.decode_page_table is not None:
-            return self._decode_kernel(q_nope, q_pe, kv_pool, batch)
-        slots = batch.decode_slots
-        assert slots is not None
-        b, width = slots.shape
-        ctx = kv_pool.read(self.layer_idx, slots.clamp(min=0).view(-1)).view(b, width, -1)
-        latent, k_pe = ctx.to(q_nope.dtype).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        w_uk, w_uv = self.absorbed_weights()
-        q_latent = torch.einsum("bhd,hdc->bhc", q_nope, w_uk)
-        scores = torch.einsum("bhc,bsc->bhs", q_latent, latent)
-        scores = (scores + torch.einsum("bhr,bsr->bhs", q_pe, k_pe)) * self.scale
-        scores = scores.masked_fill((slots < 0)[:, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1, dtype=torch.float32).to(q_nope.dtype)
-        out_latent = torch.einsum("bhs,bsc->bhc", probs, latent)
-        return torch.einsum("bhc,hvc->bhv", out_latent, w_uv)
+            mla_decode_prep(
+                q, kv_a, norm.weight, norm.eps, cos, sin, kv_pool.layer_slots(self.layer_idx),
+                slots, self.rotary.interleave, self.nope_dim, self.rope_dim, self.kv_lora_rank,
+            )  # fmt: skip
+            return
+        q[..., self.nope_dim :] = self.rotary(q[..., self.nope_dim :], cos, sin)
+        latent, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], -1)
+        latent = norm(latent)
+        k_pe = self.rotary(k_pe, cos, sin)
+        kv_pool.write(self.layer_idx, slots, torch.cat([latent, k_pe], dim=-1))
 
-    def _decode_kernel(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_pool: MLAKVPool, batch: ForwardBatch
-    ) -> torch.Tensor:
-        """:meth:`_decode_absorbed` through a paged decode kernel (CUDA): the one the engine
-        planned for this batch (FlashInfer, ``batch.decode_attention``), else Triton's."""
-        from kernels.mla_decode import mla_decode
-
-        assert batch.decode_page_table is not None and batch.decode_seq_lens is not None
-        attend = batch.decode_attention or mla_decode
-        w_uk, w_uv = self.absorbed_weights()
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, C]
-        out_latent = attend(
-            q_latent.contiguous(),
-            q_pe.contiguous(),
-            kv_pool.buffer[self.layer_idx],
-            batch.decode_page_table,
-            batch.decode_seq_lens,
-            self.scale,
-        )
-        return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
-
-    def _prefill_fused(
+    def _decode(
         self,
         q_nope: torch.Tensor,
         q_pe: torch.Tensor,
         kv_pool: MLAKVPool,
-        batch: ForwardBatch,
-        out: torch.Tensor,
-        skip_decode: bool,
-    ) -> None:
-        """Naive attention for every request not decoded in the batched path, in one Triton
-        launch over the ragged batch (kernels.mla_prefill); writes their rows of ``out``."""
-        from kernels.backends import choose
-        from kernels.mla_prefill import mla_prefill
-
-        choose("mla_prefill")  # logs once which backend runs
-        chosen, rows, q_lens, k_lens = [], [], [], []
-        start = 0
-        for i, n in enumerate(batch.extend_lens):
-            if not (skip_decode and n == 1):
-                chosen.append(i)
-                rows.append(torch.arange(start, start + n))
-                q_lens.append(n)
-                k_lens.append(batch.prefix_lens[i] + n)
-            start += n
-        if not chosen:
-            return
-        device = q_nope.device
-        every_row = len(chosen) == len(batch.extend_lens)
-        index = None if every_row else torch.cat(rows).to(device)
-        ctx = kv_pool.read(self.layer_idx, torch.cat([batch.kv_slots[i] for i in chosen]))
-        latent, k_pe = ctx.to(q_nope.dtype).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(latent).view(-1, self.num_heads, self.nope_dim + self.v_dim)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        cu = torch.tensor([[0, 0], *zip(q_lens, k_lens, strict=True)]).cumsum(0)
-        cu = cu.to(device=device, dtype=torch.int32)
-        res = mla_prefill(
-            q_nope if index is None else q_nope.index_select(0, index),
-            q_pe if index is None else q_pe.index_select(0, index),
-            k_nope,
-            k_pe,
-            v,
-            cu[:, 0].contiguous(),
-            cu[:, 1].contiguous(),
-            self.scale,
-            max(q_lens),
-        )
-        if index is None:
-            out.copy_(res)
-        else:
-            out.index_copy_(0, index, res)
+        meta: DecodeMeta,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Weight-absorbed attention of single-token requests over their paged latents:
+        q_nope [D, H, nope], q_pe [D, H, rope] -> [D, H, v] (into ``out`` when given).
+        Head-major products (batched GEMMs over heads) on strided views: no copies."""
+        d = q_nope.shape[0]
+        w_uk, w_uv = self.absorbed_weights()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [D, H, C]
+        latent_out = torch.empty(
+            self.num_heads, d, self.kv_lora_rank, dtype=q_nope.dtype, device=q_nope.device
+        ).transpose(0, 1)
+        kv = kv_pool.buffer[self.layer_idx]
+        self.decode_backend.forward(q_latent, q_pe, kv, meta, self.scale, out=latent_out)
+        if out is None:
+            out = torch.empty(
+                d, self.num_heads, self.v_dim, dtype=q_nope.dtype, device=q_nope.device
+            )
+        torch.bmm(latent_out.transpose(0, 1), w_uv.mT, out=out.transpose(0, 1))
+        return out
 
     def _causal_mask(self, n: int, prefix: int, device: torch.device) -> torch.Tensor | None:
         """[n, prefix + n] additive mask: new token j sees context positions <= prefix + j."""
@@ -212,7 +203,7 @@ class MLAttention(nn.Module):
             scores = scores + mask
         return scores.softmax(dim=-1, dtype=torch.float32)
 
-    def _attend_naive(
+    def attend_naive(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: torch.Tensor, prefix: int
     ) -> torch.Tensor:
         """q_nope [n, H, nope], q_pe [n, H, rope], ctx [S, kv_lora + rope] -> [n, H, v]."""
@@ -226,10 +217,10 @@ class MLAttention(nn.Module):
         probs = self._softmax(scores, q.shape[0], prefix).to(q.dtype)
         return torch.einsum("hns,shv->nhv", probs, v)
 
-    def _attend_absorbed(
+    def attend_absorbed(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: torch.Tensor, prefix: int
     ) -> torch.Tensor:
-        """Same contract as :meth:`_attend_naive`, attending over latents directly."""
+        """Same contract as :meth:`attend_naive`, attending over latents directly."""
         w_uk, w_uv = self.absorbed_weights()
         latent, k_pe = ctx.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         q_latent = torch.einsum("nhd,hdc->nhc", q_nope, w_uk)

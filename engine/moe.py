@@ -7,15 +7,17 @@ The layer never assumes where experts live. It routes to *logical* experts, asks
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.expert_location import ExpertLocation
-from engine.moe_dispatch import DispatchOutput, MoEDispatcher, Pending
+from engine.expert_location import DeviceExpertMap, ExpertLocation
+from engine.kernel_choice import KernelChoice
+from engine.moe_dispatch import DispatchOutput, LocalDispatcher, MoEDispatcher, Pending
 from engine.routing import routing_config, select_experts
-from kernels._triton import use_triton
 from kernels.fp8 import Fp8ExpertWeights
 from kernels.moe_gemm import expert_ffn, expert_ffn_fp8, grouped_mm_supported
 
@@ -47,10 +49,45 @@ class MoEGate(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(n, dtype=torch.float32))
         else:
             self.e_score_correction_bias = None
+        # The weight in the model's dtype where that loses nothing (checkpoints store it in
+        # bf16), set by prepare(): one GEMM with float32 output then replaces casting the
+        # input to float32 and a float32 GEMM (the same exact products, summed in float32).
+        self.low_weight: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def prepare(self, dtype: torch.dtype) -> None:
+        """Keep a ``dtype`` copy of the weight when it is exact and this torch has
+        ``torch.mm(..., out_dtype=torch.float32)`` for it on the weight's device (CUDA)."""
+        w = self.weight
+        self.low_weight = None
+        if w.device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+            return
+        low = w.to(dtype)
+        if torch.equal(low.float(), w) and _mm_out_dtype_works(w.device, dtype):
+            self.low_weight = low
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> router logits [T, n_routed] float32."""
+        low = self.low_weight
+        if low is not None and x.dtype == low.dtype:
+            return torch.mm(x, low.t(), out_dtype=torch.float32)
         return F.linear(x.to(torch.float32), self.weight.to(torch.float32))
+
+
+@functools.cache
+def _grouped_mm_capturable(dtype: torch.dtype, device: torch.device) -> bool:
+    """torch._grouped_mm keeps its group offsets on the device only on its fast path
+    (bfloat16 on sm90+); elsewhere it copies them to the host, which breaks capture."""
+    return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _mm_out_dtype_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch has ``torch.mm(a, b, out_dtype=torch.float32)`` for ``dtype`` here."""
+    a = torch.zeros(1, 16, dtype=dtype, device=device)
+    try:
+        return torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
 
 
 class RoutedExperts(nn.Module):
@@ -69,14 +106,50 @@ class RoutedExperts(nn.Module):
         # The checkpoint's FP8 form of the same experts (kernels.moe_gemm.attach_fp8_experts);
         # on CUDA it replaces the dense weights in forward.
         self.fp8: Fp8ExpertWeights | None = None
+        self.triton = False  # FP8 experts through the Triton grouped GEMM; set by set_kernels
 
     def forward(self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] grouped by local expert; tokens_per_expert [num_local] -> [N, H]."""
-        if self.fp8 is not None and hidden.shape[0] and use_triton(hidden):
+        if self.fp8 is not None and hidden.shape[0] and self.triton:
             return expert_ffn_fp8(hidden, tokens_per_expert, self.fp8)
+        capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing and not _grouped_mm_capturable(hidden.dtype, hidden.device):
+            return self.forward_masked(hidden, tokens_per_expert)
         if hidden.shape[0] and grouped_mm_supported(hidden.dtype, hidden.device.type):
             return expert_ffn(hidden, tokens_per_expert, self.w13, self.w2)
         return self.forward_reference(hidden, tokens_per_expert)
+
+    def forward_rows(
+        self, hidden: torch.Tensor, expert_ids: torch.Tensor, fused: bool
+    ) -> torch.Tensor:
+        """hidden [N, H] in any order, row i for local expert ``expert_ids[i]`` (-1: padding,
+        its output row is left unspecified) -> [N, H]. ``fused``: one fused MoE launch
+        (kernels.moe_fused; each row a single pair of weight 1), else grouped by expert."""
+        if fused and self.fp8 is None:
+            from kernels.moe_fused import fused_moe
+
+            ones = torch.ones(hidden.shape[0], 1, dtype=torch.float32, device=hidden.device)
+            return fused_moe(hidden, self.w13, self.w2, expert_ids[:, None], ones)
+        key = torch.where(expert_ids < 0, self.num_local, expert_ids)
+        perm = torch.argsort(key, stable=True)  # padding last, past every expert's rows
+        counts = torch.zeros(self.num_local + 1, dtype=torch.int64, device=hidden.device)
+        counts.scatter_add_(0, key, torch.ones_like(key))
+        grouped = self(hidden.index_select(0, perm), counts[: self.num_local])
+        return torch.empty_like(grouped).index_copy_(0, perm, grouped)
+
+    def forward_masked(self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """Every expert on every row, kept where the row is that expert's: no host sync, so
+        it can be captured where the grouped GEMM cannot (dtypes other than bf16 on sm90+),
+        at E times the FLOPs."""
+        ends = tokens_per_expert.cumsum(0)
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        expert_of_row = torch.searchsorted(ends, rows, right=True)
+        out = torch.zeros_like(hidden)
+        for e in range(self.num_local):
+            gate, up = F.linear(hidden, self.w13[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[e])
+            out += y * (expert_of_row == e)[:, None].to(y.dtype)
+        return out
 
     def forward_reference(
         self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor
@@ -106,7 +179,7 @@ class DeepseekMoE(nn.Module):
         super().__init__()
         self.routing = routing_config(cfg.moe)
         self.moe_layer_idx = moe_layer_idx
-        self.location = location
+        self._location = location
         self.dispatcher = dispatcher
         self.ep_rank = ep_rank
         self.gate = MoEGate(cfg)
@@ -119,17 +192,70 @@ class DeepseekMoE(nn.Module):
             self.shared_experts = DenseMLP(
                 cfg.hidden_size, cfg.moe.moe_intermediate_size * cfg.moe.n_shared_experts
             )
+        # Set by set_kernels, once: the kernel choice and the placement on the device.
+        self.kernels = KernelChoice.reference()
+        self.expert_map: DeviceExpertMap | None = None
+
+    @property
+    def location(self) -> ExpertLocation:
+        return self._location
+
+    @location.setter
+    def location(self, location: ExpertLocation) -> None:
+        """A new placement (EPLB swap); the device map is updated in place, so captured
+        graphs route by it too."""
+        self._location = location
+        if self.expert_map is not None:
+            self.expert_map.update(location)
+
+    def set_kernels(self, kernels: KernelChoice, device: torch.device) -> None:
+        self.kernels = kernels
+        self.experts.triton = kernels.triton
+        self.expert_map = DeviceExpertMap(self._location, self.moe_layer_idx, device)
+        self.gate.prepare(self.experts.w13.dtype)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] float32, physical expert ids [T, k] int64)."""
-        weights, logical = select_experts(
-            self.gate(x), self.routing, self.gate.e_score_correction_bias
-        )
-        return weights, self.location.to_physical(self.moe_layer_idx, logical, self.ep_rank)
+        logits, bias, triton = self.gate(x), self.gate.e_score_correction_bias, self.kernels.triton
+        emap = self.expert_map
+        if emap is not None and emap.single:  # the map rides along in the routing kernel
+            return select_experts(logits, self.routing, bias, emap.first, triton=triton)
+        weights, logical = select_experts(logits, self.routing, bias, triton=triton)
+        if emap is not None:
+            num_local = self._location.num_local_physical
+            return weights, emap.to_physical(logical, self.ep_rank, num_local)
+        return weights, self._location.to_physical(self.moe_layer_idx, logical, self.ep_rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
+        if self._fused(x):
+            return self._forward_fused(x)
         return self.finish(x, self.compute(self.start(x)))
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        """Decode-sized batches on one rank take the fused MoE kernel when it is chosen."""
+        k = self.kernels
+        return (
+            k.fused_moe
+            and 0 < x.shape[0] <= k.fused_moe_max_tokens
+            and self.experts.fp8 is None
+            and isinstance(self.dispatcher, LocalDispatcher)
+        )
+
+    def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """Routed experts, shared experts and the weighted sum in one kernel
+        (kernels.moe_fused); the shared MLP rides along as extra experts of the same width."""
+        from kernels.moe_fused import fused_moe
+
+        weights, physical = self.route(x)
+        if self.load_recorder is not None:
+            self.load_recorder.record(self.moe_layer_idx, physical)
+        ex, mlp = self.experts, self.shared_experts
+        if mlp is not None and mlp.gate_proj.weight.shape[0] % ex.intermediate_size == 0:
+            shared = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+            return fused_moe(x, ex.w13, ex.w2, physical, weights, shared=shared)
+        add = mlp(x) if mlp is not None else None
+        return fused_moe(x, ex.w13, ex.w2, physical, weights, add=add)
 
     # The three phases, so two micro-batches can interleave (two-batch overlap): while one
     # micro-batch's tokens travel, the other computes.
@@ -144,7 +270,12 @@ class DeepseekMoE(nn.Module):
     def compute(self, pending_dispatch: Pending) -> Pending:
         """Wait for this rank's tokens, run its experts, start sending results back."""
         dispatched: DispatchOutput = pending_dispatch.wait()
-        expert_out = self.experts(dispatched.hidden, dispatched.tokens_per_expert)
+        if dispatched.expert_ids is not None:
+            fused = self.kernels.fused_moe
+            expert_out = self.experts.forward_rows(dispatched.hidden, dispatched.expert_ids, fused)
+        else:
+            assert dispatched.tokens_per_expert is not None
+            expert_out = self.experts(dispatched.hidden, dispatched.tokens_per_expert)
         return self.dispatcher.combine_start(expert_out, dispatched)
 
     def finish(self, x: torch.Tensor, pending_combine: Pending) -> torch.Tensor:

@@ -22,11 +22,15 @@ class DispatchOutput:
     hidden: [N, hidden] tokens received, grouped by local expert (expert 0's first).
     tokens_per_expert: [num_local_experts] int64, sums to N.
     handle: backend state that ``combine`` needs; opaque to the caller.
+    expert_ids: when set ([N] int64), the rows are not grouped: row i is for local expert
+        ``expert_ids[i]``, -1 marking padding (its output row is never read), and
+        ``tokens_per_expert`` is None (fixed-shape dispatch, engine/ep/all_to_all.py).
     """
 
     hidden: torch.Tensor
-    tokens_per_expert: torch.Tensor
+    tokens_per_expert: torch.Tensor | None
     handle: object
+    expert_ids: torch.Tensor | None = None
 
 
 class Pending:
@@ -44,7 +48,13 @@ class MoEDispatcher(ABC):
     f_{ids[t,k]}(x[t])`` for every token ``t`` of this rank, where ``f_e`` is physical expert
     ``e``. Every rank of the group must call both, in the same order, even with zero tokens.
     The dispatcher owns the returned tensors until ``combine`` returns.
+
+    ``capturable``: dispatch and combine never synchronise with the host (their shapes are
+    known on the host without reading the routing), so a CUDA graph can capture them.
     """
+
+    capturable: bool = False
+    static: bool = False  # the fixed-shape mode, set around captured forwards
 
     @abstractmethod
     def dispatch(
@@ -82,6 +92,8 @@ class _LocalHandle:
 class LocalDispatcher(MoEDispatcher):
     """Single rank: every physical expert is local; physical id = local expert index."""
 
+    capturable = True
+
     def __init__(self, num_local_experts: int) -> None:
         self.num_local_experts = num_local_experts
 
@@ -91,7 +103,9 @@ class LocalDispatcher(MoEDispatcher):
         top_k = physical_ids.shape[1]
         flat_ids = physical_ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.num_local_experts)
+        # scatter_add_, not bincount: its size is known, so no host sync (CUDA graphs)
+        counts = torch.zeros(self.num_local_experts, dtype=torch.int64, device=flat_ids.device)
+        counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
         rows = hidden.index_select(0, order // top_k)
         handle = _LocalHandle(order, weights, hidden.shape[0], top_k)
         return DispatchOutput(rows, counts, handle)

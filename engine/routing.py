@@ -1,13 +1,12 @@
-"""The engine's routing hook: one fused Triton launch on CUDA, the plain-torch reference
-elsewhere. The policies themselves (``greedy``, ``group_limited_greedy``, ``noaux_tc``) are
-:mod:`kernels.routing`'s."""
+"""The engine's routing hook: one fused Triton launch when the Triton kernels are chosen
+(engine/kernel_choice.py), the plain-torch reference otherwise. The policies themselves
+(``greedy``, ``group_limited_greedy``, ``noaux_tc``) are :mod:`kernels.routing`'s."""
 
 from __future__ import annotations
 
 import torch
 
 from engine.config import MoEConfig
-from kernels._triton import use_triton
 from kernels.routing import RoutingConfig, fused_select_experts, select_experts_ref
 
 
@@ -29,13 +28,14 @@ def select_experts(
     cfg: RoutingConfig,
     correction_bias: torch.Tensor | None = None,
     expert_map: torch.Tensor | None = None,
+    triton: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] float32 -> (weights [T, k] float32, expert ids [T, k] int64):
     logical ids, or ``expert_map[ids]`` when a logical -> physical map [E] is given.
 
-    On CUDA (with Triton) one fused kernel does it; elsewhere the reference.
+    With ``triton`` one fused kernel does it; otherwise the reference.
     """
-    if use_triton(router_logits):
+    if triton:
         return fused_select_experts(router_logits, cfg, correction_bias, expert_map)
     weights, ids = select_experts_ref(router_logits, cfg, correction_bias)
     return weights, ids if expert_map is None else expert_map[ids]

@@ -1,9 +1,10 @@
 """Lazy Triton access: importing ``kernels`` never needs Triton.
 
 Kernel modules build their ``@triton.jit`` functions inside a cached factory, so Triton is
-imported (and ``TRITON_INTERPRET`` read) only at the first launch. The engine uses a kernel
-only when :func:`use_triton` says so (a CUDA tensor and an importable Triton); tests may run
-the same kernels on the CPU under ``TRITON_INTERPRET=1``.
+imported (and ``TRITON_INTERPRET`` read) only at the first launch. Which kernels the model
+runs is chosen once per engine (engine/kernel_choice.py); :func:`use_triton` is only the
+device rule of helpers below that choice (a CUDA tensor and an importable Triton). Tests may
+run the same kernels on the CPU under ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
@@ -29,11 +30,8 @@ def interpreting() -> bool:
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    """Engine dispatch: Triton kernels for CUDA tensors when Triton is there; torch otherwise.
-
-    ``DSMESH_KERNELS=torch`` forces the torch references (for A/B runs)."""
-    if os.environ.get("DSMESH_KERNELS", "") == "torch":
-        return False
+    """Triton kernels for CUDA tensors when Triton is there; torch otherwise (no environment
+    read: the engine's ``kernels="torch"`` forces the references where it matters)."""
     return t.is_cuda and triton_importable()
 
 

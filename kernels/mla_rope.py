@@ -1,7 +1,7 @@
 """MLA decode preparation in one Triton launch: query rope, latent RMSNorm, key rope, cache write.
 
-For the single-token decode rows of one MLA layer it replaces this torch sequence (the one in
-``engine.cuda_graph.CudaGraphRunner._attention``)::
+For the new tokens of one MLA layer (decode rows and prefill alike: the work is per token) it
+replaces this torch sequence (the reference in ``engine.mla.MLAttention._rope_and_cache``)::
 
     q_pe = rotary(q[..., nope:], cos, sin)              # written back into q here
     latent, k_pe = kv_a.split([kv_lora_rank, rope_dim], -1)

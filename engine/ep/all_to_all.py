@@ -1,9 +1,17 @@
 """Dispatch/combine over torch.distributed all-to-all (gloo on CPU, NCCL on GPU).
 
 Every rank calls ``dispatch`` and ``combine`` for every MoE layer of every step, in the same
-order, also with zero tokens: the collectives pair up across ranks. The payload moves with
-asynchronous collectives, so ``dispatch_start``/``combine_start`` return while bytes travel
-and a second micro-batch can compute meanwhile (two-batch overlap).
+order, also with zero tokens: the collectives pair up across ranks. Two modes:
+
+- dynamic (eager forwards): the ranks first exchange how many pairs each sends, then move
+  exactly those rows; the payload moves with asynchronous collectives, so
+  ``dispatch_start``/``combine_start`` return while bytes travel and a second micro-batch
+  can compute meanwhile (two-batch overlap);
+- static (``static`` set, in captured decode forwards; every rank of the group must be in
+  it for the step): fixed-capacity buffers, as DeepEP's low-latency mode has them. Each rank
+  sends every other rank ``T * k`` rows (room for all its pairs), padding marked with expert
+  id -1, so the shapes are known on the host and nothing synchronises: CUDA graphs capture
+  the all-to-alls and the grouped GEMMs between them.
 """
 
 from __future__ import annotations
@@ -27,15 +35,27 @@ class _A2AHandle:
     top_k: int
 
 
+@dataclass
+class _StaticHandle:
+    order: torch.Tensor  # [T*k] (token, slot) pairs grouped by destination rank
+    slot: torch.Tensor  # [T*k] row of each pair (in ``order``) in the send buffer
+    weights: torch.Tensor  # [T*k] routing weights in ``order``, float32
+    num_tokens: int
+    top_k: int
+
+
 class AllToAllDispatcher(MoEDispatcher):
     """Physical expert ``p`` lives on rank ``p // num_local`` as local expert
     ``p % num_local``; (token, expert) pairs travel to that rank and come back weighted."""
+
+    capturable = True  # in static mode (the graph runner turns it on for its forwards)
 
     def __init__(self, num_local_experts: int, group: dist.ProcessGroup | None = None) -> None:
         self.num_local = num_local_experts
         self.group = group
         self.ep_size = dist.get_world_size(group)
         self.bytes_sent = 0  # payload bytes this rank sent to other ranks (dispatch + combine)
+        self.static = False
 
     def _exchange(
         self, src: torch.Tensor, send_splits: list[int], recv_splits: list[int]
@@ -61,6 +81,9 @@ class AllToAllDispatcher(MoEDispatcher):
     def dispatch_start(
         self, hidden: torch.Tensor, physical_ids: torch.Tensor, weights: torch.Tensor
     ) -> Pending:
+        if self.static:
+            out = self._dispatch_static(hidden, physical_ids, weights)
+            return Pending(lambda: out)
         num_tokens, top_k = physical_ids.shape
         flat = physical_ids.reshape(-1)
         dest = flat // self.num_local
@@ -90,6 +113,9 @@ class AllToAllDispatcher(MoEDispatcher):
 
     def combine_start(self, expert_out: torch.Tensor, dispatched: DispatchOutput) -> Pending:
         h = dispatched.handle
+        if isinstance(h, _StaticHandle):
+            out = self._combine_static(expert_out, h)
+            return Pending(lambda: out)
         assert isinstance(h, _A2AHandle)
         received_order = torch.empty_like(expert_out)
         received_order[h.perm] = expert_out
@@ -106,3 +132,40 @@ class AllToAllDispatcher(MoEDispatcher):
             return out
 
         return Pending(finish)
+
+    # ---- static mode: fixed shapes, no host sync --------------------------------------------
+
+    def _dispatch_static(
+        self, hidden: torch.Tensor, physical_ids: torch.Tensor, weights: torch.Tensor
+    ) -> DispatchOutput:
+        num_tokens, top_k = physical_ids.shape
+        cap = num_tokens * top_k  # rows for each destination: room for every pair
+        device = hidden.device
+        flat = physical_ids.reshape(-1)
+        dest = flat // self.num_local
+        order = torch.argsort(dest, stable=True)  # pairs grouped by destination rank
+        counts = torch.zeros(self.ep_size, dtype=torch.int64, device=device)
+        counts.scatter_add_(0, dest, torch.ones_like(dest))
+        sorted_dest = dest[order]
+        rank_in_dest = torch.arange(cap, device=device) - (counts.cumsum(0) - counts)[sorted_dest]
+        slot = sorted_dest * cap + rank_in_dest
+        send = hidden.new_empty((self.ep_size * cap, hidden.shape[1]))
+        send.index_copy_(0, slot, hidden.index_select(0, order // top_k))
+        ids = torch.full((self.ep_size * cap,), -1, dtype=torch.int64, device=device)
+        ids.index_copy_(0, slot, (flat % self.num_local)[order])
+        recv, recv_ids = torch.empty_like(send), torch.empty_like(ids)
+        dist.all_to_all_single(recv, send, group=self.group)
+        dist.all_to_all_single(recv_ids, ids, group=self.group)
+        w = weights.reshape(-1)[order].to(torch.float32)
+        handle = _StaticHandle(order, slot, w, num_tokens, top_k)
+        return DispatchOutput(recv, None, handle, expert_ids=recv_ids)
+
+    def _combine_static(self, expert_out: torch.Tensor, h: _StaticHandle) -> torch.Tensor:
+        """Padding rows hold anything: only the pairs' own slots are read back."""
+        back = torch.empty_like(expert_out)
+        dist.all_to_all_single(back, expert_out, group=self.group)
+        pairs = back.index_select(0, h.slot)
+        out = torch.zeros(
+            (h.num_tokens, expert_out.shape[1]), dtype=expert_out.dtype, device=expert_out.device
+        )
+        return out.index_add_(0, h.order // h.top_k, pairs * h.weights[:, None].to(pairs.dtype))

@@ -62,7 +62,10 @@ class GroupEPLB:
         self.rank = model.ep_rank
         loc = model.expert_location
         self.recorder = ExpertLoadRecorder(
-            loc.physical_to_logical.shape[0], loc.num_physical, window_steps
+            loc.physical_to_logical.shape[0],
+            loc.num_physical,
+            window_steps,
+            device=model.lm_head.weight.device,
         )
         for moe in model.moe_layers():
             moe.load_recorder = self.recorder

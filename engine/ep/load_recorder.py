@@ -1,7 +1,8 @@
 """Tokens routed to each physical expert, per MoE layer, over a sliding window of steps.
 
 One recorder per rank; EPLB (a later issue) streams its windows to eplb_svc and turns them
-into placements. Recording is a bincount per MoE layer per step.
+into placements. Recording adds each MoE layer's routed pairs into a counter on the device
+(no host sync, so CUDA graphs capture it too); closing a step copies the counters to the host.
 """
 
 from __future__ import annotations
@@ -12,28 +13,37 @@ import torch
 
 
 class ExpertLoadRecorder:
-    def __init__(self, num_moe_layers: int, num_physical: int, window_steps: int = 1000) -> None:
+    def __init__(
+        self,
+        num_moe_layers: int,
+        num_physical: int,
+        window_steps: int = 1000,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.num_moe_layers = num_moe_layers
         self.num_physical = num_physical
         self.window_steps = window_steps
-        self._current = torch.zeros(num_moe_layers, num_physical, dtype=torch.int64)
+        # this step's counts, where the routed ids live (allocated here, never in a capture)
+        self._counting = torch.zeros(num_moe_layers, num_physical, dtype=torch.int64, device=device)
         self._window: deque[torch.Tensor] = deque()
-        self._total = torch.zeros_like(self._current)
-        self._untaken = torch.zeros_like(self._current)  # closed steps since the last take()
+        self._total = torch.zeros(num_moe_layers, num_physical, dtype=torch.int64)
+        self._untaken = torch.zeros_like(self._total)  # closed steps since the last take()
         self._untaken_steps = 0
 
     def record(self, moe_layer: int, physical_ids: torch.Tensor) -> None:
         """physical_ids [T, k]: the physical experts this rank's tokens were sent to."""
-        counts = torch.bincount(physical_ids.reshape(-1).cpu(), minlength=self.num_physical)
-        self._current[moe_layer] += counts
+        flat = physical_ids.reshape(-1).to(self._counting.device)
+        ones = torch.ones(1, dtype=torch.int64, device=flat.device).expand_as(flat)
+        self._counting[moe_layer].scatter_add_(0, flat, ones)
 
     def end_step(self) -> None:
         """Close the step: its counts enter the window, the oldest step leaves it."""
-        self._window.append(self._current)
-        self._total += self._current
-        self._untaken += self._current
+        current = self._counting.to("cpu", copy=True)
+        self._counting.zero_()
+        self._window.append(current)
+        self._total += current
+        self._untaken += current
         self._untaken_steps += 1
-        self._current = torch.zeros_like(self._total)
         if len(self._window) > self.window_steps:
             self._total -= self._window.popleft()
 

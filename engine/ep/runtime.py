@@ -183,7 +183,9 @@ def build_ep_engine(config: EngineConfig, ep: EPConfig, rank: int) -> LLMEngine:
     )
     if device.type == "cuda":
         config = dataclasses.replace(config, device=str(device))
-    return LLMEngine(config, model=model)
+    engine = LLMEngine(config, model=model)
+    engine.join_group(GroupVote(engine.device, num_flags=3))
+    return engine
 
 
 class GroupVote:

@@ -1,9 +1,11 @@
-"""Static decode path and CUDA graphs (engine/cuda_graph.py).
+"""CUDA graphs of the model's own decode forward (engine/cuda_graph.py).
 
-On CPU the static forward runs eagerly (no graphs): its logits must equal the eager
-ForwardBatch path, and the engine's greedy tokens through it must equal the eager engine and
-transformers. On a GPU the same scenarios replay real CUDA graphs (float32: torch attention,
-dense expert fallback) and, in bfloat16, the Triton MLA decode kernel with grouped experts.
+On CPU the runner's forward over its fixed buffers runs without capture: its logits must
+equal the eager ForwardBatch path, and the engine's greedy tokens through it must equal the
+eager engine and transformers, with the torch references and with the GPU's fused kernels
+(in Triton's interpreter). On a GPU the same scenarios replay real CUDA graphs (float32:
+torch attention, masked experts) and, in bfloat16, the Triton MLA decode kernel with the
+fused MoE.
 The scenario has padded batch buckets, requests joining and leaving between steps, and
 contexts that cross page buckets.
 """
@@ -13,19 +15,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cuda_graph import (
-    CudaGraphRunner,
-    GraphCaptureError,
-    batch_buckets,
-    bucket_for,
-    graph_support_problem,
-    load_decode_kernel,
-    page_bucket,
-)
+from engine.cuda_graph import CudaGraphRunner, GraphCaptureError, graph_support_problem
 from engine.forward_batch import ForwardBatch, SequenceChunk
+from engine.graph_buckets import batch_buckets, bucket_for, page_bucket
+from engine.kernel_choice import KernelChoice
 from engine.kv_cache import MLAKVPool, pages_for
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.loader import load_model
+from engine.mla_decode_backend import make_decode_backend
+from engine.moe_dispatch import LocalDispatcher
 from engine.sampling_params import SamplingParams
 from tests.engine.hf_checkpoints import HFCheckpoint, random_prompts, relative_error
 
@@ -53,48 +51,81 @@ def test_buckets() -> None:
         page_bucket(101, 100)
 
 
-def test_unsupported_models_are_refused_with_a_reason(v3_ckpt: HFCheckpoint) -> None:
-    """Expert parallelism and redundant replicas need per-step collectives or host-side
-    replica choice: the engine then runs decode eagerly instead of failing."""
-    from engine.expert_location import ExpertLocation
+def test_host_sized_dispatchers_are_refused_with_a_reason(v3_ckpt: HFCheckpoint) -> None:
+    """A dispatcher whose collectives are sized on the host (all-to-all with per-step
+    splits) cannot be captured: the engine then runs decode eagerly instead of failing."""
 
-    cfg = load_model(v3_ckpt.path).config
-    n_moe, n_exp = len(cfg.moe_layer_ids), cfg.moe.n_routed_experts
-    redundant = torch.cat([torch.arange(n_exp), torch.arange(2)]).repeat(n_moe, 1)
-    model = load_model(
-        v3_ckpt.path,
-        expert_location=ExpertLocation.from_physical_to_logical(redundant, n_exp),
-    )
-    assert graph_support_problem(model) == "redundant experts (replica choice per token)"
-    assert graph_support_problem(load_model(v3_ckpt.path)) is None
+    class HostSized(LocalDispatcher):
+        capturable = False
+
+    model = load_model(v3_ckpt.path)
+    assert graph_support_problem(model) is None
+    model.moe_layers()[0].dispatcher = HostSized(4)
+    assert "dispatcher HostSized" in (graph_support_problem(model) or "")
+    cfg = model.config
     pool = MLAKVPool(cfg.num_hidden_layers, 8, 4, cfg.mla.kv_cache_dim, torch.float32)
-    with pytest.raises(ValueError, match="redundant experts"):
+    with pytest.raises(ValueError, match="dispatcher HostSized"):
         CudaGraphRunner(model, pool, max_batch=2, max_tokens_per_request=32)
 
 
 @pytest.mark.parametrize("ckpt_name", ["v3_ckpt", "v2_greedy_ckpt"])
 def test_input_projections_share_one_weight(request, ckpt_name: str, tmp_path) -> None:
-    """The runner puts q (V2: q_proj, V3: q_a_proj) and kv_a weights into one tensor for one
-    GEMM; the modules keep views with unchanged values, and a second runner reuses it."""
-    model = load_model(request.getfixturevalue(ckpt_name).path)
-    attn = model.model.layers[0].self_attn
-    q = attn.q_proj if attn.q_lora_rank is None else attn.q_a_proj
-    before = (q.weight.clone(), attn.kv_a_proj_with_mqa.weight.clone())
-    cfg = model.config
-    pool = MLAKVPool(cfg.num_hidden_layers, 8, 4, cfg.mla.kv_cache_dim, torch.float32)
-    first = CudaGraphRunner(model, pool, max_batch=2, max_tokens_per_request=16)
-    weight, split = first.input_projections[attn.layer_idx]
-    assert len(first.input_projections) == len(model.model.layers)
-    assert torch.equal(weight[:split], before[0]) and torch.equal(weight[split:], before[1])
-    assert q.weight.data_ptr() == weight.data_ptr()
-    assert attn.kv_a_proj_with_mqa.weight.data_ptr() == weight[split:].data_ptr()
-    second = CudaGraphRunner(model, pool, max_batch=2, max_tokens_per_request=16)
-    assert second.input_projections[attn.layer_idx][0] is weight
+    """At load, q (V2: q_proj, V3: q_a_proj) and kv_a weights move into one tensor for one
+    GEMM; the modules keep views with the checkpoint's values, and saving still works."""
+    ckpt = request.getfixturevalue(ckpt_name)
+    model = load_model(ckpt.path)
+    hf = ckpt.hf_model.state_dict()
+    for attn in (layer.self_attn for layer in model.model.layers):
+        prefix = f"model.layers.{attn.layer_idx}.self_attn."
+        q = attn.q_proj if attn.q_lora_rank is None else attn.q_a_proj
+        q_name = "q_proj" if attn.q_lora_rank is None else "q_a_proj"
+        weight = attn.fused_input_weight
+        assert weight is not None
+        split = q.weight.shape[0]
+        assert torch.equal(weight[:split], hf[prefix + q_name + ".weight"])
+        assert torch.equal(weight[split:], hf[prefix + "kv_a_proj_with_mqa.weight"])
+        assert q.weight.data_ptr() == weight.data_ptr()
+        assert attn.kv_a_proj_with_mqa.weight.data_ptr() == weight[split:].data_ptr()
+    model.set_kernels(KernelChoice.reference())  # choosing again keeps the fused weight
+    assert model.model.layers[-1].self_attn.fused_input_weight is weight
     # Saving the model still works: the views do not overlap, which safetensors accepts.
     from engine.weights import official_state_dict, save_checkpoint_weights
 
     save_checkpoint_weights(official_state_dict(model), tmp_path)
     assert (tmp_path / "model.safetensors").stat().st_size > 0
+
+
+def test_redundant_experts_and_swaps_in_the_captured_forward(v3_ckpt: HFCheckpoint) -> None:
+    """Redundant replicas are chosen on the device, so the runner's forward takes them; a
+    new placement is copied into the same device tables (captured graphs read it)."""
+    from engine.expert_location import ExpertLocation
+
+    cfg = load_model(v3_ckpt.path).config
+    n_moe, n_exp = len(cfg.moe_layer_ids), cfg.moe.n_routed_experts
+    p2l = torch.cat([torch.arange(n_exp), torch.arange(2)]).repeat(n_moe, 1)
+    location = ExpertLocation.from_physical_to_logical(p2l, n_exp)
+    plain = load_model(v3_ckpt.path)
+    model = load_model(v3_ckpt.path, expert_location=location)
+    for moe in model.moe_layers():  # replicas carry the same weights as their experts
+        for phys, logical in enumerate(p2l[0].tolist()):
+            src = plain.moe_layers()[moe.moe_layer_idx].experts
+            moe.experts.w13.data[phys] = src.w13[logical]
+            moe.experts.w2.data[phys] = src.w2[logical]
+    assert graph_support_problem(model) is None
+    table = model.moe_layers()[0].expert_map.table
+    assert table.shape == (n_exp, 3) and table[0].tolist() == [0, n_exp, -1]
+    page_size, steps = 4, 3
+    prompts = random_prompts([3, 9, 14], cfg.vocab_size, seed=3)
+    pool, pages, first = _prefilled(plain, prompts, page_size, steps)
+    fed, eager = _eager_decode(plain, pool, prompts, pages, first, page_size, steps)
+    runner = CudaGraphRunner(model, pool, max_batch=4, max_tokens_per_request=32, use_graphs=False)
+    for e, s in zip(eager, _static_decode(runner, prompts, pages, fed), strict=True):
+        assert relative_error(s, e) < 1e-5
+    swapped = torch.cat([torch.arange(n_exp), torch.tensor([3, 4])]).repeat(n_moe, 1)
+    for moe in model.moe_layers():
+        moe.location = ExpertLocation.from_physical_to_logical(swapped, n_exp)
+    assert model.moe_layers()[0].expert_map.table is table  # updated in place
+    assert table[0].tolist() == [0, -1, -1] and table[3].tolist() == [3, n_exp, -1]
 
 
 def _prefilled(model, prompts, page_size, max_new):
@@ -142,14 +173,34 @@ def _static_decode(runner, prompts, pages, fed):
     return out
 
 
-def _static_vs_eager(ckpt: HFCheckpoint, device: str, dtype: torch.dtype, **runner_kw):
+def _set_kernels(model, kernels: KernelChoice, pool: MLAKVPool) -> None:
+    attn = model.model.layers[0].self_attn
+    name = kernels.decode_attention
+    shape = (attn.num_heads, attn.kv_lora_rank, attn.rope_dim, attn.scale)
+    backend = make_decode_backend(
+        name, name, pool.buffer.device, shape, pool.buffer.dtype, pool.page_size, 16
+    )
+    model.set_kernels(kernels, backend)
+
+
+def _static_vs_eager(
+    ckpt: HFCheckpoint,
+    device: str,
+    dtype: torch.dtype,
+    kernels: KernelChoice | None = None,
+    compare_uncaptured: bool = False,
+    **runner_kw,
+):
     """Five rows (bucket 8: three padding rows), contexts crossing page buckets; with
-    ``compare_uncaptured`` also the same runner settings without graphs."""
-    uncaptured = runner_kw.pop("compare_uncaptured", False)
+    ``compare_uncaptured`` also the same runner settings without graphs. ``kernels``
+    replaces load_model's choice for the eager steps and the runner alike."""
+    uncaptured = compare_uncaptured
     page_size, steps = 4, 6
     model = load_model(ckpt.path, dtype, device)
     prompts = random_prompts([1, 3, 6, 13, 30], model.config.vocab_size, seed=5)
     pool, pages, first = _prefilled(model, prompts, page_size, steps)
+    if kernels is not None:
+        _set_kernels(model, kernels, pool)
     fed, eager = _eager_decode(model, pool, prompts, pages, first, page_size, steps)
     # Same pool, same pages, same tokens: the static path rewrites (up to rounding) the KV
     # values the eager path wrote, then reads them.
@@ -302,7 +353,7 @@ def test_cuda_graphs_greedy_equals_eager_and_transformers(
 
 @needs_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("attention", ["torch", "kernel"])
+@pytest.mark.parametrize("attention", ["torch", "triton"])
 def test_cuda_graphs_bfloat16_logits_close_to_eager(v3_ckpt: HFCheckpoint, attention) -> None:
     """bfloat16: grouped experts (sm90) and the Triton MLA kernel or its torch reference inside
     the graph. Replays equal the same static forward run without capture; with the kernel
@@ -310,16 +361,15 @@ def test_cuda_graphs_bfloat16_logits_close_to_eager(v3_ckpt: HFCheckpoint, atten
     torch reference rounds differently from the kernel, and in bfloat16 that can flip a
     near-tied expert choice of this tiny random model, so it is held to the eager path only
     in float32 (test_cuda_graphs_greedy_equals_eager_and_transformers)."""
-    if attention == "kernel" and load_decode_kernel() is None:
-        pytest.skip("kernels.mla_decode is not importable here")
+    kernels = KernelChoice(triton=True, decode_attention=attention, fused_moe=True)
     runner, eager, static, plain = _static_vs_eager(
-        v3_ckpt, "cuda", torch.bfloat16, attention=attention, compare_uncaptured=True
+        v3_ckpt, "cuda", torch.bfloat16, kernels, compare_uncaptured=True
     )
     assert runner.use_graphs and runner.num_replays == len(eager)
     assert runner.attention_backend == attention
     for step, (p, s) in enumerate(zip(plain, static, strict=True)):
         assert relative_error(s, p) < 1e-2, step
-    if attention == "kernel":
+    if attention == "triton":
         # Row by row: in bf16 a near-tied expert choice of this tiny random model can flip
         # for one row (seen: one row of 30 at 0.2 after a change of attention tile size,
         # the other rows at ~0.01); wrong wiring would move every row.
@@ -340,10 +390,11 @@ def test_cuda_graphs_with_flashinfer_attention(v2_latent_ckpt: HFCheckpoint) -> 
     if not available("flashinfer"):
         pytest.skip("FlashInfer is not installed (pip install flashinfer-python)")
     ckpt = v2_latent_ckpt
+    kernels = KernelChoice(triton=True, decode_attention="flashinfer", fused_moe=True)
     runner, eager, static, plain = _static_vs_eager(
-        ckpt, "cuda", torch.bfloat16, attention="flashinfer", compare_uncaptured=True
+        ckpt, "cuda", torch.bfloat16, kernels, compare_uncaptured=True
     )
-    assert runner.attention_backend == "flashinfer" and runner.fused_glue
+    assert runner.attention_backend == "flashinfer" and runner.model.kernels.triton
     assert runner.use_graphs and runner.num_replays == len(eager)
     for step, (p, s) in enumerate(zip(plain, static, strict=True)):
         assert relative_error(s, p) < 1e-2, step
@@ -376,23 +427,28 @@ def test_flashinfer_replans_race_free_with_overlapped_decode(
     assert outs[0] == outs[1]
 
 
-def test_decode_attention_choice_is_checked(v2_greedy_ckpt: HFCheckpoint) -> None:
+def test_kernel_choices_are_checked() -> None:
     with pytest.raises(ValueError, match="decode_attention must be one of"):
         EngineConfig(decode_attention="fast").validate()
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        EngineConfig(kernels="fast").validate()
+    with pytest.raises(ValueError, match="moe_backend must be one of"):
+        EngineConfig(moe_backend="fast").validate()
     EngineConfig(decode_attention="flashinfer").validate()
-    model = load_model(v2_greedy_ckpt.path)
-    cfg = model.config
-    pool = MLAKVPool(cfg.num_hidden_layers, 8, 4, cfg.mla.kv_cache_dim, torch.float32)
-    with pytest.raises(ValueError, match="attention must be one of"):
-        CudaGraphRunner(model, pool, max_batch=2, max_tokens_per_request=32, attention="x")
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="decode_attention='kernel' needs CUDA"):
+        KernelChoice.resolve(cpu, torch.float32, decode_attention="kernel")
+    with pytest.raises(ValueError, match="moe_backend='fused' needs"):
+        KernelChoice.resolve(cpu, torch.bfloat16, moe_backend="fused")
+    assert KernelChoice.resolve(cpu, torch.bfloat16) == KernelChoice.reference()
     with pytest.raises(ValueError, match="attention='flashinfer' needs CUDA"):
-        CudaGraphRunner(model, pool, max_batch=2, max_tokens_per_request=32, attention="flashinfer")
+        make_decode_backend("flashinfer", "flashinfer", cpu, (4, 32, 16, 1.0), torch.float32, 4, 8)
 
 
 @needs_cuda
 @pytest.mark.gpu
 def test_router_gemm_in_bfloat16_equals_the_float32_gate(v3_ckpt: HFCheckpoint) -> None:
-    """With router weights a bf16 checkpoint can hold, the runner computes router logits with
+    """With router weights a bf16 checkpoint can hold, the gate computes router logits with
     one bf16 GEMM into float32: exact products, float32 sums, as the float32 gate."""
     model = load_model(v3_ckpt.path, torch.bfloat16, "cuda")
     moes = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "gate")]
@@ -400,15 +456,15 @@ def test_router_gemm_in_bfloat16_equals_the_float32_gate(v3_ckpt: HFCheckpoint) 
         moe.gate.weight.data = moe.gate.weight.to(torch.bfloat16).float()
     moes[0].gate.weight.data[0, 0] += 1e-6  # not representable: this layer keeps the gate
     cfg = model.config
-    pool = MLAKVPool(cfg.num_hidden_layers, 8, 4, cfg.mla.kv_cache_dim, torch.bfloat16, "cuda")
-    runner = CudaGraphRunner(model, pool, max_batch=4, max_tokens_per_request=16)
-    assert set(runner.router_weights) == {m.moe_layer_idx for m in moes[1:]}
+    model.set_kernels(model.kernels)  # the gates prepare their bf16 weight again
+    assert moes[0].gate.low_weight is None
     x = torch.randn(5, cfg.hidden_size, device="cuda").to(torch.bfloat16)
     for moe in moes[1:]:
-        low = runner.router_weights[moe.moe_layer_idx]
+        low = moe.gate.low_weight
+        assert low is not None
         with torch.no_grad():
-            got = torch.mm(x, low.t(), out_dtype=torch.float32)
-            want = moe.gate(x)
+            got = moe.gate(x)
+            want = torch.nn.functional.linear(x.float(), moe.gate.weight)
         assert got.dtype == torch.float32
         assert relative_error(got, want) < 1e-6
 
@@ -430,31 +486,34 @@ def test_cuda_graph_replay_reads_new_inputs(v2_greedy_ckpt: HFCheckpoint) -> Non
 
 
 @pytest.mark.parametrize("ckpt_name", ["v3_ckpt", "v2_greedy_ckpt"])
-def test_fused_kernels_in_the_static_forward_equal_the_torch_path(request, ckpt_name) -> None:
-    """The bf16 GPU configuration of the static forward (fused residual-add norms, the
-    one-launch rope/cache write, the Triton MLA decode and the fused MoE with shared experts)
-    forced on the CPU in float32, where the kernels run in Triton's interpreter, against the
-    same runner's torch path. The GPU tests check the bf16 graphs themselves."""
+def test_fused_kernels_in_the_eager_and_captured_forward_equal_the_torch_path(
+    request, ckpt_name
+) -> None:
+    """The bf16 GPU choice of kernels (fused residual-add norms, the one-launch rope and
+    cache write, the Triton MLA decode and the fused MoE with shared experts) forced on the
+    CPU in float32, where they run in Triton's interpreter: the model's eager decode steps
+    and the runner's forward both take them (the same modules), and both equal the torch
+    references. The GPU tests check the bf16 graphs themselves."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():
-        pytest.skip("covered by the GPU tests (the runner picks these kernels itself there)")
+        pytest.skip("covered by the GPU tests (the engine picks these kernels itself there)")
     import tests.kernels.conftest  # noqa: F401 - patches Triton's interpreter for NumPy 2.4
-    from kernels.mla_decode import mla_decode
-    from kernels.moe_fused import fused_moe
 
     ckpt = request.getfixturevalue(ckpt_name)
     page_size, steps = 4, 3
     model = load_model(ckpt.path)
     prompts = random_prompts([1, 6, 13], model.config.vocab_size, seed=9)
     pool, pages, first = _prefilled(model, prompts, page_size, steps)
-    fed, _ = _eager_decode(model, pool, prompts, pages, first, page_size, steps)
-    torch_path = CudaGraphRunner(model, pool, max_batch=4, max_tokens_per_request=32)
-    want = _static_decode(torch_path, prompts, pages, fed)
-    fused = CudaGraphRunner(model, pool, max_batch=4, max_tokens_per_request=32)
-    fused.decode_attention, fused.fused_moe, fused.fused_glue = mla_decode, fused_moe, True
-    got = _static_decode(fused, prompts, pages, fed)
-    for g, w in zip(got, want, strict=True):
-        assert relative_error(g, w) < 1e-5
+    fed, want = _eager_decode(model, pool, prompts, pages, first, page_size, steps)
+    fused = KernelChoice(triton=True, decode_attention="triton", fused_moe=True)
+    _set_kernels(model, fused, pool)
+    runner = CudaGraphRunner(model, pool, max_batch=4, max_tokens_per_request=32)
+    for got in (
+        _eager_decode(model, pool, prompts, pages, first, page_size, steps)[1],
+        _static_decode(runner, prompts, pages, fed),
+    ):
+        for g, w in zip(got, want, strict=True):
+            assert relative_error(g, w) < 1e-5
 
 
 @needs_cuda

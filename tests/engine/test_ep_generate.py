@@ -1,6 +1,8 @@
 """Same greedy tokens at any EP size, on gloo process groups: EP 2 and 4, with and without
-redundant experts, V3-style and V2-Lite-style checkpoints, against the single-rank engine
-and transformers. One process group per EP size runs every combination, to keep it fast."""
+redundant experts, V3-style and V2-Lite-style checkpoints, two-batch overlap, and decode
+through the CUDA-graph runner's forward (static all-to-all, group-agreed graph steps; run
+uncaptured on the CPU), against the single-rank engine and transformers. One process group
+per EP size runs every combination, to keep it fast."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from engine.cuda_graph import CudaGraphRunner
 from engine.ep.generate import generate_ep
 from engine.ep.runtime import EPConfig, build_ep_engine, free_port, init_group, run_lockstep
 from engine.llm_engine import EngineConfig, LLMEngine
@@ -63,10 +66,14 @@ def _group_main(rank: int, ep_size: int, port: int, jobs, results) -> None:
     ep0 = EPConfig(ep_size, 0, master_port=port)
     init_group(ep0, rank, torch.device("cpu"))
     try:
-        for arch, path, redundant, tbo in jobs:
+        for arch, path, redundant, tbo, graphs in jobs:
             ep = EPConfig(ep_size, redundant, master_port=port)
             config = EngineConfig(model=path, page_size=4, max_total_tokens=4096, tbo=tbo)
             engine = build_ep_engine(config, ep, rank)
+            if graphs:  # the CUDA path's runner, without capture (CPU)
+                engine.graph_runner = CudaGraphRunner(
+                    engine.model, engine.kv_pool, 8, 512, use_graphs=False
+                )
             mine = {}
             for i, p in enumerate(prompts()):
                 if i % ep_size == rank:
@@ -77,8 +84,12 @@ def _group_main(rank: int, ep_size: int, port: int, jobs, results) -> None:
             experts = engine.model.moe_layers()[0].experts
             expert_bytes = sum(t.numel() * t.element_size() for t in (experts.w13, experts.w2))
             for i, req in mine.items():
-                results[(arch, redundant, tbo, i)] = req.output_ids
-            results[(arch, redundant, tbo, "bytes", rank)] = expert_bytes
+                results[(arch, redundant, tbo, graphs, i)] = req.output_ids
+            results[(arch, redundant, tbo, graphs, "bytes", rank)] = expert_bytes
+            if graphs:
+                results[(arch, redundant, tbo, graphs, "runs", rank)] = (
+                    engine.graph_runner.num_eager
+                )
             assert engine.num_pages_in_use == 0
     finally:
         dist.destroy_process_group()
@@ -89,11 +100,12 @@ def test_ep_generate_equals_single_rank_and_transformers(
     checkpoints, references, ep_size: int
 ) -> None:
     jobs = [
-        (arch, str(checkpoints[arch]), r, tbo)
+        (arch, str(checkpoints[arch]), r, tbo, False)
         for arch in ARCHES
         for r in (0, ep_size)
         for tbo in (False, True)
     ]
+    jobs += [("v3", str(checkpoints["v3"]), r, False, True) for r in (0, ep_size)]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with mp.get_context("spawn").Manager() as manager:
         results = manager.dict()
@@ -104,15 +116,18 @@ def test_ep_generate_equals_single_rank_and_transformers(
             start_method="spawn",
         )
         results = dict(results)
-    for arch, _, redundant, tbo in jobs:
-        got = [results[(arch, redundant, tbo, i)] for i in range(len(prompts()))]
-        assert got == references[arch], (arch, ep_size, redundant, tbo)
+    for arch, _, redundant, tbo, graphs in jobs:
+        got = [results[(arch, redundant, tbo, graphs, i)] for i in range(len(prompts()))]
+        assert got == references[arch], (arch, ep_size, redundant, tbo, graphs)
+        if graphs:  # every rank ran its decode steps through the runner, idle ones too
+            runs = [results[(arch, redundant, tbo, graphs, "runs", r)] for r in range(ep_size)]
+            assert min(runs) >= 9, runs
         # each rank holds (16 + R) / N of the 16 logical experts' weights
         full = LLMEngine(EngineConfig(model=str(checkpoints[arch]))).model.moe_layers()[0]
         total = sum(t.numel() * t.element_size() for t in (full.experts.w13, full.experts.w2))
         n_logical = full.experts.w13.shape[0]
         for rank in range(ep_size):
-            per_rank = results[(arch, redundant, tbo, "bytes", rank)]
+            per_rank = results[(arch, redundant, tbo, graphs, "bytes", rank)]
             assert per_rank == total * (n_logical + redundant) // ep_size // n_logical
 
 

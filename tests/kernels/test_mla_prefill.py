@@ -37,7 +37,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_reference_equals_engine_naive_attention() -> None:
-    """One request with a prefix: the reference equals MLAttention._attend_naive's math."""
+    """One request with a prefix: the reference equals MLAttention.attend_naive's math."""
     from engine.mla import MLAttention
 
     q_nope, q_pe, k_nope, k_pe, v, cu_q, cu_k = make_case(

@@ -115,17 +115,18 @@ def test_bad_shapes_name_the_argument(device) -> None:
 
 @needs_triton
 def test_engine_rmsnorm_dispatches_to_the_kernel(monkeypatch, device) -> None:
-    """With dispatch forced on (the engine's rule is CUDA + Triton), RMSNorm calls the kernel
-    for 2-D, strided 2-D and 3-D inputs, and keeps torch when autograd needs the graph."""
+    """With the Triton kernels chosen (KernelChoice.triton, set once by set_kernels), RMSNorm
+    calls the kernel for 2-D, strided 2-D and 3-D inputs, and keeps torch when autograd needs
+    the graph."""
     calls: list[tuple[int, ...]] = []
 
     def spy(x, weight, eps, out=None):
         calls.append(tuple(x.shape))
         return rms_norm(x, weight, eps, out)
 
-    monkeypatch.setattr(engine.norm, "use_triton", lambda t: True)
     monkeypatch.setattr(engine.norm, "rms_norm", spy)
     norm = RMSNorm(96).to(device, torch.bfloat16)
+    norm.triton = True
     with torch.no_grad():
         norm.weight.copy_(_weight(96, torch.bfloat16, device))
     wide = _rows(6, 128, torch.bfloat16, device, seed=6)

@@ -1,0 +1,120 @@
+"""Decode through the expert-parallel code path under CUDA graphs, on one GPU (EP size 1).
+
+The same V2-Lite-shaped engine decodes four ways, in one process, back to back:
+
+- ``graphs``: the single-rank path (LocalDispatcher, fused decode MoE) captured;
+- ``eager``: the same path uncaptured (the eager forward with the fused glue kernels);
+- ``ep_graphs``: every MoE layer behind the all-to-all dispatcher of a one-rank
+  torch.distributed group (NCCL on CUDA) in its static mode, captured, every step agreed
+  through the group vote as under real expert parallelism;
+- ``ep_eager``: the same dispatcher in its dynamic (host-sized) mode, uncaptured.
+
+Prints one JSON line: per batch, mean step milliseconds of each, and ``ep_graphs`` over
+``graphs``. Usage: ``python3 -m bench.ep_graphs --batches 32,256 --context 2000``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import types
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from bench.gpu import bench_decode, build_dsmesh, make_engine, v2_lite_config
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke test")
+    ap.add_argument("--batches", default="32,256")
+    ap.add_argument("--context", type=int, default=2000)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--profile", action="store_true", help="kernel tables at the largest batch")
+    return ap.parse_args(argv)
+
+
+def kernel_table(engine, batch: int, rows: int = 25) -> str:
+    """CUDA kernel times of one uncaptured forward of the runner at ``batch``'s bucket."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = engine.graph_runner
+    keys = [k for k in runner.keys_used if k[0] >= batch]
+    if not keys or engine.device.type != "cuda":
+        return ""
+    b, p = min(keys)
+    runner.forward(b, p)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        runner.forward(b, p)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    from engine.ep.all_to_all import AllToAllDispatcher
+    from engine.ep.runtime import GroupVote, free_port
+
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    batches = [int(b) for b in args.batches.split(",")]
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=120),
+        device_id=torch.device("cuda", device.index or 0) if device.type == "cuda" else None,
+    )
+    model = build_dsmesh(v2_lite_config(args.tiny), device, dtype)
+    vocab = model.config.vocab_size
+    # steps + 16: a page to spare per request (join_group keeps one for idle graph steps)
+    shape = types.SimpleNamespace(
+        page_size=16, context=args.context, steps=args.steps + 16, prompt_len=16, prefill_prompts=1
+    )
+    engine = make_engine(model, device, max(batches), shape)
+    rows: dict[int, dict[str, float]] = {b: {} for b in batches}
+
+    def decode(name: str, graphs: bool) -> None:
+        for b in batches:
+            step = bench_decode(engine, vocab, b, args.context, args.steps, 3, graphs)
+            rows[b][f"{name}_ms"] = step * 1e3
+
+    decode("graphs", True)
+    tables = {}
+    if args.profile:
+        tables["graphs"] = kernel_table(engine, max(batches))
+    decode("eager", False)
+    dispatcher = AllToAllDispatcher(model.moe_layers()[0].experts.num_local)
+    for moe in model.moe_layers():
+        moe.dispatcher = dispatcher
+    if engine.graph_runner is not None:
+        engine.graph_runner.reset()
+    engine.join_group(GroupVote(engine.device, num_flags=3))
+    decode("ep_graphs", True)
+    if args.profile:
+        tables["ep_graphs"] = kernel_table(engine, max(batches))
+    decode("ep_eager", False)
+    for row in rows.values():
+        row["ep_graphs_over_graphs"] = row["ep_graphs_ms"] / row["graphs_ms"]
+        row["graphs_speedup_over_eager"] = row["eager_ms"] / row["graphs_ms"]
+    out = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "context": args.context,
+        "kernels": str(model.kernels),
+        "attention_backend": model.decode_backend.name,
+        "batches": rows,
+    }
+    for name, table in tables.items():
+        print(f"--- {name}, batch {max(batches)}\n{table}")
+    print(json.dumps(out))
+    dist.destroy_process_group()
+    return out
+
+
+if __name__ == "__main__":
+    main()
