@@ -1,0 +1,150 @@
+"""MTP speculative decoding on the DeepSeek-V3 layer shape: decode tokens/s with and without.
+
+    python3 -m bench.mtp [--layers 2] [--context 1024] [--batches 1,32,128] [--tiny]
+
+A few V3-shaped MoE layers plus one MTP layer (random bf16 weights, small vocabulary), decode
+requests placed as a decode instance receives them (``reserve`` + ``activate``, random prompt
+KV). Random weights accept no draft, so the speculating engine runs with the benchmark-only
+``spec_forced_acceptance`` (each draft accepted with that probability, as the seed's blog
+simulated MTP). Measures, per batch size, decode tokens/s of the plain engine (CUDA graphs,
+overlapped decode) and of the MTP engine (K drafts, eager) at acceptance 0.6 and 0.8, and
+prints one JSON line with the figures and each speed-up. ``--tiny`` runs the same code on
+tiny shapes (CPU smoke test; its numbers mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import torch
+
+from bench.gpu import init_random_, random_prompt, sync, v3_layers_config
+from engine.config import ModelConfig
+from engine.kv_cache import pages_for
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.loader import build_model
+from engine.mtp import MTPDraft, build_mtp
+from engine.sampling_params import SamplingParams
+
+
+@torch.no_grad()
+def init_draft_(draft: MTPDraft, seed: int, std: float = 0.02) -> None:
+    """Random draft weights on its device (norms 1, matrices N(0, std))."""
+    device = next(draft.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, t in sorted(draft.state_dict(keep_vars=True).items()):
+        if not t.is_floating_point() or name.endswith("inv_freq"):
+            continue
+        if name.endswith("norm.weight"):
+            t.fill_(1.0)
+        else:
+            t.normal_(0.0, std, generator=gen)
+
+
+def make_engine(model, draft, device, args, batch: int, acceptance: float | None) -> LLMEngine:
+    per_request = pages_for(args.context + args.steps * (args.k + 1) + 16, args.page_size)
+    cfg = EngineConfig(
+        device=str(device),
+        dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+        page_size=args.page_size,
+        max_total_tokens=batch * per_request * args.page_size,
+        max_running_requests=batch,
+        max_batch_tokens=max(batch * (args.k + 1), 256),
+        cuda_graph_max_batch=batch,
+        cuda_graph_warmup_tokens=0,
+        speculative=None if acceptance is None else "mtp",
+        num_draft_tokens=args.k,
+        speculative_max_batch=1 << 20,  # measure speculation at every batch size
+        spec_forced_acceptance=acceptance,
+    )
+    return LLMEngine(cfg, model=model, draft=draft if acceptance is not None else None)
+
+
+def decode_tokens_per_s(engine: LLMEngine, args, batch: int) -> tuple[float, float]:
+    """(generated tokens/s, mean tokens per request-step) over ``args.steps`` steps."""
+    params = SamplingParams(max_new_tokens=args.steps * (args.k + 1) + 8, ignore_eos=True)
+    ids = []
+    for i in range(batch):
+        req = engine.reserve(random_prompt(args.vocab, args.context, i), params, f"r{i}")
+        engine.activate(req.request_id, 5)
+        ids.append(req.request_id)
+    gen = torch.Generator(device=engine.device).manual_seed(1)
+    engine.kv_pool.buffer.normal_(0.0, 1.0, generator=gen)  # "prefilled" KV: random values
+    for _ in range(args.warmup):
+        engine.step()
+    sync(engine.device)
+    start = time.perf_counter()
+    tokens = steps = 0
+    for _ in range(args.steps):
+        out = engine.step()
+        tokens += sum(len(o.new_token_ids) for o in out)
+        steps += len(out)
+    sync(engine.device)
+    elapsed = time.perf_counter() - start
+    for rid in ids:
+        engine.abort(rid)
+    return tokens / elapsed, tokens / max(steps, 1)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=2, help="V3 MoE layers of the target")
+    p.add_argument("--context", type=int, default=1024, help="prompt tokens per request")
+    p.add_argument("--batches", default="1,32,128")
+    p.add_argument("--acceptance", default="0.6,0.8", help="simulated acceptance rates")
+    p.add_argument("-k", type=int, default=1, help="draft tokens per step")
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    raw = v3_layers_config(args.layers, tiny=args.tiny)
+    raw["num_nextn_predict_layers"] = 1
+    cfg = ModelConfig.from_dict(raw)
+    args.vocab = cfg.vocab_size
+    if args.tiny:
+        args.context = min(args.context, 64)
+        args.page_size = min(args.page_size, 16)
+    model = build_model(cfg, dtype, device)
+    init_random_(model, seed=0)
+    draft = build_mtp(cfg, dtype, device)
+    init_draft_(draft, seed=1)
+    results: dict[str, Any] = {
+        "bench": "mtp",
+        "layers": args.layers,
+        "context": args.context,
+        "k": args.k,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "runs": [],
+    }
+    for batch in [int(b) for b in args.batches.split(",")]:
+        row: dict[str, Any] = {"batch": batch}
+        plain = make_engine(model, draft, device, args, batch, None)
+        row["plain_tok_s"], _ = decode_tokens_per_s(plain, args, batch)
+        del plain
+        for acc in [float(a) for a in args.acceptance.split(",")]:
+            spec = make_engine(model, draft, device, args, batch, acc)
+            tok_s, per_step = decode_tokens_per_s(spec, args, batch)
+            row[f"mtp_acc{acc}_tok_s"] = tok_s
+            row[f"mtp_acc{acc}_tokens_per_step"] = per_step
+            row[f"mtp_acc{acc}_speedup"] = tok_s / row["plain_tok_s"]
+            del spec
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        results["runs"].append(row)
+    print(json.dumps(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,423 @@
+"""Speculative decoding with the MTP draft (EAGLE-style chain), one engine step at a time.
+
+A step of a speculating engine runs in two halves around the engine's bookkeeping:
+
+1. :meth:`MTPSpeculator.verify` runs the target model once over the scheduled step. A
+   decoding request feeds its last token and its ``k`` drafted tokens, each as its own row
+   of the batch (a row per position, context growing by one: causal attention over the
+   paged cache through the batched decode path, exactly the attention a plain decode step
+   computes). Prompt chunks run as usual. The emitted tokens follow
+   :mod:`engine.spec_sampling`; the engine then books them, cutting the run at a stop token
+   or ``max_new_tokens``. KV written for rejected positions is simply overwritten later:
+   ``num_computed`` is the roll-back (in the target's layers and the draft's alike).
+2. :meth:`MTPSpeculator.draft` runs the MTP layer over every position whose target hidden
+   state the step produced (pairs ``(h[p], x[p + 1])``, writing the draft's KV there), which
+   yields the first draft; ``k - 1`` more single-token MTP steps chain from the draft's own
+   hidden state. The drafts wait on the request (:class:`DraftProposal`) for the next step.
+
+Requests whose sampling cannot be verified exactly this way (sampled with penalties, a logit
+bias or ``min_tokens``; grammar-constrained) draft nothing and decode one token per step in
+the same batch. The draft KV lives in the same pages as the target's, as extra pool layers.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.forward_batch import ForwardBatch, SequenceChunk
+from engine.kv_cache import MLAKVPool
+from engine.model import DeepseekForCausalLM
+from engine.mtp import MTPDraft
+from engine.request import Request, RequestStatus
+from engine.sampler import GREEDY_BELOW, Sampler, token_logprobs
+from engine.scheduler import ScheduledChunk, Scheduler
+from engine.spec_sampling import accept_greedy, accept_sampled, draw, sampling_probs
+from engine.token_logprobs import TokenLogprobs
+
+SPECULATIVE_METHODS = ("mtp",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How a speculating engine drafts."""
+
+    num_draft_tokens: int = 1  # K: tokens drafted per step, verified in one target forward
+    # Decode batches larger than this run without speculation (plain steps, CUDA graphs):
+    # verifying K + 1 positions per request stops paying once the batch is compute-bound.
+    max_batch: int = 64
+    # BENCHMARK ONLY: accept each draft of a greedy request with this probability (the chain
+    # stops at the first rejection) whatever the models say, emitting the target's tokens:
+    # random weights accept nothing, and this simulates a real MTP's acceptance. Output is
+    # not the model's greedy output. None = real verification.
+    forced_acceptance: float | None = None
+    attention_mode: str = "auto"
+    page_size: int = 16
+
+
+@dataclass
+class DraftProposal:
+    """Drafts waiting on a request: valid while the request still has ``num_tokens`` tokens
+    (a later step, a retraction's recompute, or a plain step makes them stale)."""
+
+    num_tokens: int
+    token_ids: list[int]
+    probs: torch.Tensor | None  # [k, vocab] float32, the q each draft was drawn from (sampled)
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    """Counters since the engine started."""
+
+    num_verifications: int  # request-steps that verified at least one draft
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    # accepted_histogram[a]: verifications that accepted a drafts (a = 0 .. K)
+    accepted_histogram: tuple[int, ...]
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification: accepted drafts + the target's own token."""
+        if not self.num_verifications:
+            return 0.0
+        return 1.0 + self.num_accepted_tokens / self.num_verifications
+
+
+@dataclass
+class Verified:
+    """One scheduled chunk after :meth:`MTPSpeculator.verify`. ``tokens`` are the tokens to
+    book (empty mid-prompt); booking token j leaves ``num_computed = first_computed + j``."""
+
+    request: Request
+    start: int  # num_computed before the step
+    row: int  # the chunk's first row of the step's hidden states
+    num_fed: int
+    first_computed: int
+    tokens: list[int]
+    logprobs: list[TokenLogprobs] | None
+    decoding: bool  # a decode (verify) row, not a prompt chunk
+
+
+def drafts_allowed(req: Request) -> bool:
+    """Whether ``req``'s sampling can be verified against drafts exactly."""
+    p = req.params
+    if getattr(req, "grammar", None) is not None:
+        return False
+    return p.temperature < GREEDY_BELOW or not p.adjusts_logits
+
+
+class MTPSpeculator:
+    """Verifies and drafts for an :class:`engine.llm_engine.LLMEngine`; owns no request.
+    Not thread-safe: the engine thread only."""
+
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        model: DeepseekForCausalLM,
+        draft: MTPDraft,
+        kv_pool: MLAKVPool,
+        scheduler: Scheduler,
+        sampler: Sampler,
+        device: torch.device,
+    ) -> None:
+        if config.num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {config.num_draft_tokens}")
+        self.config = config
+        self.model = model
+        self.draft_model = draft
+        self.kv_pool = kv_pool
+        self.scheduler = scheduler
+        self.sampler = sampler
+        self.device = device
+        self._hidden: torch.Tensor | None = None
+        self._forced = random.Random(0)
+        k = config.num_draft_tokens
+        self.num_verifications = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_histogram = [0] * (k + 1)
+
+    def stats(self) -> SpecStats:
+        return SpecStats(
+            self.num_verifications,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            tuple(self.accepted_histogram),
+        )
+
+    def runs(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether this step speculates: its decode batch is at most ``max_batch``."""
+        decoding = sum(1 for c in chunks if not c.request.is_prefilling)
+        return decoding <= self.config.max_batch
+
+    # ---- verify ---------------------------------------------------------------------------
+
+    def verify(
+        self,
+        chunks: list[ScheduledChunk],
+        allowed_tokens: Callable[[list[Request]], torch.Tensor | None],
+    ) -> list[Verified]:
+        """The target forward over ``chunks`` and the tokens each emits (not booked)."""
+        seqs: list[SequenceChunk] = []
+        plan: list[tuple[Verified, list[int]]] = []
+        row = 0  # rows of the hidden states: one per token fed
+        for c in chunks:
+            req = c.request
+            assert req.page_table is not None
+            start = req.num_computed
+            decoding = not req.is_prefilling
+            drafts = self._valid_drafts(req) if decoding else []
+            if decoding:
+                ids = req.pending_ids(1) + drafts
+                seqs += [SequenceChunk([t], start + i, req.page_table) for i, t in enumerate(ids)]
+                first_computed = start + 1
+            else:
+                ids = req.pending_ids(c.num_tokens)
+                seqs.append(SequenceChunk(ids, start, req.page_table))
+                first_computed = start + len(ids)
+            v = Verified(req, start, row, len(ids), first_computed, [], None, decoding)
+            plan.append((v, drafts))
+            row += len(ids)
+        hidden = self.model.hidden_states(self._batch(seqs), self.kv_pool, self._mode)
+        self._hidden = hidden
+
+        # Rows whose logits are needed: every verify row, the last row of a finished prompt.
+        wanted: list[int] = []
+        for v, _ in plan:
+            if v.decoding:
+                wanted += range(v.row, v.row + v.num_fed)
+            elif v.first_computed == v.request.num_tokens:
+                wanted.append(v.row + v.num_fed - 1)
+        if not wanted:
+            return [v for v, _ in plan]
+        index = torch.tensor(wanted, dtype=torch.int64, device=hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index))
+        self._choose(plan, logits, allowed_tokens)
+        return [v for v, _ in plan]
+
+    def _choose(
+        self,
+        plan: list[tuple[Verified, list[int]]],
+        logits: torch.Tensor,
+        allowed_tokens: Callable[[list[Request]], torch.Tensor | None],
+    ) -> None:
+        """Fill each planned chunk's ``tokens`` from ``logits`` [rows wanted, vocab]."""
+        # Rows that the sampler decides (greedy verify rows, finished prompts, plain decode
+        # rows) go through it together; sampled chains go through rejection sampling.
+        sampler_rows: list[int] = []
+        row_reqs: list[Request] = []
+        row_outputs: list[list[int]] = []
+        chains: list[tuple[Verified, list[int], int]] = []
+        at = 0
+        for v, drafts in plan:
+            req = v.request
+            n = len(drafts) + 1 if v.decoding else int(v.first_computed == req.num_tokens)
+            if n == 0:
+                continue
+            if drafts and req.params.temperature >= GREEDY_BELOW:
+                chains.append((v, drafts, at))
+            else:
+                for i in range(n):
+                    sampler_rows.append(at + i)
+                    row_reqs.append(req)
+                    row_outputs.append(req.output_ids + drafts[:i])
+            at += n
+        picked: dict[int, tuple[int, TokenLogprobs | None]] = {}
+        if sampler_rows:
+            index = torch.tensor(sampler_rows, dtype=torch.int64, device=logits.device)
+            out = self.sampler(
+                logits.index_select(0, index),
+                [r.params for r in row_reqs],
+                [r.generator for r in row_reqs],
+                [r.prompt_ids for r in row_reqs],
+                row_outputs,
+                allowed_tokens(row_reqs),
+            )
+            lps = out.logprobs or [None] * len(sampler_rows)
+            for r, tok, lp in zip(sampler_rows, out.token_ids.tolist(), lps, strict=True):
+                picked[r] = (tok, lp)
+        at = 0
+        chain_at = {id(v): (drafts, a) for v, drafts, a in chains}
+        for v, drafts in plan:
+            req = v.request
+            n = len(drafts) + 1 if v.decoding else int(v.first_computed == req.num_tokens)
+            if n == 0:
+                continue
+            if id(v) in chain_at:
+                p = sampling_probs(logits[at : at + n], [req.params] * n)
+                assert req.spec_draft is not None and req.spec_draft.probs is not None
+                q = req.spec_draft.probs.to(p.device)
+                tokens, accepted = accept_sampled(drafts, q, p, req.generator)
+                v.tokens = tokens
+                if req.params.logprobs is not None:
+                    ids = torch.tensor(tokens, dtype=torch.int64, device=logits.device)
+                    v.logprobs = token_logprobs(
+                        logits[at : at + len(tokens)], ids, [req.params] * len(tokens)
+                    )  # type: ignore[assignment]
+            else:
+                target = [picked[at + i][0] for i in range(n)]
+                accepted = self._accepted(drafts, target)
+                v.tokens = target[: accepted + 1]
+                if req.params.logprobs is not None:
+                    v.logprobs = [picked[at + i][1] for i in range(accepted + 1)]  # type: ignore[misc]
+            if drafts:
+                self._count(req, len(drafts), accepted)
+            at += n
+
+    def _accepted(self, drafts: list[int], target: list[int]) -> int:
+        forced = self.config.forced_acceptance
+        if forced is None or not drafts:
+            return accept_greedy(drafts, target)
+        accepted = 0
+        while accepted < len(drafts) and self._forced.random() < forced:
+            accepted += 1
+        return accepted
+
+    def _count(self, req: Request, num_drafts: int, accepted: int) -> None:
+        self.num_verifications += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += accepted
+        self.accepted_histogram[accepted] += 1
+        req.num_spec_draft_tokens += num_drafts
+        req.num_spec_accepted_tokens += accepted
+
+    def _valid_drafts(self, req: Request) -> list[int]:
+        proposal = req.spec_draft
+        if proposal is None or proposal.num_tokens != req.num_tokens:
+            return []
+        return proposal.token_ids[: self._num_drafts(req)]
+
+    def _num_drafts(self, req: Request) -> int:
+        """Drafts worth making for ``req`` now: at most K, none past its last token."""
+        if not drafts_allowed(req) or req.prefill_only:
+            return 0
+        left = min(
+            req.params.max_new_tokens - len(req.output_ids), req.max_total_tokens - req.num_tokens
+        )
+        return max(0, min(self.config.num_draft_tokens, left - 1))
+
+    # ---- draft ----------------------------------------------------------------------------
+
+    def draft(self, verified: list[Verified]) -> None:
+        """Run the MTP layer over the positions the step computed (after booking) and chain
+        the next drafts of every request still decoding."""
+        hidden = self._hidden
+        self._hidden = None
+        assert hidden is not None
+        seqs: list[SequenceChunk] = []
+        rows: list[int] = []
+        last_rows: dict[int, Request] = {}  # row of the draft batch -> request that drafts
+        for v in verified:
+            req = v.request
+            if req.status is not RequestStatus.RUNNING or not drafts_allowed(req):
+                req.spec_draft = None
+                continue
+            assert req.page_table is not None
+            m = req.num_computed - v.start  # positions with a valid target hidden state
+            if m <= 0:
+                continue
+            ids = _tokens(req, v.start + 1, v.start + m + 1)
+            if v.decoding:
+                seqs += [SequenceChunk([t], v.start + i, req.page_table) for i, t in enumerate(ids)]
+            else:
+                seqs.append(SequenceChunk(ids, v.start, req.page_table))
+            rows += range(v.row, v.row + m)
+            if not req.is_prefilling:
+                last_rows[len(rows) - 1] = req
+        if not seqs:
+            return
+        index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
+        g, logits = self.draft_model(
+            self._batch(seqs), self.kv_pool, hidden.index_select(0, index), 0, self._mode
+        )
+        chain = []
+        for r, req in last_rows.items():
+            k = self._room_for_drafts(req)
+            req.spec_draft = None
+            if k > 0:
+                chain.append((req, k, r))
+        if chain:
+            self._chain(chain, g, logits)
+
+    def _room_for_drafts(self, req: Request) -> int:
+        """K for ``req``, less what its pages cannot hold: drafting step j >= 2 writes the
+        draft KV of position num_tokens + j - 3 (pages taken from free ones only)."""
+        k = self._num_drafts(req)
+        page = self.config.page_size
+        if k > 1 and not self.scheduler.try_grow(req, req.num_tokens - 2 + k):
+            k = max(1, min(k, len(req.pages) * page - req.num_tokens + 2))
+        return k
+
+    def _chain(
+        self, chain: list[tuple[Request, int, int]], g: torch.Tensor, logits: torch.Tensor
+    ) -> None:
+        """Draft 1 from each request's row of ``logits``, then the rest one MTP step each."""
+        reqs = [req for req, _, _ in chain]
+        index = torch.tensor([r for _, _, r in chain], dtype=torch.int64, device=g.device)
+        g, logits = g.index_select(0, index), logits.index_select(0, index)
+        tokens: list[list[int]] = [[] for _ in reqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        step = 0
+        live = list(range(len(reqs)))
+        while True:
+            picks = self._draw(logits, [reqs[i] for i in live])
+            for j, i in enumerate(live):
+                tokens[i].append(picks[j][0])
+                if picks[j][1] is not None:
+                    probs[i].append(picks[j][1])
+            step += 1
+            keep = [j for j, i in enumerate(live) if chain[i][1] > step]
+            if not keep:
+                break
+            live = [live[j] for j in keep]
+            seqs = []
+            for i in live:
+                req = reqs[i]
+                assert req.page_table is not None
+                # draft step + 1 sits at position num_tokens - 2 + step
+                pos = req.num_tokens - 2 + step
+                seqs.append(SequenceChunk([tokens[i][-1]], pos, req.page_table))
+            keep_index = torch.tensor(keep, dtype=torch.int64, device=g.device)
+            g, logits = self.draft_model(
+                self._batch(seqs), self.kv_pool, g.index_select(0, keep_index), step, self._mode
+            )
+        for i, req in enumerate(reqs):
+            q = torch.stack(probs[i]) if probs[i] else None
+            req.spec_draft = DraftProposal(req.num_tokens, tokens[i], q)
+
+    def _draw(
+        self, logits: torch.Tensor, reqs: list[Request]
+    ) -> list[tuple[int, torch.Tensor | None]]:
+        """One draft per row: the argmax for greedy requests, else a draw from q."""
+        greedy = logits.argmax(dim=-1).tolist()
+        out: list[tuple[int, torch.Tensor | None]] = []
+        for i, req in enumerate(reqs):
+            if req.params.temperature < GREEDY_BELOW:
+                out.append((greedy[i], None))
+                continue
+            q = sampling_probs(logits[i : i + 1], [req.params])[0]
+            out.append((draw(q, req.generator), q))
+        return out
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    @property
+    def _mode(self) -> str:
+        return self.config.attention_mode
+
+    def _batch(self, seqs: list[SequenceChunk]) -> ForwardBatch:
+        # the model plans its decode attention backend itself (engine/mla_decode_backend.py)
+        return ForwardBatch.build(seqs, self.config.page_size, self.device)
+
+
+def _tokens(req: Request, start: int, end: int) -> list[int]:
+    """Tokens ``[start, end)`` of prompt + output, without copying the whole prompt."""
+    n_prompt = len(req.prompt_ids)
+    if end <= n_prompt:
+        return req.prompt_ids[start:end]
+    if start >= n_prompt:
+        return req.output_ids[start - n_prompt : end - n_prompt]
+    return req.prompt_ids[start:] + req.output_ids[: end - n_prompt]

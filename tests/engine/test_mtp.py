@@ -1,0 +1,290 @@
+"""The MTP draft layer: weights, forward against transformers, and speculative decoding.
+
+Greedy speculative decoding must give exactly the tokens of plain greedy decoding (and
+transformers'); sampled speculative decoding must draw from exactly the target distribution.
+The tiny checkpoints carry one random MTP layer (tests/engine/hf_checkpoints.py:
+``add_mtp_layer``); on a 4-token vocabulary its drafts agree with the target often enough to
+exercise acceptance, rejection and the roll-back of rejected positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import pytest
+import torch
+from scipy.stats import chi2
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+from engine.config import load_config
+from engine.forward_batch import ForwardBatch, SequenceChunk
+from engine.kv_cache import MLAKVPool, pages_for
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.loader import load_model
+from engine.mtp import build_mtp
+from engine.mtp_weights import load_mtp_weights, mtp_state_dict
+from engine.sampling_params import SamplingParams
+from engine.spec_sampling import sampling_probs
+from engine.weights import WeightError
+from tests.engine.hf_checkpoints import (
+    HFCheckpoint,
+    copy_checkpoint,
+    random_prompts,
+    relative_error,
+)
+
+PAGE = 8
+
+
+def _engine(ckpt: HFCheckpoint, k: int | None, **overrides) -> LLMEngine:
+    fields = {
+        "model": str(ckpt.path),
+        "page_size": PAGE,
+        "max_total_tokens": 4096,
+        "speculative": None if k is None else "mtp",
+        "num_draft_tokens": k or 1,
+    }
+    return LLMEngine(EngineConfig(**{**fields, **overrides}))
+
+
+def _draft(ckpt: HFCheckpoint):
+    cfg = load_config(ckpt.path)
+    draft = build_mtp(cfg, torch.float32, "cpu")
+    load_mtp_weights(draft, ckpt.path)
+    return draft
+
+
+# ---- the module ---------------------------------------------------------------------------
+
+
+def test_mtp_weights_load_every_tensor_and_name_a_missing_one(
+    v3_mtp_ckpt: HFCheckpoint, tmp_path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    draft = _draft(v3_mtp_ckpt)
+    on_disk = load_file(str(v3_mtp_ckpt.path / "mtp.safetensors"))
+    loaded = mtp_state_dict(draft)
+    assert set(loaded) == set(on_disk) - {
+        "model.layers.3.embed_tokens.weight",
+        "model.layers.3.shared_head.head.weight",
+    }
+    for name, tensor in loaded.items():
+        assert torch.equal(tensor, on_disk[name]), name
+    assert any(".mlp.experts.7.down_proj" in n for n in loaded)  # the MoE layer, all experts
+
+    path = copy_checkpoint(v3_mtp_ckpt.path, tmp_path / "ckpt")
+    del on_disk["model.layers.3.eh_proj.weight"]
+    save_file(on_disk, str(path / "mtp.safetensors"))
+    with pytest.raises(WeightError, match=r"model\.layers\.3\.eh_proj\.weight"):
+        _draft(HFCheckpoint(v3_mtp_ckpt.hf_model, path))
+
+
+def test_mtp_forward_matches_transformers_layer(v3_mtp_ckpt: HFCheckpoint) -> None:
+    """The draft's logits equal a transformers DeepSeek-V3 of one MoE layer holding the MTP
+    decoder layer, its final norm = shared_head.norm and its head = the main LM head, fed
+    eh_proj(cat[enorm(embed(x[p + 1])), hnorm(h[p])]) with h the main model's final-normed
+    hidden states: the MTP forward of DeepSeek-V3's reference implementations."""
+    model = load_model(v3_mtp_ckpt.path)
+    draft = _draft(v3_mtp_ckpt)
+    draft.share_with(model)
+    cfg = model.config
+    tokens = random_prompts([41], cfg.vocab_size, seed=9)[0]  # x[0 .. 40]
+    n = len(tokens) - 1
+    pool = MLAKVPool(cfg.num_hidden_layers + 1, 16, PAGE, cfg.mla.kv_cache_dim, torch.float32)
+    table = torch.tensor(pool.allocator.allocate(pages_for(n, PAGE)))
+    target = ForwardBatch.build([SequenceChunk(tokens[:n], 0, table)], PAGE, "cpu")
+    hidden = model.hidden_states(target, pool)  # h[0 .. n-1]
+    # chunked like a prefill (two chunks) and then one decode row, to cover both paths
+    outs = []
+    for start, end in ((0, 17), (17, n - 1), (n - 1, n)):
+        batch = ForwardBatch.build(
+            [SequenceChunk(tokens[start + 1 : end + 1], start, table)], PAGE, "cpu"
+        )
+        outs.append(draft(batch, pool, hidden[start:end])[1])
+    ours = torch.cat(outs)
+
+    hf_cfg = DeepseekV3Config(
+        **{**v3_mtp_ckpt.hf_model.config.to_dict(), "num_hidden_layers": 1},
+    )
+    hf_cfg.first_k_dense_replace = 0
+    ref_model = DeepseekV3ForCausalLM(hf_cfg).eval()
+    mtp = draft.layers[0]
+    layer_state = {
+        k: v
+        for k, v in mtp.state_dict().items()
+        if not k.startswith(("enorm", "hnorm", "eh_proj", "shared_head", "mlp.experts"))
+    }
+    # transformers 5 stacks the experts as dsmesh does: gate rows then up rows
+    layer_state["mlp.experts.gate_up_proj"] = mtp.mlp.experts.w13
+    layer_state["mlp.experts.down_proj"] = mtp.mlp.experts.w2
+    missing = ref_model.model.layers[0].load_state_dict(layer_state, strict=False)
+    assert not [m for m in missing.missing_keys if "rotary" not in m], missing
+    assert not missing.unexpected_keys, missing
+    with torch.no_grad():
+        ref_model.model.norm.weight.copy_(mtp.shared_head.norm.weight)
+        ref_model.lm_head.weight.copy_(model.lm_head.weight)
+        emb = model.model.embed_tokens(torch.tensor(tokens[1 : n + 1]))
+        x = mtp.eh_proj(torch.cat([mtp.enorm(emb), mtp.hnorm(hidden)], dim=-1))
+        ref = ref_model(inputs_embeds=x[None], use_cache=False).logits[0].float()
+    assert ours.shape == ref.shape
+    assert relative_error(ours, ref) <= 1e-4
+
+
+# ---- greedy speculative decoding ----------------------------------------------------------
+
+
+def _hf_greedy(ckpt: HFCheckpoint, prompt: list[int], max_new: int) -> list[int]:
+    eos = ckpt.hf_model.config.eos_token_id
+    out = ckpt.hf_model.generate(
+        torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new, pad_token_id=eos
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize(
+    ("ckpt_name", "k"),
+    [("v3_mtp_small_vocab_ckpt", 1), ("v3_mtp_small_vocab_ckpt", 2),
+     ("v3_mtp_small_vocab_ckpt", 3), ("v3_mtp_ckpt", 2)],
+)  # fmt: skip
+def test_greedy_speculative_equals_plain_and_transformers(
+    request: pytest.FixtureRequest, ckpt_name: str, k: int
+) -> None:
+    ckpt: HFCheckpoint = request.getfixturevalue(ckpt_name)
+    vocab = ckpt.hf_model.config.vocab_size
+    prompts = random_prompts([1, 6, 19, 40], vocab, seed=k)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = _engine(ckpt, None).generate(prompts, params)
+    engine = _engine(ckpt, k)
+    spec = engine.generate(prompts, params)
+    assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+    for prompt, res in zip(prompts, spec, strict=True):
+        ref = _hf_greedy(ckpt, prompt, 24)
+        assert res.output_ids[: len(ref)] == ref
+    stats = engine.spec_stats
+    assert stats is not None and stats.num_draft_tokens > 0
+    assert sum(r.spec_draft_tokens for r in spec) == stats.num_draft_tokens
+    assert sum(r.spec_accepted_tokens for r in spec) == stats.num_accepted_tokens
+    assert sum(stats.accepted_histogram) == stats.num_verifications
+    assert len(stats.accepted_histogram) == k + 1
+    if vocab == 4:  # the drafts agree often: acceptance, multi-token steps, roll-back
+        assert stats.num_accepted_tokens > 0
+    assert engine.num_pages_in_use == 0
+
+
+def test_stop_tokens_and_max_tokens_cut_inside_an_accepted_run(
+    v3_mtp_small_vocab_ckpt: HFCheckpoint,
+) -> None:
+    ckpt = v3_mtp_small_vocab_ckpt
+    prompts = random_prompts([3, 9, 14, 30], 4, seed=11)
+    cases = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (1, 2, 5, 7)]
+    free = _engine(ckpt, None).generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    token = free[0].output_ids[4]  # a token the outputs reach after a few steps
+    stop = [SamplingParams(max_new_tokens=30, stop_token_ids=(token,), ignore_eos=True)] * 4
+    eos = [SamplingParams(max_new_tokens=30)] * 4
+    for params in (cases, stop, eos):
+        want = _engine(ckpt, None).generate(prompts, params)
+        engine = _engine(ckpt, 3)
+        got = engine.generate(prompts, params)
+        assert [(r.output_ids, r.finish_reason) for r in got] == [
+            (r.output_ids, r.finish_reason) for r in want
+        ]
+        assert engine.num_pages_in_use == 0
+        if params is stop:  # it really stops early
+            assert any(r.finish_reason == "stop" and len(r.output_ids) < 30 for r in got)
+
+
+def test_no_page_leaks_with_aborts_mid_run_and_retraction(
+    v3_mtp_small_vocab_ckpt: HFCheckpoint,
+) -> None:
+    ckpt = v3_mtp_small_vocab_ckpt
+    prompts = random_prompts([5, 12, 21, 30, 7, 16], 4, seed=12)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    # a pool so small that the decode steps' lookahead pages force retractions
+    engine = _engine(ckpt, 3, max_total_tokens=160, prefix_cache=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    outputs: dict[str, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        steps += 1
+        if steps == 6:
+            assert engine.abort(ids[1]) and engine.abort(ids[4])
+    assert engine.num_pages_in_use == 0
+    assert engine.stats.num_retractions > 0
+    # the survivors' output equals plain decoding's, each token streamed once
+    want = _engine(ckpt, None).generate([prompts[i] for i in (0, 2, 3, 5)], params)
+    for i, res in zip((0, 2, 3, 5), want, strict=True):
+        assert outputs[ids[i]] == res.output_ids
+
+
+# ---- sampling: the target distribution, exactly -------------------------------------------
+
+
+def _exact_distribution(ckpt: HFCheckpoint, prompt: list[int], n: int, params) -> torch.Tensor:
+    """P(t1 .. tn | prompt) [4 ** n] under the sampler's transform of the target's logits."""
+    model = load_model(ckpt.path)
+    cfg = model.config
+    probs = torch.ones(1)
+    for length in range(n):
+        prefixes = list(itertools.product(range(4), repeat=length))
+        seqs = [prompt + list(p) for p in prefixes]
+        pool = MLAKVPool(cfg.num_hidden_layers, 256, PAGE, cfg.mla.kv_cache_dim, torch.float32)
+        chunks = [
+            SequenceChunk(s, 0, torch.tensor(pool.allocator.allocate(pages_for(len(s), PAGE))))
+            for s in seqs
+        ]
+        logits = model(ForwardBatch.build(chunks, PAGE, "cpu"), pool)
+        step = sampling_probs(logits, [params] * len(seqs)).double()  # [4 ** length, 4]
+        probs = (probs[:, None] * step).reshape(-1)
+    return probs
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, max_new_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.7, top_k=3, top_p=0.9, max_new_tokens=3, ignore_eos=True),
+    ],
+    ids=["t1", "t0.7-topk3-topp0.9"],
+)
+def test_sampled_speculative_decoding_follows_the_target_distribution(
+    v3_mtp_small_vocab_ckpt: HFCheckpoint, params: SamplingParams
+) -> None:
+    """2000 seeded requests of 3 tokens with K = 2: a chi-square test of the joint
+    distribution of the 3 tokens (64 cells) against the exact target distribution."""
+    ckpt = v3_mtp_small_vocab_ckpt
+    prompt = [2, 3, 0, 1, 3]
+    num = 2000
+    engine = _engine(
+        ckpt,
+        2,
+        max_total_tokens=num * 16,
+        max_running_requests=num,
+        max_batch_tokens=num * 8,
+        speculative_max_batch=num,
+    )
+    per = [dataclasses.replace(params, seed=s) for s in range(num)]
+    results = engine.generate([prompt] * num, per)
+    stats = engine.spec_stats
+    assert stats is not None and stats.num_accepted_tokens > 0
+    assert stats.num_draft_tokens > stats.num_accepted_tokens  # rejections too
+    counts = torch.zeros(4**3, dtype=torch.float64)
+    for r in results:
+        assert len(r.output_ids) == 3
+        counts[sum(t * 4 ** (2 - i) for i, t in enumerate(r.output_ids))] += 1
+    expected = _exact_distribution(ckpt, prompt, 3, params) * num
+    assert not bool(((expected == 0) & (counts > 0)).any())  # filtered tokens never appear
+    # merge cells expected below 5 into one, as the chi-square approximation asks
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    dof = int(keep.sum()) - 1
+    p_value = float(chi2.sf(stat, dof))
+    assert p_value > 1e-3, (stat, dof, p_value)
+    assert math.isfinite(stat)
