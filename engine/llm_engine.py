@@ -18,9 +18,10 @@ import torch
 
 from engine.config import ModelConfig
 from engine.cuda_graph import CudaGraphRunner, GraphCaptureError, graph_support_problem
-from engine.decode_attention import ATTENTION_BACKENDS, make_flashinfer
 from engine.errors import InvalidRequestError, check_prompt
 from engine.forward_batch import ForwardBatch, SequenceChunk
+from engine.grammar import GrammarMatcher, GrammarVocab, bitmask_words
+from engine.kernel_choice import KERNEL_SETS, MOE_BACKENDS, KernelChoice
 from engine.kv_budget import (
     CPU_MAX_TOTAL_TOKENS,
     DEFAULT_MEM_FRACTION,
@@ -32,15 +33,21 @@ from engine.kv_cache import MLAKVPool, pages_for
 from engine.load import EngineLoad, engine_load
 from engine.loader import load_model
 from engine.mla import ATTENTION_MODES
+from engine.mla_decode_backend import ATTENTION_BACKENDS, flashinfer_fits, make_decode_backend
 from engine.model import DeepseekForCausalLM
+from engine.mtp import MTPDraft, build_mtp
+from engine.mtp_weights import load_mtp_weights
+from engine.prompt_logprobs import positions_to_score, score_tokens
 from engine.request import Request, RequestStatus
 from engine.sampler import GREEDY_BELOW, Sampler, advance_generator, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerStats
+from engine.speculative import SPECULATIVE_METHODS, MTPSpeculator, SpecStats, SpeculativeConfig
 from engine.token_logprobs import TokenLogprobs
+from engine.token_mask import apply_token_bitmask
 
 if TYPE_CHECKING:
-    from kernels.mla_decode_flashinfer import FlashInferMLADecode
+    from engine.ep.runtime import GroupVote
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +83,15 @@ class EngineConfig:
     cuda_graph_warmup_tokens: int = 4096
     cuda_graph_min_tokens: int = 1024
     # MLA decode attention, in graphs and for eager decode rows: "auto" (FlashInfer where it
-    # is installed and fits, else dsmesh's Triton kernel; engine/decode_attention.py),
+    # is installed and fits, else dsmesh's Triton kernel; engine/mla_decode_backend.py),
     # "kernel" (Triton), "flashinfer" (needs flashinfer-python) or "torch" (the reference)
     decode_attention: str = "auto"
+    # "auto": dsmesh's Triton kernels for the glue, routing and prefill attention on CUDA;
+    # "torch": the torch references everywhere (A/B runs). Chosen once at start
+    # (engine/kernel_choice.py).
+    kernels: str = "auto"
+    # Decode-sized MoE: "auto"/"fused" (one fused kernel, bf16/fp16 on CUDA) or "grouped"
+    moe_backend: str = "auto"
     # With CUDA graphs, a greedy decode step launches the next one (its input tokens taken
     # on the device) before its own bookkeeping, so host work overlaps the GPU. Only when
     # the next batch is certain to be the same requests (docs/GPU.md).
@@ -86,6 +99,16 @@ class EngineConfig:
     # FP8 checkpoints: keep the routed experts in FP8 and run the FP8 grouped GEMM (CUDA);
     # off = dequantise every weight to ``dtype`` at load
     fp8_experts: bool = False
+    # Speculative decoding (engine/speculative.py): None = off; "mtp" drafts with the
+    # checkpoint's MTP layer num_draft_tokens tokens per step, verified in one target forward.
+    # Decode batches above speculative_max_batch run plain steps.
+    speculative: str | None = None
+    num_draft_tokens: int = 1
+    speculative_max_batch: int = 64
+    # BENCHMARK ONLY (bench/mtp.py): accept each draft with this probability instead of
+    # verifying it, emitting the target's tokens (random weights accept nothing); the output
+    # is not the model's. None = real verification.
+    spec_forced_acceptance: float | None = None
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -108,6 +131,10 @@ class EngineConfig:
                 f"decode_attention must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.decode_attention!r}"
             )
+        if self.kernels not in KERNEL_SETS:
+            raise ValueError(f"kernels must be one of {KERNEL_SETS}, got {self.kernels!r}")
+        if self.moe_backend not in MOE_BACKENDS:
+            raise ValueError(f"moe_backend must be one of {MOE_BACKENDS}, got {self.moe_backend!r}")
         if self.max_total_tokens is not None and self.max_total_tokens <= 0:
             raise ValueError(f"max_total_tokens must be > 0, got {self.max_total_tokens}")
         if self.mem_fraction is not None and not 0 < self.mem_fraction <= 1:
@@ -126,6 +153,25 @@ class EngineConfig:
             raise ValueError(
                 f"cuda_graph_warmup_tokens must be >= 0, got {self.cuda_graph_warmup_tokens}"
             )
+        self._validate_speculative()
+
+    def _validate_speculative(self) -> None:
+        if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative must be one of {SPECULATIVE_METHODS} or None, "
+                f"got {self.speculative!r}"
+            )
+        if self.num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        if self.speculative_max_batch < 0:
+            raise ValueError(
+                f"speculative_max_batch must be >= 0, got {self.speculative_max_batch}"
+            )
+        forced = self.spec_forced_acceptance
+        if forced is not None and not 0 <= forced <= 1:
+            raise ValueError(f"spec_forced_acceptance must be in [0, 1], got {forced}")
+        if self.speculative is not None and self.tbo:
+            raise ValueError("speculative decoding does not run with two-batch overlap (tbo)")
 
 
 @dataclass(frozen=True)
@@ -135,6 +181,9 @@ class StepOutput:
     ``computed`` is the range of token positions whose KV this step wrote (empty for a
     request that only finished); ``new_token_ids`` is empty for a mid-prompt chunk.
     ``logprobs`` has one entry per new token when the request asks for logprobs, else None.
+    ``prompt_logprobs``: when the request asks for them, the prompt tokens this step scored,
+    in order, continuing where the previous output left off (the first prompt token has none;
+    engine/prompt_logprobs.py), else None.
     """
 
     request_id: str
@@ -143,18 +192,22 @@ class StepOutput:
     finish_reason: str | None
     computed: tuple[int, int] = (0, 0)
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
 class _Inflight:
     """A launched decode step: row i fed ``reqs[i]`` at ``positions[i]``; its greedy tokens
-    are ``tokens`` on the device and, once ``event`` has passed, ``host``."""
+    are ``tokens`` on the device and, once ``event`` has passed, ``host``. A step with
+    constrained rows (a grammar) keeps its ``logits`` until :meth:`LLMEngine._resolve` masks
+    them, once the previous step's tokens have advanced the grammars."""
 
     reqs: list[Request]
     positions: list[int]
-    tokens: torch.Tensor
-    host: torch.Tensor
-    event: torch.cuda.Event | None
+    logits: torch.Tensor | None
+    tokens: torch.Tensor | None = None
+    host: torch.Tensor | None = None
+    event: torch.cuda.Event | None = None
 
 
 @dataclass(frozen=True)
@@ -163,13 +216,27 @@ class GenerationResult:
     prompt_ids: list[int]
     output_ids: list[int]
     finish_reason: str
+    spec_draft_tokens: int = 0  # tokens drafted for it (speculative decoding)
+    spec_accepted_tokens: int = 0  # of which the target accepted
 
 
 def _plain_argmax(params: SamplingParams) -> bool:
-    """The token is the argmax of the raw logits and nothing else is reported about it."""
+    """The token is the argmax of the raw logits, or of the logits masked by the request's
+    grammar (structured outputs), and nothing else is reported about it."""
     return (
         params.temperature < GREEDY_BELOW and not params.adjusts_logits and params.logprobs is None
     )
+
+
+def _scores_prompt(chunk: ScheduledChunk) -> bool:
+    """The chunk computes prompt positions whose logprobs its request asks for and has not
+    been told yet."""
+    req = chunk.request
+    if req.params.prompt_logprobs is None:
+        return False
+    start = req.num_computed
+    end = start + chunk.num_tokens
+    return len(positions_to_score(start, end, len(req.prompt_ids), req.num_prompt_scored)) > 0
 
 
 def resolve_model_dir(model: str | None) -> Path:
@@ -186,7 +253,12 @@ class LLMEngine:
     Output tokens include the token that stopped generation (EOS or a stop token id).
     """
 
-    def __init__(self, config: EngineConfig, model: DeepseekForCausalLM | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: DeepseekForCausalLM | None = None,
+        draft: MTPDraft | None = None,
+    ) -> None:
         config.validate()
         self.config = config
         self.device = config.resolved_device()
@@ -199,7 +271,7 @@ class LLMEngine:
         self.model_config: ModelConfig = model.config
         mc = self.model_config
         self.kv_pool = MLAKVPool(
-            mc.num_hidden_layers,
+            self.num_kv_layers,
             self._kv_pool_pages(next(model.parameters()).dtype),
             config.page_size,
             mc.mla.kv_cache_dim,
@@ -221,20 +293,28 @@ class LLMEngine:
                 max_running_requests=config.max_running_requests,
                 max_batch_tokens=config.max_batch_tokens,
                 prefix_cache=config.prefix_cache,
+                num_lookahead_tokens=config.num_draft_tokens if config.speculative else 0,
             ),
             self.kv_pool.allocator,
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self._set_kernels()
         self.graph_runner = self._make_graph_runner()
-        # Decode rows of eager forwards (graphs off, EP, mixed steps, big batches; not TBO's
-        # micro-batches): FlashInfer's kernel when chosen, planned once per forward; else
-        # the Triton kernel (engine/decode_attention.py).
-        self.eager_decode_attention = self._make_eager_decode_attention()
         self._warm_up_graphs()
+        self.speculator = self._make_speculator(draft)
         self._inflight: _Inflight | None = None  # a decode step launched ahead (overlap)
+        self._group: GroupVote | None = None  # expert parallelism: see join_group
+        self._idle_page: list[int] = []
         self.num_launched_ahead = 0  # decode steps launched before the previous one's end
+        # structured outputs (engine/grammar.py): the vocabulary indexed on the first
+        # constrained request; the allowed-token bitmask rows of a step, reused (pinned on
+        # CUDA: the sampler's copy to the device is asynchronous)
+        self._grammar_vocab: GrammarVocab | None = None
+        self._bitmask = torch.empty(
+            0, bitmask_words(self.model_config.vocab_size), dtype=torch.int32
+        )
 
     def _kv_pool_pages(self, dtype: torch.dtype) -> int:
         """Pages of the KV pool: ``max_total_tokens`` when given; on CPU 65536 tokens; on
@@ -254,7 +334,7 @@ class LLMEngine:
             total_bytes=torch.cuda.get_device_properties(self.device).total_memory,
             mem_fraction=fraction,
             used_bytes=torch.cuda.memory_reserved(self.device),
-            bytes_per_token=mc.num_hidden_layers * mc.mla.kv_cache_dim * dtype.itemsize,
+            bytes_per_token=self.num_kv_layers * mc.mla.kv_cache_dim * dtype.itemsize,
             page_size=cfg.page_size,
         )
         # A pool beyond every running request at full context could only idle.
@@ -272,6 +352,51 @@ class LLMEngine:
         )
         return tokens // cfg.page_size
 
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers of the KV pool: the model's, and the MTP draft's when speculating."""
+        mc = self.model_config
+        extra = mc.num_nextn_predict_layers if self.config.speculative == "mtp" else 0
+        return mc.num_hidden_layers + extra
+
+    def _make_speculator(self, draft: MTPDraft | None) -> MTPSpeculator | None:
+        cfg = self.config
+        if cfg.speculative is None:
+            return None
+        mc = self.model_config
+        if mc.num_nextn_predict_layers <= 0:
+            raise ValueError(
+                "--speculative mtp needs a checkpoint with an MTP layer "
+                "(config.json num_nextn_predict_layers is 0)"
+            )
+        if draft is None:
+            draft = build_mtp(mc, next(self.model.parameters()).dtype, self.device)
+            load_mtp_weights(draft, resolve_model_dir(cfg.model))
+        draft.share_with(self.model)
+        draft.set_kernels(self.model)
+        self.draft = draft
+        spec_config = SpeculativeConfig(
+            num_draft_tokens=cfg.num_draft_tokens,
+            max_batch=cfg.speculative_max_batch,
+            forced_acceptance=cfg.spec_forced_acceptance,
+            attention_mode=cfg.attention_mode,
+            page_size=cfg.page_size,
+        )
+        return MTPSpeculator(
+            spec_config,
+            self.model,
+            draft,
+            self.kv_pool,
+            self.scheduler,
+            self.sampler,
+            self.device,
+        )
+
+    @property
+    def spec_stats(self) -> SpecStats | None:
+        """Speculative decoding counters, or None when the engine does not speculate."""
+        return None if self.speculator is None else self.speculator.stats()
+
     def _make_graph_runner(self) -> CudaGraphRunner | None:
         cfg = self.config
         if not cfg.cuda_graphs or self.device.type != "cuda" or cfg.tbo:
@@ -287,7 +412,6 @@ class LLMEngine:
             self.kv_pool,
             max_batch=min(cfg.cuda_graph_max_batch, cfg.max_running_requests),
             max_tokens_per_request=min(self.max_context, self.kv_pool.num_pages * cfg.page_size),
-            attention=cfg.decode_attention,
             min_page_bucket=pages_for(cfg.cuda_graph_min_tokens, cfg.page_size),
         )
 
@@ -312,23 +436,98 @@ class LLMEngine:
             time.perf_counter() - start,
         )
 
-    def _make_eager_decode_attention(self) -> FlashInferMLADecode | None:
+    def _set_kernels(self) -> None:
+        """Choose the model's kernels and attention backends once, for eager and captured
+        forwards alike (engine/kernel_choice.py, engine/mla_decode_backend.py)."""
         cfg = self.config
-        if cfg.attention_mode == "naive":
-            return None
-        return make_flashinfer(
-            cfg.decode_attention,
-            self.model,
-            self.device,
-            self.kv_pool.buffer.dtype,
-            cfg.page_size,
-            self.kv_pool.num_pages,
-            graph=False,
+        dtype = self.kv_pool.buffer.dtype
+        attn = self.model.model.layers[0].self_attn
+        fits = flashinfer_fits((attn.kv_lora_rank, attn.rope_dim), self.device, dtype)
+        kernels = KernelChoice.resolve(
+            self.device, dtype, cfg.kernels, cfg.decode_attention, cfg.moe_backend, fits
         )
+        if cfg.tbo and kernels.decode_attention == "flashinfer":
+            # a FlashInfer plan covers one batch; TBO's micro-batches interleave by layer
+            log.info("two-batch overlap: MLA decode through Triton, not FlashInfer")
+            kernels = dataclasses.replace(kernels, decode_attention="triton")
+        backend = make_decode_backend(
+            kernels.decode_attention,
+            cfg.decode_attention,
+            self.device,
+            (attn.num_heads, attn.kv_lora_rank, attn.rope_dim, attn.scale),
+            dtype,
+            cfg.page_size,
+            self.max_pages_per_request,
+        )
+        self.model.set_kernels(dataclasses.replace(kernels, decode_attention=backend.name), backend)
+        log.info(
+            "kernels: %s glue, %s decode attention, %s MoE for decode batches",
+            "Triton" if kernels.triton else "torch",
+            backend.name,
+            "fused" if kernels.fused_moe else "grouped",
+        )
+
+    def join_group(self, vote: GroupVote) -> None:
+        """Make this engine one rank of an expert-parallel group whose MoE collectives pair
+        up across ranks. Decode then replays CUDA graphs only in steps where every rank can
+        (agreed through ``vote`` each step), every rank at the group's largest (rows, pages)
+        bucket, so all ranks capture and replay the same graphs together; a rank with
+        nothing to run replays one row over a page of its own. No launching ahead
+        (overlap_decode): each step is agreed before it starts."""
+        self._group = vote
+        self._idle_page = self.kv_pool.allocator.allocate(1)
+
+    def _agree_on_graphs(self, chunks: list[ScheduledChunk]) -> tuple[int, int] | None:
+        """One all-reduce: (rows, pages) of this step's graph when every rank of the group
+        can replay one (decode-only or idle, within the buckets), else None."""
+        runner = self.graph_runner
+        rows = len(chunks)
+        mine = runner is not None and (
+            not chunks
+            or (
+                runner.can_run(rows)
+                and all(c.num_tokens == 1 for c in chunks)
+                and not any(_scores_prompt(c) for c in chunks)
+                and not (self.speculator is not None and self.speculator.runs(chunks))
+            )
+        )
+        pages = 1
+        if chunks and runner is not None:
+            pages = pages_for(max(c.request.num_computed for c in chunks) + 1, runner.page_size)
+        assert self._group is not None
+        _, (refuse, max_rows, max_pages) = self._group.vote(False, [int(not mine), rows, pages])
+        if refuse or runner is None:
+            return None
+        return max(max_rows, 1), max_pages
+
+    def _idle_graph_step(self, bucket: tuple[int, int]) -> None:
+        """This rank's part of a group graph step with nothing to run: one row, fed at
+        position 0 of the page kept for this (its output is dropped)."""
+        assert self.graph_runner is not None
+        rows, pages = bucket
+        self.graph_runner.run([0], [0], [self._idle_page], min_rows=rows, min_pages=pages)
+
+    def switch_kernels(self, **changes: str) -> None:
+        """Choose kernels again with ``changes`` to the config's ``kernels``,
+        ``decode_attention`` or ``moe_backend`` (A/B runs in benchmarks); captured graphs
+        are dropped and recaptured on use."""
+        allowed = {"kernels", "decode_attention", "moe_backend"}
+        if not set(changes) <= allowed:
+            raise ValueError(f"switch_kernels takes {sorted(allowed)}, got {sorted(changes)}")
+        config = dataclasses.replace(self.config, **changes)
+        config.validate()
+        self.config = config
+        self._set_kernels()
+        if self.graph_runner is not None:
+            self.graph_runner.reset()
 
     @property
     def max_context(self) -> int:
         return self.model_config.max_position_embeddings
+
+    @property
+    def max_pages_per_request(self) -> int:
+        return min(pages_for(self.max_context, self.config.page_size), self.kv_pool.num_pages)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -369,6 +568,12 @@ class LLMEngine:
                 "sampling.max_new_tokens",
                 f"prompt + max_new_tokens needs {need} KV pages but the pool has only {num_pages}",
             )
+        grammar = None
+        if params.grammar is not None:
+            try:
+                grammar = self.grammar_vocab().matcher(params.grammar)
+            except InvalidRequestError as exc:
+                raise exc.within("sampling") from exc
         return Request(
             request_id=request_id,
             prompt_ids=ids,
@@ -378,7 +583,25 @@ class LLMEngine:
             prefill_only=prefill_only,
             keep_pages=prefill_only,
             reserve_all=prefill_only,  # the KV transfer reads its pages: never retracted
+            grammar=grammar,
         )
+
+    def grammar_vocab(self) -> GrammarVocab:
+        """The tokenizer's vocabulary for grammar matchers, indexed on first use (about a
+        second for DeepSeek-V3's); InvalidRequestError when the checkpoint has no
+        ``tokenizer.json``."""
+        if self._grammar_vocab is None:
+            folder = resolve_model_dir(self.config.model)
+            mc = self.model_config
+            try:
+                self._grammar_vocab = GrammarVocab.from_checkpoint(
+                    folder, mc.vocab_size, mc.eos_token_ids
+                )
+            except FileNotFoundError as exc:
+                raise InvalidRequestError(
+                    "grammar", f"structured outputs need the checkpoint's tokenizer.json: {exc}"
+                ) from exc
+        return self._grammar_vocab
 
     def add_request(
         self,
@@ -427,6 +650,9 @@ class LLMEngine:
         if req.generator is not None and req.params.temperature > 0:
             advance_generator(req.generator, 1)  # the first draw happened on prefill
         req.output_ids.append(int(first_token))
+        # Prefill's matcher took the first token there; this one, built from the same spec
+        # at reserve(), replays it so the grammar state continues here.
+        self._advance_grammar(req, int(first_token))
         self.scheduler.start_reserved(req)
         reason = self._stop_reason(req, int(first_token))
         if reason is not None:
@@ -463,7 +689,8 @@ class LLMEngine:
 
     @property
     def num_pages_in_use(self) -> int:
-        return self.scheduler.num_pages_in_use
+        """Pages held for requests (not the one join_group keeps for idle graph steps)."""
+        return self.scheduler.num_pages_in_use - len(self._idle_page)
 
     @property
     def stats(self) -> SchedulerStats:
@@ -473,7 +700,8 @@ class LLMEngine:
     def load(self) -> EngineLoad:
         """What this engine holds now: pages, running and queued requests (for load reports
         and metrics; safe to call from another thread)."""
-        return engine_load(self.scheduler, self.kv_pool.num_pages)
+        # the page join_group keeps for idle graph steps is neither free nor a request's
+        return engine_load(self.scheduler, self.kv_pool.num_pages - len(self._idle_page))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -495,13 +723,22 @@ class LLMEngine:
             if outputs is not None:
                 return outputs
         chunks = self.scheduler.schedule()
+        group_bucket = self._agree_on_graphs(chunks) if self._group is not None else None
         if not chunks:
-            if idle_forward:
+            if idle_forward and group_bucket is not None:
+                self._idle_graph_step(group_bucket)
+            elif idle_forward:
                 self.model(ForwardBatch.empty(self.device), self.kv_pool, tbo=self.config.tbo)
             return []
+        spec = self.speculator
+        if spec is not None and spec.runs(chunks) and not any(_scores_prompt(c) for c in chunks):
+            return self._step_speculative(spec, chunks)
         if self._overlappable(chunks):
             return self._decode_overlapped([c.request for c in chunks])
-        logits = self._forward(chunks)
+        if any(_scores_prompt(c) for c in chunks):
+            logits, scored = self._forward_scoring(chunks)
+        else:
+            logits, scored = self._forward(chunks, group_bucket), {}
 
         due_rows: list[int] = []
         due: list[Request] = []
@@ -532,12 +769,64 @@ class LLMEngine:
                 [r.generator for r in due],
                 [r.prompt_ids for r in due],
                 [r.output_ids for r in due],
+                allowed=self._allowed_tokens(due),  # after the forward: overlaps it
             )
             tokens = sampled.token_ids.tolist()
             logprobs = sampled.logprobs or [None] * len(due)
             for req, tok, lp in zip(due, tokens, logprobs, strict=True):
                 outputs.append(self._book_token(req, tok, computed[req.request_id], lp))
+        if scored:
+            outputs = [
+                dataclasses.replace(o, prompt_logprobs=scored.get(o.request_id))
+                if o.request_id in scored
+                else o
+                for o in outputs
+            ]
         return outputs
+
+    def _step_speculative(
+        self, spec: MTPSpeculator, chunks: list[ScheduledChunk]
+    ) -> list[StepOutput]:
+        """A step of speculative decoding: verify (one target forward), book, draft."""
+        verified = spec.verify(chunks, self._allowed_tokens)
+        outputs: list[StepOutput] = []
+        for v in verified:
+            req = v.request
+            if not v.decoding and v.start < len(req.prompt_ids):
+                req.num_computed = v.first_computed
+                self.scheduler.share_prompt(req)
+            if not v.tokens:
+                req.num_computed = v.first_computed
+                computed = (v.start, req.num_computed)
+                outputs.append(StepOutput(req.request_id, [], False, None, computed))
+                continue
+            outputs.append(self._book_run(req, v.start, v.first_computed, v.tokens, v.logprobs))
+        spec.draft(verified)
+        return outputs
+
+    def _book_run(
+        self,
+        req: Request,
+        start: int,
+        first_computed: int,
+        tokens: list[int],
+        logprobs: list[TokenLogprobs] | None,
+    ) -> StepOutput:
+        """Book the tokens one speculative step emitted for ``req`` in order, stopping at the
+        first that ends it (a stop token, max_new_tokens); booking token j leaves
+        ``num_computed = first_computed + j``: the KV of the rejected positions is dropped."""
+        booked: list[StepOutput] = []
+        for j, tok in enumerate(tokens):
+            req.num_computed = first_computed + j
+            lp = None if logprobs is None else logprobs[j]
+            booked.append(self._book_token(req, tok, (start, req.num_computed), lp))
+            if booked[-1].finished:
+                break
+        last = booked[-1]
+        reported = None if logprobs is None else [lp for o in booked for lp in o.logprobs or []]
+        return dataclasses.replace(
+            last, new_token_ids=[t for o in booked for t in o.new_token_ids], logprobs=reported
+        )
 
     def _book_token(
         self,
@@ -548,6 +837,7 @@ class LLMEngine:
     ) -> StepOutput:
         """Append a sampled token, finish the request if it stops there, report it."""
         req.output_ids.append(tok)
+        self._advance_grammar(req, tok)
         reason = "prefilled" if req.prefill_only else self._stop_reason(req, tok)
         if reason is not None:
             self.scheduler.finish(req, reason)
@@ -556,26 +846,41 @@ class LLMEngine:
         reported = None if logprobs is None else [logprobs]
         return StepOutput(req.request_id, [tok], reason is not None, reason, computed, reported)
 
-    def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+    def _forward(
+        self, chunks: list[ScheduledChunk], group_bucket: tuple[int, int] | None = None
+    ) -> torch.Tensor:
         """Logits [len(chunks), vocab] of each chunk's last token; a step where every chunk
-        is one token replays a CUDA graph when the engine has a graph runner."""
+        is one token replays a CUDA graph when the engine has a graph runner. In a group
+        (:meth:`join_group`), ``group_bucket`` is the agreed (rows, pages) of a graph step,
+        None for an eager one."""
         runner = self.graph_runner
-        if (
+        graphs = (
             runner is not None
             and runner.can_run(len(chunks))
             and all(c.num_tokens == 1 for c in chunks)
-        ):
+        )
+        if self._group is not None:
+            graphs = group_bucket is not None
+        if graphs:
+            assert runner is not None
             reqs = [c.request for c in chunks]
+            rows, pages = group_bucket or (1, 1)
             try:
                 return runner.run(
                     [r.pending_ids(1)[0] for r in reqs],
                     [r.num_computed for r in reqs],
                     [r.pages_array() for r in reqs],
+                    min_rows=rows,
+                    min_pages=pages,
                 )
             except GraphCaptureError:
                 # The warm-up wrote only this step's own KV; the eager forward rewrites it.
                 log.exception("CUDA graphs off for this engine; decode continues eagerly")
                 self.graph_runner = None
+        batch = self._eager_batch(chunks)
+        return self.model(batch, self.kv_pool, self.config.attention_mode, tbo=self.config.tbo)
+
+    def _eager_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
         seqs = []
         for c in chunks:
             req = c.request
@@ -584,11 +889,35 @@ class LLMEngine:
                 SequenceChunk(req.pending_ids(c.num_tokens), req.num_computed, req.page_table)
             )
         batch = ForwardBatch.build(seqs, self.config.page_size, self.device)
-        planned = self.eager_decode_attention
-        if planned is not None and batch.decode_host is not None and not self.config.tbo:
-            planned.plan(*batch.decode_host)  # every layer's launch reads this schedule
-            batch = dataclasses.replace(batch, decode_attention=planned)
-        return self.model(batch, self.kv_pool, self.config.attention_mode, tbo=self.config.tbo)
+        return batch
+
+    def _forward_scoring(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[torch.Tensor, dict[str, list[TokenLogprobs]]]:
+        """:meth:`_forward`, eagerly, for a step with prompt chunks of requests that ask for
+        prompt logprobs: the logits [len(chunks), vocab] of each chunk's last token, and the
+        logprobs of the prompt tokens each such chunk scores (by request id)."""
+        batch = self._eager_batch(chunks)
+        model = self.model
+        hidden = model.hidden_states(
+            batch, self.kv_pool, self.config.attention_mode, tbo=self.config.tbo
+        )  # [T, hidden]: every new token's
+        scored: dict[str, list[TokenLogprobs]] = {}
+        row = 0  # the chunk's first row in ``hidden``
+        for c in chunks:
+            req = c.request
+            if _scores_prompt(c):
+                start = req.num_computed
+                k = req.params.prompt_logprobs or 0
+                positions = positions_to_score(
+                    start, start + c.num_tokens, len(req.prompt_ids), req.num_prompt_scored
+                )
+                rows = hidden[row + positions.start - start : row + positions.stop - start]
+                targets = req.prompt_ids[positions.start + 1 : positions.stop + 1]
+                scored[req.request_id] = score_tokens(model.compute_logits, rows, targets, k)
+                req.num_prompt_scored = positions.stop
+            row += c.num_tokens
+        return model.compute_logits(hidden.index_select(0, batch.last_rows)), scored
 
     # ---- overlapped decode ----------------------------------------------------------------
 
@@ -598,6 +927,7 @@ class LLMEngine:
         runner = self.graph_runner
         return (
             self.config.overlap_decode
+            and self._group is None  # a group agrees on each step before it starts
             and runner is not None
             and runner.can_run(len(chunks))
             and all(c.num_tokens == 1 and not c.request.is_prefilling for c in chunks)
@@ -630,6 +960,23 @@ class LLMEngine:
         assert runner is not None
         ids = [0] * len(reqs) if device_ids is not None else [r.pending_ids(1)[0] for r in reqs]
         logits = runner.run(ids, positions, [r.pages_array() for r in reqs], device_ids)
+        current = _Inflight(reqs, positions, logits)
+        if all(r.grammar is None for r in reqs):
+            self._resolve(current)
+        return current
+
+    def _resolve(self, current: _Inflight, rows: list[int] | None = None) -> None:
+        """Enqueue ``current``'s greedy tokens (masked by the grammars of ``rows``, default
+        every row; the grammars must already hold the previous step's tokens) and their copy
+        to the host. The masks are computed on the host while the step runs on the GPU."""
+        if current.tokens is not None:
+            return
+        assert current.logits is not None
+        logits = current.logits
+        if any(r.grammar is not None for r in current.reqs):
+            keep = set(range(len(current.reqs)) if rows is None else rows)
+            matchers = [r.grammar if i in keep else None for i, r in enumerate(current.reqs)]
+            logits = apply_token_bitmask(logits, self._masks(matchers))
         tokens = logits.argmax(dim=-1)
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -638,7 +985,7 @@ class LLMEngine:
             event.record()
         else:
             host, event = tokens, None
-        return _Inflight(reqs, positions, tokens, host, event)
+        current.logits, current.tokens, current.host, current.event = None, tokens, host, event
 
     def _launch_next(self, current: _Inflight, rows: list[int]) -> None:
         """Launch the step after ``current`` for its rows ``rows`` (row order kept), fed the
@@ -647,6 +994,7 @@ class LLMEngine:
         positions = [current.positions[i] + 1 for i in rows]
         if not reqs or not self._next_is_certain(reqs, positions):
             return
+        assert current.tokens is not None  # resolved before the next step launches
         if len(rows) == len(current.reqs):
             device_ids = current.tokens
         else:
@@ -668,6 +1016,7 @@ class LLMEngine:
             log.exception("CUDA graphs off for this engine; decode continues eagerly")
             self.graph_runner = None
             return self.step()  # the same schedule again (nothing was consumed)
+        self._resolve(current)
         self._launch_next(current, list(range(len(reqs))))
         return self._finish_rows(current, list(range(len(reqs))))
 
@@ -683,6 +1032,7 @@ class LLMEngine:
         ]
         if not rows:
             return None
+        self._resolve(current, rows)
         self._launch_next(current, rows)
         return self._finish_rows(current, rows)
 
@@ -690,6 +1040,7 @@ class LLMEngine:
         """Wait for ``current``'s tokens and book the given rows (each fed one token)."""
         if current.event is not None:
             current.event.synchronize()
+        assert current.host is not None
         tokens = current.host.tolist()
         outputs = []
         for i in rows:
@@ -699,10 +1050,42 @@ class LLMEngine:
             outputs.append(self._book_token(req, tokens[i], computed))
         return outputs
 
+    def _allowed_tokens(self, reqs: list[Request]) -> torch.Tensor | None:
+        """The allowed-token bitmask [len(reqs), ceil(vocab / 32)] int32 (host memory) of a
+        step whose rows sample for ``reqs``, or None when none is constrained. Called after
+        the forward is launched, so on a GPU the grammar's work overlaps it."""
+        if all(r.grammar is None for r in reqs):
+            return None
+        return self._masks([r.grammar for r in reqs])
+
+    def _masks(self, matchers: list[GrammarMatcher | None]) -> torch.Tensor:
+        """The allowed-token bitmask [len(matchers), words] int32 of one step (every token
+        for a None row), in the step's buffer: pinned on CUDA and reused, since a step's copy
+        from it is done before the next step fills it (each step waits for its tokens)."""
+        n = len(matchers)
+        if self._bitmask.shape[0] < n:
+            pin = self.device.type == "cuda"
+            shape = (n, self._bitmask.shape[1])
+            self._bitmask = torch.empty(shape, dtype=torch.int32, pin_memory=pin)
+        rows = self._bitmask[:n]
+        self.grammar_vocab().fill_bitmask(matchers, rows.numpy())
+        return rows
+
+    def _advance_grammar(self, req: Request, tok: int) -> None:
+        if req.grammar is not None and not req.grammar.accept(tok):
+            log.warning(
+                "request %s: token %d breaks its grammar (%s); it stops here",
+                req.request_id,
+                tok,
+                req.grammar.error,
+            )
+
     def _stop_reason(self, req: Request, tok: int) -> str | None:
         p = req.params
         if not p.ignore_eos and tok in self.model_config.eos_token_ids:
             return "stop"
+        if req.grammar is not None and req.grammar.is_terminated:
+            return "stop"  # the grammar is complete (only EOS could follow)
         if tok in p.stop_token_ids:
             return "stop"
         if len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= req.max_total_tokens:
@@ -727,6 +1110,13 @@ class LLMEngine:
         while any(r.status is not RequestStatus.FINISHED for r in reqs):
             self.step()
         return [
-            GenerationResult(r.request_id, r.prompt_ids, r.output_ids, r.finish_reason or "")
+            GenerationResult(
+                r.request_id,
+                r.prompt_ids,
+                r.output_ids,
+                r.finish_reason or "",
+                r.num_spec_draft_tokens,
+                r.num_spec_accepted_tokens,
+            )
             for r in reqs
         ]

@@ -103,3 +103,33 @@ def _token_counts(
     index = torch.from_numpy(ids).to(device)
     counts.scatter_add_(1, index, torch.ones(index.shape, dtype=torch.float32, device=device))
     return counts[:, :vocab]
+
+
+def min_tokens_bans(
+    params: Sequence[SamplingParams],
+    output_ids: Sequence[Sequence[int]],
+    eos_token_ids: Sequence[int],
+) -> list[tuple[int, int]]:
+    """(row, token id) pairs that row i may not sample now: while it has generated fewer than
+    ``params[i].min_tokens`` tokens, its ``stop_token_ids`` and, unless ``ignore_eos``, the
+    model's EOS tokens (vLLM's min_tokens)."""
+    bans: list[tuple[int, int]] = []
+    for i, p in enumerate(params):
+        if len(output_ids[i]) >= p.min_tokens:
+            continue
+        stops = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            stops.update(eos_token_ids)
+        bans += [(i, tok) for tok in sorted(stops)]
+    return bans
+
+
+def mask_tokens(logits: torch.Tensor, bans: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """logits [n, vocab] -> a new tensor with ``-inf`` at every (row, token id) of ``bans``."""
+    if not bans:
+        return logits
+    rows, ids = zip(*bans, strict=True)
+    index = (_on(logits.device, rows, torch.int64), _on(logits.device, ids, torch.int64))
+    return logits.index_put(
+        index, torch.full((), -torch.inf, dtype=logits.dtype, device=logits.device)
+    )

@@ -6,14 +6,20 @@ except routed experts, which are stacked per rank (see :class:`engine.moe.Routed
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
 from engine.config import ModelConfig
 from engine.expert_location import ExpertLocation
 from engine.forward_batch import ForwardBatch
+from engine.kernel_choice import KernelChoice
 from engine.kv_cache import MLAKVPool
 from engine.mla import MLAttention
+from engine.mla_decode_backend import MLADecodeBackend, TorchMLADecode, make_decode_backend
+from engine.mla_prefill_backend import make_prefill_backend
 from engine.moe import DeepseekMoE, DenseMLP
 from engine.moe_dispatch import LocalDispatcher, MoEDispatcher
 from engine.norm import RMSNorm
@@ -33,14 +39,24 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         batch: ForwardBatch,
         kv_pool: MLAKVPool,
         cos: torch.Tensor,
         sin: torch.Tensor,
         mode: str,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, kv_pool, cos, sin, mode)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream ``residual`` (None before the first layer: ``x`` is then the
+        embedding) gains the previous sublayer's output ``x``; each residual add is fused into
+        the norm that follows it (RMSNorm.add_forward, in place). Returns (this layer's MLP
+        output, the residual stream before it)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm.add_forward(x, residual)
+        a = self.self_attn(h, batch, kv_pool, cos, sin, mode)
+        h = self.post_attention_layernorm.add_forward(a, residual)
+        return self.mlp(h), residual
 
 
 class DeepseekBackbone(nn.Module):
@@ -96,6 +112,39 @@ class DeepseekForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # checkpoint name -> FP8 data, filled by load_weights(keep_fp8=True)
         self.fp8_weights: dict[str, object] = {}
+        self.kernels = KernelChoice.reference()
+        self.decode_backend: MLADecodeBackend = TorchMLADecode()
+
+    def set_kernels(
+        self, kernels: KernelChoice, decode_backend: MLADecodeBackend | None = None
+    ) -> None:
+        """Choose, once and after the weights are in, what every module runs: the glue
+        kernels, the decode and prefill attention backends (``decode_backend`` defaults to
+        ``kernels.decode_attention`` built without a pool's page geometry, so not
+        FlashInfer) and the MoE path; the input projections of each attention layer are
+        fused into one weight here too. Calling it again switches kernels (A/B runs)."""
+        device = self.lm_head.weight.device
+        if decode_backend is None:
+            name = kernels.decode_attention
+            if name == "flashinfer":
+                raise ValueError("a FlashInfer decode backend needs the KV pool's pages: pass it")
+            decode_backend = make_decode_backend(
+                name, name, device, (0, 0, 0, 1.0), torch.float32, 1, 1
+            )
+        prefill_backend = make_prefill_backend(kernels.triton)
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.triton = kernels.triton
+            elif isinstance(module, MLAttention):
+                module.kernels = kernels
+                module.decode_backend = decode_backend
+                module.prefill_backend = prefill_backend
+                if module.fused_input_weight is None:
+                    module.fuse_input_projections()
+            elif isinstance(module, DeepseekMoE):
+                module.set_kernels(kernels, device)
+        self.kernels = kernels
+        self.decode_backend = decode_backend
 
     @torch.inference_mode()
     def forward(
@@ -113,23 +162,50 @@ class DeepseekForCausalLM(nn.Module):
         micro-batches whose MoE communication overlaps the other's compute (every rank of an
         expert-parallel group must then use it: the collectives pair up by micro-batch).
         """
-        if tbo:
-            return self._forward_two_batch(batch, kv_pool, attention_mode, all_logits)
-        m = self.model
-        x = m.embed_tokens(batch.input_ids)
-        cos, sin = m.rotary.cos_sin(batch.positions, x.dtype)
-        for layer in m.layers:
-            x = layer(x, batch, kv_pool, cos, sin, attention_mode)
-        if not all_logits:
-            x = x.index_select(0, batch.last_rows)
-        return self.lm_head(m.norm(x)).to(torch.float32)
+        rows = None if all_logits else batch.last_rows
+        return self.compute_logits(self.hidden_states(batch, kv_pool, attention_mode, tbo, rows))
 
-    def _forward_two_batch(
-        self, batch: ForwardBatch, kv_pool: MLAKVPool, mode: str, all_logits: bool
+    @torch.inference_mode()
+    def hidden_states(
+        self,
+        batch: ForwardBatch,
+        kv_pool: MLAKVPool,
+        attention_mode: str = "auto",
+        tbo: bool = False,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """:meth:`forward` up to the LM head: the final hidden states (after the last norm)
+        [T, hidden] of every new token, or [len(rows), hidden] of the rows ``rows`` (int64
+        indices into the new tokens) only. :meth:`compute_logits` turns them into logits."""
+        if tbo:
+            x = self._two_batch_hidden(batch, kv_pool, attention_mode)
+        else:
+            m = self.model
+            if batch.decode is not None and batch.decode.host is not None:
+                self.decode_backend.plan(batch.decode)  # every layer's launch reads the plan
+            x = m.embed_tokens(batch.input_ids)
+            cos, sin = m.rotary.cos_sin(batch.positions, x.dtype)
+            residual = None
+            for layer in m.layers:
+                x, residual = layer(x, residual, batch, kv_pool, cos, sin, attention_mode)
+            if residual is not None:
+                if rows is not None:
+                    x, residual = x.index_select(0, rows), residual.index_select(0, rows)
+                return m.norm.add_forward(x, residual)
+        if rows is not None:
+            x = x.index_select(0, rows)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, hidden] from :meth:`hidden_states` -> float32 logits [R, vocab]."""
+        return self.lm_head(hidden).to(torch.float32)
+
+    def _two_batch_hidden(self, batch: ForwardBatch, kv_pool: MLAKVPool, mode: str) -> torch.Tensor:
         """Two-batch overlap: per MoE layer the order is attention(0), dispatch(0) starts,
         attention(1), dispatch(1) starts, experts(0), experts(1), combine(0), combine(1), so
-        each micro-batch's tokens travel while the other computes."""
+        each micro-batch's tokens travel while the other computes. Returns the hidden states
+        [T, hidden] before the last norm, the micro-batches' rows end to end (batch order)."""
         m = self.model
         halves = batch.split()
         xs = [m.embed_tokens(h.input_ids) for h in halves]
@@ -153,9 +229,21 @@ class DeepseekForCausalLM(nn.Module):
                 xs = [attn[i] + mlp.finish(normed[i], combining[i]) for i in range(2)]
             else:
                 xs = [attn[i] + mlp(normed[i]) for i in range(2)]
-        if not all_logits:
-            xs = [x.index_select(0, h.last_rows) for x, h in zip(xs, halves, strict=True)]
-        return self.lm_head(m.norm(torch.cat(xs))).to(torch.float32)
+        return torch.cat(xs)
+
+    @contextlib.contextmanager
+    def static_dispatch(self) -> Iterator[None]:
+        """MoE dispatch in its fixed-shape mode (no host sync) for the forwards inside: what
+        a CUDA graph captures. Under expert parallelism every rank of the group must run
+        such a forward in the same step (the collectives pair up by shape)."""
+        dispatchers = {id(m.dispatcher): m.dispatcher for m in self.moe_layers()}.values()
+        for d in dispatchers:
+            d.static = True
+        try:
+            yield
+        finally:
+            for d in dispatchers:
+                d.static = False
 
     def moe_layers(self) -> list[DeepseekMoE]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, DeepseekMoE)]

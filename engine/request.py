@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
+from engine.grammar import GrammarMatcher
 from engine.sampling_params import SamplingParams
 
 
@@ -55,6 +57,15 @@ class Request:
     # prefill side sends from its pages, the decode side receives into them)
     reserve_all: bool = False
     arrival: int = 0  # order of arrival at the scheduler: the newest is retracted first
+    # params.grammar's state over output_ids (structured outputs); None when unconstrained
+    grammar: GrammarMatcher | None = None
+    # prompt tokens after the first whose logprobs were reported (params.prompt_logprobs)
+    num_prompt_scored: int = 0
+    # speculative decoding (engine/speculative.py): the drafts waiting for the next step
+    # (a DraftProposal), and how many tokens were drafted for it and accepted
+    spec_draft: Any = None
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
     _pages_np: np.ndarray = field(
         default_factory=lambda: np.empty(0, np.int32), repr=False, compare=False
     )
@@ -74,6 +85,16 @@ class Request:
         """More than the last sampled token to feed: the prompt, or a recompute after a
         retraction."""
         return self.num_computed < max(len(self.prompt_ids), self.num_tokens - 1)
+
+    @property
+    def owes_prompt_logprobs(self) -> bool:
+        """It asks for prompt logprobs and some prompt positions are still to be scored
+        (engine/prompt_logprobs.py): it must compute them, not take them from the prefix
+        cache."""
+        return (
+            self.params.prompt_logprobs is not None
+            and self.num_prompt_scored < len(self.prompt_ids) - 1
+        )
 
     @property
     def known_ids(self) -> list[int]:

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.logits_adjust import adjust_logits
+from engine.logits_adjust import adjust_logits, mask_tokens, min_tokens_bans
 from engine.sampling_params import SamplingParams
 from engine.token_logprobs import TokenLogprobs
+from engine.token_mask import apply_token_bitmask
 
 GREEDY_BELOW = 1e-5
 
@@ -60,8 +61,12 @@ class Sampler:
     Before any of that, rows with a logit bias or a penalty get their logits adjusted
     (engine/logits_adjust.py); greedy rows then take the argmax of the adjusted logits. Rows
     that ask for logprobs get them from the raw logits (see :class:`TokenLogprobs`), as vLLM
-    reports them by default.
+    reports them by default. Rows below their ``min_tokens`` cannot sample ``eos_token_ids``
+    (unless they ignore EOS) or their stop token ids.
     """
+
+    def __init__(self, eos_token_ids: Sequence[int] = ()) -> None:
+        self.eos_token_ids = tuple(eos_token_ids)
 
     def __call__(
         self,
@@ -70,13 +75,16 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         prompt_ids: Sequence[Sequence[int]] | None = None,
         output_ids: Sequence[Sequence[int]] | None = None,
+        allowed: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """logits [batch, vocab] (any float dtype) -> the tokens of every row, and logprobs.
 
         ``params[i]`` and ``generators[i]`` belong to row i; a None generator draws from the
         default RNG of the logits' device. Greedy rows draw nothing. ``prompt_ids[i]`` and
         ``output_ids[i]`` are row i's request's tokens so far, needed only when a row has a
-        penalty (read, never kept).
+        penalty (read, never kept). ``allowed`` [batch, ceil(vocab / 32)] int32 (any device) is
+        a bitmask of the tokens each row may take (engine/token_mask.py; all bits set for a
+        free row), applied after every other adjustment, to greedy and sampled rows alike.
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
@@ -93,6 +101,14 @@ class Sampler:
             adjusted = adjust_logits(
                 logits, params, prompt_ids or [()] * batch, output_ids or [()] * batch
             )
+        if any(p.min_tokens > 0 for p in params):
+            if output_ids is None:
+                raise ValueError("min_tokens needs every row's output_ids")
+            adjusted = mask_tokens(
+                adjusted, min_tokens_bans(params, output_ids, self.eos_token_ids)
+            )
+        if allowed is not None:  # structured outputs: the grammar's tokens only, last
+            adjusted = apply_token_bitmask(adjusted, allowed)
         token_ids = self._choose(adjusted, params, generators)
         logprobs = None
         if any(p.logprobs is not None for p in params):

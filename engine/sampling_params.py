@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
+from engine.grammar import GrammarSpec
 
 INT32_MAX = 2**31 - 1  # the wire format's int32 fields
 MAX_LOGPROBS = 20  # top alternatives a request may ask for per token (OpenAI's top_logprobs)
@@ -29,6 +30,12 @@ class SamplingParams:
     ``logprobs`` set to k reports, for every generated token, its log-probability and the k
     most likely tokens' (0 = only its own; None = nothing), under the model's raw distribution:
     ``log_softmax`` of the logits, before any of the adjustments above or temperature.
+    ``prompt_logprobs`` set to k reports the same for every prompt token after the first,
+    computed during prefill (engine/prompt_logprobs.py).
+
+    ``min_tokens``: until that many tokens are generated, EOS (unless ``ignore_eos``) and
+    ``stop_token_ids`` are masked out of the sampled distribution (as vLLM does; logprobs still
+    show the raw distribution), and stop strings do not match (the gateway's concern).
     """
 
     temperature: float = 0.0
@@ -45,6 +52,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
+    min_tokens: int = 0
+    prompt_logprobs: int | None = None
+    # structured outputs: every token must follow this grammar (engine/grammar.py)
+    grammar: GrammarSpec | None = None
 
     @property
     def has_penalties(self) -> bool:
@@ -57,8 +68,9 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether the logits change before sampling (a penalty or a logit bias)."""
-        return self.has_penalties or bool(self.logit_bias)
+        """Whether the logits change before sampling (a penalty, a logit bias, or stop tokens
+        masked until ``min_tokens``)."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
 
     def validate(self) -> None:
         """Raise :class:`InvalidRequestError` naming the first invalid field."""
@@ -100,6 +112,17 @@ class SamplingParams:
             raise InvalidRequestError(
                 "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
             )
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(
+                "prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
+            )
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise InvalidRequestError(
+                "min_tokens",
+                f"must be in [0, max_new_tokens ({self.max_new_tokens})], got {self.min_tokens}",
+            )
+        if self.grammar is not None:
+            self.grammar.validate()
 
     def _validate_logit_bias(self) -> None:
         seen: set[int] = set()

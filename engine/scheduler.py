@@ -34,6 +34,9 @@ class SchedulerConfig:
     max_running_requests: int = 64
     max_batch_tokens: int = 2048  # new tokens per forward; also the prefill chunk size
     prefix_cache: bool = False
+    # Slots a decoding request may write past its next token in a step: the drafts that
+    # speculative decoding verifies (engine/speculative.py); its pages are taken with it.
+    num_lookahead_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -129,11 +132,13 @@ class Scheduler:
         stay available after; False, holding nothing, if short."""
         cache = self.prefix_cache
         ids = request.known_ids if request.output_ids else request.prompt_ids
-        matched = cache.match(ids) if cache is not None else []
+        # a request owing prompt logprobs computes every prompt position (no cache hit)
+        use_cache = cache is not None and not request.owes_prompt_logprobs
+        matched = cache.match(ids) if use_cache else []
         need = self.pages_to_admit(request) - len(matched)
         if need + headroom > self.num_pages_available:
             # Evict nothing: a request that must wait anyway leaves the cache whole.
-            if cache is not None:
+            if use_cache:
                 cache.abandon(ids, matched)
             return False
         request.set_pages(matched)
@@ -201,9 +206,10 @@ class Scheduler:
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING or req.is_prefilling:
                 continue  # retracted just now, or gets a prefill chunk below
-            if self._make_room(req, req.num_computed + 1):
+            lookahead = self.config.num_lookahead_tokens
+            if self._make_room(req, min(req.num_computed + 1 + lookahead, req.max_total_tokens)):
                 chunks.append(ScheduledChunk(req, 1))
-                budget -= 1
+                budget -= 1 + lookahead
         for req in self.running:  # prefill and recompute: their pages came at admission
             if req.is_prefilling and budget > 0:
                 n = min(req.num_pending, budget)

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from opentelemetry import trace
@@ -42,6 +43,9 @@ from gateway.registry import Instance, InstanceRegistry
 from gateway.routing import Target, largest_request_tokens
 from gateway.stop_strings import OutputText
 
+if TYPE_CHECKING:
+    from gateway.choices import ChoiceGroup
+
 log = logging.getLogger(__name__)
 
 
@@ -60,9 +64,15 @@ def invalid(field: str, message: str) -> GatewayError:
 
 @dataclass(frozen=True)
 class GenerationInput:
+    """A validated request. With ``prompt_only`` (the client asked for 0 new tokens) the
+    instance still samples one token (the engine finishes a request on a token, and a PD
+    handoff commits one), which the gateway drops: the client gets no token, finish_reason
+    "length", and the prompt logprobs if it asked for them."""
+
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    prompt_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,9 @@ class Delta:
     # one per token_ids entry when the request asks for logprobs (sampling.logprobs), else None
     logprobs: list[TokenLogprobs] | None = None
     index: int = 0  # which of the request's choices (n > 1, gateway/choices.py)
+    # on the first delta, when the request asks for prompt logprobs: one per prompt token
+    # after the first (SamplingParams.prompt_logprobs), else None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)
@@ -128,6 +141,9 @@ class GenerationCore:
         )
         # request_id -> where it runs; None while it waits for admission
         self.active: dict[str, Placement | None] = {}
+        # a request of n > 1 choices (gateway/choices.py): its id -> its choices, so that
+        # Abort with the client's id reaches them all
+        self.choice_groups: dict[str, ChoiceGroup] = {}
         self._queued: dict[str, asyncio.Future[Placement]] = {}
         registry.on_update.append(self._pump)
 
@@ -140,8 +156,10 @@ class GenerationCore:
         input_ids: list[int] | None,
         params: SamplingParams,
         add_special_tokens: bool = True,
+        prompt_only: bool = False,
     ) -> GenerationInput:
-        """Validate and tokenise; raises GatewayError(INVALID_ARGUMENT) naming the field."""
+        """Validate and tokenise; raises GatewayError(INVALID_ARGUMENT) naming the field.
+        ``prompt_only``: see :class:`GenerationInput` (``params`` then ask for 1 new token)."""
         if request_id and len(request_id) > 256:
             raise invalid("request_id", "must be at most 256 characters")
         request_id = request_id or f"req-{uuid.uuid4().hex}"
@@ -164,7 +182,7 @@ class GenerationCore:
             params.check_vocab(self.model_config.vocab_size)
         except InvalidRequestError as exc:
             raise invalid(f"sampling.{exc.field}", exc.reason) from exc
-        return GenerationInput(request_id, ids, params)
+        return GenerationInput(request_id, ids, params, prompt_only)
 
     def room_to_generate(self, num_prompt_tokens: int) -> int:
         """How many tokens a prompt of ``num_prompt_tokens`` may generate when the client sets
@@ -314,9 +332,11 @@ class GenerationCore:
         self, inp: GenerationInput, placed: Placement, start: float, state: dict, ctx: Context
     ) -> AsyncIterator[Delta]:
         m = self.metrics
-        output = OutputText(self.tokenizer, inp.params.stop)
+        output = OutputText(self.tokenizer, inp.params.stop, inp.params.min_tokens)
         completion = 0
         cached = 0  # prompt tokens the instance that prefilled it found in its prefix cache
+        wants_prompt = inp.params.prompt_logprobs is not None
+        scored: list[TokenLogprobs] | None = None  # prompt logprobs, not handed over yet
         last = start
         sampling: generation_pb2.SamplingParams = sampling_to_proto(inp.params)
         if placed.prefill is None:
@@ -330,8 +350,10 @@ class GenerationCore:
         else:
 
             def on_prefilled(answer: prefill_pb2.PrefillResponse) -> None:
-                nonlocal cached
+                nonlocal cached, scored
                 cached = answer.cached_tokens
+                if wants_prompt:  # prefill computed them: they come with its answer
+                    scored = [logprobs_from_proto(lp) for lp in answer.prompt_logprobs]
                 self.admission.prefilled(inp.request_id)  # left prefill's queue: the next
                 self._pump()  # may go there
                 self.metrics.kv_handoff(answer)
@@ -346,16 +368,27 @@ class GenerationCore:
                 handoff_timeout_s=self.limits.handoff_timeout_s,
                 broker=self.registry.broker,
                 on_prefilled=on_prefilled,
+                prefill_first=wants_prompt,  # the first delta carries the prompt logprobs
             )
         try:
 
             def on_start() -> None:  # from now on, load reports account for the request
                 self.admission.started(inp.request_id, time.monotonic())
 
+            first = True
             async for msg in _first_in_context(stream, ctx, on_start):
                 now = time.monotonic()
                 tokens = list(msg.token_ids)
                 logprobs = _logprobs(msg, inp.params)
+                prompt_lps = None
+                if first and wants_prompt:
+                    if placed.prefill is None:  # a unified instance sends them in its stream
+                        scored = [logprobs_from_proto(lp) for lp in msg.prompt_logprobs]
+                    prompt_lps = _prompt_logprobs(scored, inp, msg.finish_reason)
+                first = False
+                if inp.prompt_only:  # the token the instance had to sample is not the client's
+                    tokens = []
+                    logprobs = None if logprobs is None else []
                 if tokens:
                     if state["waiting"]:
                         state["waiting"] = False
@@ -371,16 +404,30 @@ class GenerationCore:
                     m.generated_tokens.inc(len(tokens))
                 if placed.prefill is None:
                     cached = msg.cached_tokens  # a unified instance reports it in its stream
-                text = output.push(tokens)
+                # a stop token id ends the output but, as in vLLM, its text is not shown
+                shown = tokens
+                stop_id = msg.finish_reason == "stop" and bool(tokens)
+                if stop_id and tokens[-1] in inp.params.stop_token_ids:
+                    shown = tokens[:-1]
+                text = output.push(shown)
                 if output.stopped:
                     state["outcome"] = "stop"
                     m.e2e.observe(time.monotonic() - start)
                     m.cached_tokens.inc(cached)
                     yield Delta(
-                        tokens, text, "stop", len(inp.prompt_ids), completion, cached, logprobs
+                        tokens,
+                        text,
+                        "stop",
+                        len(inp.prompt_ids),
+                        completion,
+                        cached,
+                        logprobs,
+                        prompt_logprobs=prompt_lps,
                     )
                     return
                 reason = msg.finish_reason or None
+                if inp.prompt_only and reason == "stop":
+                    reason = "length"  # it asked for no token, and got none
                 if reason is not None:
                     text += output.finish()
                     if output.stopped:
@@ -389,10 +436,26 @@ class GenerationCore:
                     m.e2e.observe(time.monotonic() - start)
                     m.cached_tokens.inc(cached)
                     yield Delta(
-                        tokens, text, reason, len(inp.prompt_ids), completion, cached, logprobs
+                        tokens,
+                        text,
+                        reason,
+                        len(inp.prompt_ids),
+                        completion,
+                        cached,
+                        logprobs,
+                        prompt_logprobs=prompt_lps,
                     )
                     return
-                yield Delta(tokens, text, None, len(inp.prompt_ids), completion, cached, logprobs)
+                yield Delta(
+                    tokens,
+                    text,
+                    None,
+                    len(inp.prompt_ids),
+                    completion,
+                    cached,
+                    logprobs,
+                    prompt_logprobs=prompt_lps,
+                )
             raise GatewayError(grpc.StatusCode.INTERNAL, "decode stream ended without a finish")
         except PDError as exc:
             raise GatewayError(exc.code, exc.message) from None
@@ -432,6 +495,23 @@ def _logprobs(msg: decode_pb2.DecodeResponse, params: SamplingParams) -> list[To
             f"the instance sent {len(msg.logprobs)} logprobs for {len(msg.token_ids)} tokens",
         )
     return [logprobs_from_proto(lp) for lp in msg.logprobs]
+
+
+def _prompt_logprobs(
+    scored: list[TokenLogprobs] | None, inp: GenerationInput, finish_reason: str
+) -> list[TokenLogprobs]:
+    """The prompt logprobs the request's first delta carries: one per prompt token after the
+    first (none when it was aborted before its prompt ran)."""
+    expected = len(inp.prompt_ids) - 1
+    if finish_reason == "abort" and not scored:
+        return []
+    if scored is None or len(scored) != expected:
+        got = "none" if scored is None else len(scored)
+        raise GatewayError(
+            grpc.StatusCode.INTERNAL,
+            f"the instance sent {got} prompt logprobs for {expected} prompt tokens",
+        )
+    return scored
 
 
 def _gateway_error(exc: AdmissionError) -> GatewayError:

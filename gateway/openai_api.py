@@ -3,14 +3,18 @@ and SGLang's /v1/tokenize and /v1/detokenize.
 
 Follows the OpenAI API's request and response shapes (and its defaults: temperature 1; with
 ``max_tokens`` omitted, generation runs up to the room left in the context after the prompt),
-with vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``
-(gateway/openai_params.py). ``n`` choices run as independent requests sharing the prompt's KV
-(gateway/choices.py); logprobs come in OpenAI's chat and completions shapes
+with vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+``min_tokens``, ``stop_token_ids`` (gateway/openai_params.py). Completions' ``echo`` puts the
+prompt (and its logprobs) before each choice (gateway/openai_echo.py); ``max_tokens: 0`` asks
+for the prompt only (prompt scoring). ``n`` choices run as independent requests sharing the
+prompt's KV (gateway/choices.py); logprobs come in OpenAI's chat and completions shapes
 (gateway/openai_logprobs.py), streamed too. Chat prompts are the checkpoint's chat template
 rendered over the messages as sent (tool calls and tool messages included); with
 ``--reasoning-parser deepseek-r1`` (gateway/reasoning.py) chat output's ``<think>`` part goes to
-``reasoning_content``. What is not
-supported yet (tool calls, structured outputs, echo, suffix) is refused with 400 naming the
+``reasoning_content``. Chat's ``tools`` and ``tool_choice`` (gateway/openai_tools.py): the
+output is parsed into ``tool_calls`` (gateway/tool_calls.py), streamed as ``delta.tool_calls``;
+``required`` and named choices are enforced by a grammar. What is not
+supported yet (suffix, chat's echo) is refused with 400 naming the
 parameter.
 """
 
@@ -29,20 +33,25 @@ from engine.token_logprobs import TokenLogprobs
 from engine.tokenizer import Tokenizer
 from gateway.choices import choice_inputs, generate_choices
 from gateway.core import Delta, GatewayError, GenerationCore, GenerationInput
+from gateway.openai_echo import EchoedPrompt, join_logprobs
 from gateway.openai_logprobs import LogprobsFormatter
 from gateway.openai_params import (
     OpenAIError,
     bad_param,
+    echo,
     include_usage,
     num_choices,
     openai_param,
+    prompt_only,
     refuse_unsupported,
     sampling_from_openai,
     sent_max_tokens_key,
     utf8_text,
 )
+from gateway.openai_tools import ToolRequest, apply_tool_choice, tool_request
 from gateway.reasoning import ReasoningParser, make_reasoning_parser
 from gateway.rest import http_status, read_json, sse
+from gateway.tool_calls import CallDelta, ToolCallParser, merge_call_deltas
 
 __all__ = ["OpenAIError", "OpenAIRoutes", "sampling_from_openai"]
 
@@ -128,12 +137,22 @@ class OpenAIRoutes:
             n = num_choices(body)
             usage = include_usage(body)
             params = sampling_from_openai(body, self.core.room_to_generate(len(ids)))
-            inp = self.core.prepare("", None, ids, params)
+            only = prompt_only(body, chat=False)
+            inp = self.core.prepare("", None, ids, params, prompt_only=only)
         except OpenAIError as exc:
             return exc.response()
         except GatewayError as exc:
             return _from_gateway(exc).response()
-        return await self._respond(request, body, choice_inputs(inp, n), False, usage)
+        echoed = None
+        if echo(body, chat=False):  # the prompt as sent, or its ids as text
+            shown = (
+                text
+                if text is not None
+                else self.core.tokenizer.decode(ids, skip_special_tokens=True)
+            )
+            echoed = EchoedPrompt(shown, inp.prompt_ids)
+        inputs = choice_inputs(inp, n)
+        return await self._respond(request, body, inputs, False, usage, echoed=echoed)
 
     # ---- /v1/chat/completions -------------------------------------------------------------
 
@@ -141,13 +160,16 @@ class OpenAIRoutes:
         try:
             body = await self._body(request)
             messages = _messages(body.get("messages"))
-            tools = _tools(body.get("tools"))
+            tools = tool_request(body)  # gateway/openai_tools.py
             n = num_choices(body)
             usage = include_usage(body)
-            refuse_unsupported(body, chat=True)  # tools: before the template renders them
+            refuse_unsupported(body, chat=True)
             try:
                 ids = self.core.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True, tools=tools
+                    messages,
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    tools=tools.template_tools,
                 )
             except Exception as exc:  # template errors are the request's fault
                 raise bad_param("messages", f"cannot apply the chat template: {exc}") from exc
@@ -157,13 +179,14 @@ class OpenAIRoutes:
                 max_tokens_key="max_completion_tokens",
                 chat=True,
             )
+            params = apply_tool_choice(params, tools, self.core.tokenizer)
             inp = self.core.prepare("", None, list(ids), params)
         except OpenAIError as exc:
             return exc.response()
         except GatewayError as exc:
             key = sent_max_tokens_key(body, "max_completion_tokens")
             return _from_gateway(exc, "messages", chat=True, max_tokens_key=key).response()
-        return await self._respond(request, body, choice_inputs(inp, n), True, usage)
+        return await self._respond(request, body, choice_inputs(inp, n), True, usage, tools)
 
     # ---- /v1/tokenize, /v1/detokenize (vLLM's and SGLang's) ---------------------------------
 
@@ -259,18 +282,26 @@ class OpenAIRoutes:
         inputs: list[GenerationInput],
         chat: bool,
         include_usage: bool = False,
+        tools: ToolRequest | None = None,
+        echoed: EchoedPrompt | None = None,
     ) -> web.StreamResponse:
         """Run every choice; one JSON object, or SSE chunks when the body says ``stream``
-        (with ``include_usage``, a last chunk of the usage and no choices)."""
+        (with ``include_usage``, a last chunk of the usage and no choices). ``tools``: chat's,
+        whose choice says whether the output is parsed into ``tool_calls``."""
         head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": "chat.completion" if chat else "text_completion",
             "model": body["model"],  # the name the client used
         }
         parser = self.reasoning_parser if chat else ""
+        parse_tools = tools is not None and tools.parses
         choices = [
-            _Choice(self.core.tokenizer, inp.params.logprobs is not None, parser) for inp in inputs
+            _Choice(self.core.tokenizer, inp.params.logprobs is not None, parser, parse_tools)
+            for inp in inputs
         ]
+        if echoed is not None:  # completions' echo: the prompt before each choice
+            for choice in choices:
+                choice.start_echo(echoed)
         deltas = generate_choices(self.core, inputs, context_from_headers(request.headers))
         if body.get("stream"):
             if chat:
@@ -291,11 +322,21 @@ class OpenAIRoutes:
 
 class _Choice:
     """One choice's text, end and logprobs as its deltas arrive; with a reasoning parser,
-    its text split into reasoning and content."""
+    its text split into reasoning and content; with ``parse_tools``, tool calls taken out of
+    the content (gateway/tool_calls.py)."""
 
-    def __init__(self, tokenizer: Tokenizer, logprobs: bool, reasoning_parser: str = "") -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        logprobs: bool,
+        reasoning_parser: str = "",
+        parse_tools: bool = False,
+    ) -> None:
         self.parts: list[str] = []
         self.reasoner: ReasoningParser | None = make_reasoning_parser(reasoning_parser)
+        self.tool_parser = ToolCallParser() if parse_tools else None
+        self.call_ids: list[str] = []  # one per call of tool_parser, made as each appears
+        self.new_calls: list[CallDelta] = []
         self.reasoning: list[str] = []
         self.new_reasoning = ""  # what the last delta added to each part
         self.new_content = ""
@@ -304,8 +345,18 @@ class _Choice:
         self.logprobs = LogprobsFormatter(tokenizer) if logprobs else None
         self.entries: list[TokenLogprobs] = []
         self.sent_any = False
+        self.echo: EchoedPrompt | None = None  # completions' echo (gateway/openai_echo.py)
+        self.echo_text_due = self.echo_logprobs_due = False
+
+    def start_echo(self, echo: EchoedPrompt) -> None:
+        """Put the prompt (and its logprobs, when asked for) before this choice's output."""
+        self.echo = echo
+        self.echo_text_due = True
+        self.echo_logprobs_due = self.logprobs is not None
 
     def add(self, delta: Delta) -> None:
+        if self.echo is not None and delta.prompt_logprobs is not None:
+            self.echo.entries = delta.prompt_logprobs  # choice 0's first: before the others'
         if self.reasoner is None:
             self.new_reasoning, self.new_content = "", delta.text
         else:
@@ -314,17 +365,40 @@ class _Choice:
                 reasoning, content = self.reasoner.finish()
                 self.new_reasoning += reasoning
                 self.new_content += content
+        if self.tool_parser is not None:
+            parsed = self.tool_parser.feed(self.new_content)
+            if delta.finish_reason:
+                end = self.tool_parser.finish()
+                parsed.content += end.content
+                parsed.calls += end.calls
+            self.new_content, self.new_calls = parsed.content, merge_call_deltas(parsed.calls)
+            self.call_ids += [f"call_{uuid.uuid4().hex[:24]}" for c in parsed.calls if c.name]
+        if self.echo_text_due and self.echo is not None:
+            self.new_content = self.echo.text + self.new_content
+            self.echo_text_due = False
         self.reasoning.append(self.new_reasoning)
         self.parts.append(self.new_content)
         self.entries += delta.logprobs or ()
         if delta.finish_reason:
-            self.reason = _finish(delta.finish_reason)
+            self.reason = self._finish(delta.finish_reason)
             self.last = delta
+
+    def _finish(self, reason: str) -> str:
+        """OpenAI's finish reason: ``tool_calls`` when the model ended after calling tools."""
+        if reason == "stop" and self.tool_parser is not None and self.tool_parser.calls:
+            return "tool_calls"
+        return _finish(reason)
 
     def rendered(self, entries: list[TokenLogprobs], chat: bool) -> dict[str, Any] | None:
         if self.logprobs is None:
             return None
-        return self.logprobs.chat(entries) if chat else self.logprobs.completion(entries)
+        if chat:
+            return self.logprobs.chat(entries)
+        if self.echo_logprobs_due and self.echo is not None:  # the first rendered: the prompt's
+            self.echo_logprobs_due = False
+            prompt = self.echo.logprobs(self.logprobs)
+            return join_logprobs(prompt, self.logprobs.completion(entries))
+        return self.logprobs.completion(entries)
 
     def whole(self, index: int, chat: bool) -> dict[str, Any]:
         text = "".join(self.parts)
@@ -333,6 +407,16 @@ class _Choice:
             out["message"] = {"role": "assistant", "content": text}
             if self.reasoner is not None:
                 out["message"]["reasoning_content"] = "".join(self.reasoning) or None
+            if self.tool_parser is not None and self.tool_parser.calls:
+                out["message"]["content"] = text or None  # OpenAI's null beside tool calls
+                out["message"]["tool_calls"] = [
+                    {
+                        "id": self.call_ids[i],
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments},
+                    }
+                    for i, call in enumerate(self.tool_parser.calls)
+                ]
         else:
             out["text"] = text
         out["finish_reason"] = self.reason
@@ -341,9 +425,9 @@ class _Choice:
 
     def part(self, delta: Delta, chat: bool) -> dict[str, Any] | None:
         """The chunk's entry for ``delta``; None when it carries nothing to send yet."""
-        finish = _finish(delta.finish_reason) if delta.finish_reason else None
-        new_text = self.new_reasoning or self.new_content
-        if not (new_text or delta.logprobs or finish or not self.sent_any):
+        finish = self._finish(delta.finish_reason) if delta.finish_reason else None
+        new = bool(self.new_reasoning or self.new_content or self.new_calls)
+        if not (new or delta.logprobs or finish or not self.sent_any):
             return None
         out: dict[str, Any] = {"index": delta.index}
         if chat:
@@ -352,6 +436,8 @@ class _Choice:
                 message["reasoning_content"] = self.new_reasoning
             if self.new_content:
                 message["content"] = self.new_content
+            if self.new_calls:
+                message["tool_calls"] = [self._call_delta(c) for c in self.new_calls]
             out["delta"] = message
         else:
             out["text"] = self.new_content
@@ -359,6 +445,18 @@ class _Choice:
         out["logprobs"] = self.rendered(delta.logprobs or [], chat)
         self.sent_any = True
         return out
+
+    def _call_delta(self, call: CallDelta) -> dict[str, Any]:
+        """A streamed ``delta.tool_calls`` entry: a call's first has its id, type and name
+        (and the arguments that came with them, maybe ""), the later ones argument fragments."""
+        if call.name is None:
+            return {"index": call.index, "function": {"arguments": call.arguments}}
+        return {
+            "index": call.index,
+            "id": self.call_ids[call.index],
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
 
 
 async def _chunks(

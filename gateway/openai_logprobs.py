@@ -69,6 +69,15 @@ class LogprobsFormatter:
             "text_offset": offsets,
         }
 
+    def unscored(self, token_id: int) -> dict[str, Any]:
+        """Completions' entry of a token that has no logprob (an echoed prompt's first):
+        null ``token_logprobs`` and ``top_logprobs``."""
+        text, _ = self.token(token_id)
+        out = {"tokens": [text], "token_logprobs": [None], "top_logprobs": [None]}
+        out["text_offset"] = [self._offset]
+        self._offset += len(text)
+        return out
+
     def _chat_item(self, token_id: int, logprob: float) -> dict[str, Any]:
         text, raw = self.token(token_id)
         return {"token": text, "logprob": _clamp(logprob), "bytes": raw}

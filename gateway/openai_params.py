@@ -16,6 +16,7 @@ from dsmesh.runtime.convert import MAX_STOP_STRINGS
 from engine.errors import InvalidRequestError
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from gateway.choices import MAX_CHOICES
+from gateway.openai_grammar import grammar_from_openai
 
 
 class OpenAIError(Exception):
@@ -144,6 +145,16 @@ def sampling_from_openai(
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
         raise bad_param(max_tokens_key, "must be an integer")
     seed = _get(body, "seed", (int,), None)
+    min_tokens = _get(body, "min_tokens", (int,), 0)
+    if prompt_only(body, chat):  # the instance samples one token, which the gateway drops
+        if min_tokens:
+            raise bad_param("min_tokens", "must be 0 with max_tokens 0 (the prompt only)")
+        max_tokens = 1
+    logprobs = _logprobs(body, chat)
+    try:
+        grammar = grammar_from_openai(body)  # response_format, guided_*: structured outputs
+    except InvalidRequestError as exc:
+        raise bad_param(exc.field, exc.reason) from exc
     params = SamplingParams(
         temperature=_number(body, "temperature", 1.0),
         top_p=_number(body, "top_p", 1.0),
@@ -157,13 +168,43 @@ def sampling_from_openai(
         frequency_penalty=_number(body, "frequency_penalty", 0.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0),
         logit_bias=_logit_bias(body),
-        logprobs=_logprobs(body, chat),
+        logprobs=logprobs,
+        min_tokens=min_tokens,
+        stop_token_ids=_token_ids(body, "stop_token_ids"),
+        # echo with logprobs: the prompt's tokens are scored too (the prompt's logprobs)
+        prompt_logprobs=logprobs if echo(body, chat) else None,
+        grammar=grammar,
     )
     try:
         params.validate()
     except InvalidRequestError as exc:
         raise bad_param(openai_param(exc.field, chat, max_tokens_key), exc.reason) from exc
     return params
+
+
+def prompt_only(body: dict[str, Any], chat: bool) -> bool:
+    """Completions' ``max_tokens: 0``: no new token, the prompt only (with ``echo`` and
+    ``logprobs``, prompt scoring as eval harnesses do it); GenerationInput.prompt_only."""
+    max_tokens = body.get("max_tokens")
+    return not chat and max_tokens == 0 and not isinstance(max_tokens, bool)
+
+
+def echo(body: dict[str, Any], chat: bool) -> bool:
+    """Completions' ``echo``: the prompt comes back before the generated text (and, with
+    ``logprobs``, its tokens' logprobs before theirs; gateway/openai_echo.py)."""
+    return not chat and bool(_get(body, "echo", (bool,), False))
+
+
+def _token_ids(body: dict[str, Any], name: str) -> tuple[int, ...]:
+    """A list of token ids (vLLM's ``stop_token_ids``)."""
+    value = body.get(name)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
+        raise bad_param(name, "must be a list of token ids")
+    return tuple(value)
 
 
 def sent_max_tokens_key(body: dict[str, Any], max_tokens_key: str = "max_tokens") -> str:
@@ -217,28 +258,18 @@ def num_choices(body: dict[str, Any]) -> int:
 
 def refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
     """400 naming a field that asks for what the gateway cannot do yet, rather than ignore it:
-    tool calls (tools are only shown to the chat template with ``tool_choice: "none"``),
-    structured outputs, and completions' ``echo`` and ``suffix``."""
+    the deprecated ``functions`` / ``function_call`` (chat takes ``tools``, checked by
+    gateway/openai_tools.py), tools on completions, completions' ``suffix``, and ``echo`` on
+    chat (vLLM's echo of the last message is not supported)."""
+    if not chat:
+        for name in ("tools", "tool_choice", "parallel_tool_calls"):
+            if body.get(name) is not None:
+                raise bad_param(name, "tool calls are on /v1/chat/completions only")
     if chat:
-        choice = body.get("tool_choice")
-        if choice not in (None, "none"):
-            raise bad_param(
-                "tool_choice", 'only "none" is supported: tool calls are not parsed yet'
-            )
-        if body.get("tools") and choice is None:
-            raise bad_param(
-                "tools",
-                "tool calls are not supported yet (the output is not parsed into tool_calls); "
-                'send tool_choice: "none" to only show the tools to the chat template',
-            )
         for name in ("functions", "function_call"):
             if body.get(name) is not None:
-                raise bad_param(name, "function calls are not supported")
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise bad_param("response_format", 'structured outputs are not supported yet (only "text")')
-    if not chat:
-        if body.get("echo"):
-            raise bad_param("echo", "echo is not supported")
-        if body.get("suffix"):
-            raise bad_param("suffix", "suffix is not supported")
+                raise bad_param(name, "deprecated and not supported: use tools and tool_choice")
+    if chat and body.get("echo"):
+        raise bad_param("echo", "echo is for /v1/completions only")
+    if not chat and body.get("suffix"):
+        raise bad_param("suffix", "suffix is not supported")

@@ -56,11 +56,16 @@ class OutputText:
     special tokens, never splitting a UTF-8 character (``IncrementalDetokenizer``), and cut
     before the first stop string, which may span any number of tokens. Everything returned,
     ``finish()`` included, is ``decode(ids, skip_special_tokens=True)`` up to the first stop
-    string (all of it when none matched)."""
+    string (all of it when none matched).
 
-    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]) -> None:
+    With ``min_tokens``, the text of the first ``min_tokens`` tokens is never searched for stop
+    strings (vLLM too checks them only once more than min_tokens tokens are out; here a stop
+    string must lie wholly in the text after those tokens)."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...], min_tokens: int = 0) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
         self._stops = StopStringMatcher(stops)
+        self._unchecked = min_tokens  # tokens still to come whose text stop strings skip
 
     @property
     def stopped(self) -> bool:
@@ -69,9 +74,16 @@ class OutputText:
 
     def push(self, ids: Sequence[int]) -> str:
         """Add newly generated ``ids``; return the text that can be shown now."""
-        return self._stops.feed(self._detok.push(ids))
+        skipped = min(self._unchecked, len(ids))
+        if skipped == 0:
+            return self._stops.feed(self._detok.push(ids))
+        self._unchecked -= skipped
+        text = self._detok.push(ids[:skipped])
+        return text + (self._stops.feed(self._detok.push(ids[skipped:])) if ids[skipped:] else "")
 
     def finish(self) -> str:
         """Generation ended: the text held back (a stop string may still match in it)."""
+        if self._unchecked > 0:  # ended within min_tokens (aborted): nothing to match
+            return self._detok.flush()
         text = self._stops.feed(self._detok.flush())
         return text if self._stops.stopped else text + self._stops.flush()

@@ -13,7 +13,7 @@ import contextlib
 import contextvars
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -72,6 +72,8 @@ class _Job:
     write_s: float = 0.0  # time the transfer lane spent writing this request's KV
     # the first token's logprobs, when the request asks for them (set when prefilled)
     first_logprobs: TokenLogprobs | None = None
+    # engine thread: the prompt logprobs so far, when the request asks for them
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # Engine thread only: when the request was queued, the end of its last traced interval
     # (submit, then each chunk), and whether its prefill.queue span is still due.
     submit_ns: int = 0
@@ -200,6 +202,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 kv_bytes=nbytes,
                 kv_write_us=int(job.write_s * 1e6),
                 handoff_us=int(handoff_s * 1e6),
+                # complete: the engine thread added the last before the final write's job
+                prompt_logprobs=[logprobs_to_proto(lp) for lp in job.prompt_logprobs],
             )
         except asyncio.CancelledError:
             # The client went away: the request is aborted (decode answers CANCELLED), not failed.
@@ -295,6 +299,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             return
         if telemetry.enabled():
             self._trace_chunk(job, out)
+        job.prompt_logprobs += out.prompt_logprobs or ()
         start, end = out.computed
         self._token_rate.add(self.worker.num_steps, end - start, time.monotonic())
         if out.finished:

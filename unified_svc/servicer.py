@@ -19,6 +19,7 @@ from dsmesh.v1 import decode_pb2, decode_pb2_grpc, generation_pb2, prefill_pb2
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.request import Request
+from engine.token_logprobs import TokenLogprobs
 from unified_svc.load import unified_load
 
 
@@ -58,8 +59,10 @@ class UnifiedServicer(decode_pb2_grpc.DecodeServicer):
                 settled = True
                 raise
             completion = 0
+            scored: list[TokenLogprobs] = []  # prompt logprobs not sent yet
             while not settled:
                 out = drain_outputs(await streams[0].get(), streams[0])
+                scored += out.prompt_logprobs or ()
                 if not out.new_token_ids and not out.finished:
                     continue  # a prompt chunk: no token yet
                 if completion == 0 and self.metrics is not None:
@@ -78,7 +81,9 @@ class UnifiedServicer(decode_pb2_grpc.DecodeServicer):
                     completion_tokens=completion,
                     cached_tokens=cached,
                     logprobs=[logprobs_to_proto(lp) for lp in out.logprobs or ()],
+                    prompt_logprobs=[logprobs_to_proto(lp) for lp in scored],
                 )
+                scored = []
         finally:
             if settled:
                 self.active.discard(rid)

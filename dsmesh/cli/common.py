@@ -20,9 +20,10 @@ from dsmesh.runtime.security import (
     TLSConfig,
     api_keys_from_env_and_args,
 )
-from engine.decode_attention import ATTENTION_BACKENDS
 from engine.kv_budget import CPU_MAX_TOTAL_TOKENS, DEFAULT_MEM_FRACTION
 from engine.llm_engine import EngineConfig
+from engine.mla_decode_backend import ATTENTION_BACKENDS
+from engine.speculative import SPECULATIVE_METHODS
 
 MEM_FRACTION_HELP = (
     "fraction of the GPU's memory this process may use for weights + KV pool; the pool "
@@ -115,6 +116,27 @@ def add_engine_args(
         "CUDA (default: dequantise to --dtype at load)",
     )
     g.add_argument(
+        "--speculative",
+        default=d.speculative,
+        choices=SPECULATIVE_METHODS,
+        help="speculative decoding: mtp = draft with the checkpoint's MTP layer "
+        "(num_nextn_predict_layers > 0) and verify the drafts in one forward; off by default",
+    )
+    g.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=d.num_draft_tokens,
+        metavar="K",
+        help="tokens drafted per step with --speculative (the MTP layer applied K times)",
+    )
+    g.add_argument(
+        "--speculative-max-batch",
+        type=int,
+        default=d.speculative_max_batch,
+        metavar="N",
+        help="decode batches larger than N run without speculation (measured: bench/mtp.py)",
+    )
+    g.add_argument(
         "--gil-switch-ms",
         type=float,
         default=GIL_SWITCH_MS,
@@ -152,6 +174,9 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         overlap_decode=getattr(args, "overlap_decode", True),
         decode_attention=getattr(args, "decode_attention", "auto"),
         fp8_experts=getattr(args, "fp8_experts", False),
+        speculative=getattr(args, "speculative", None),
+        num_draft_tokens=getattr(args, "num_draft_tokens", 1),
+        speculative_max_batch=getattr(args, "speculative_max_batch", 64),
     )
 
 

@@ -95,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
                         "text": text,
                         "finish_reason": res.finish_reason,
                         "prompt_tokens": len(res.prompt_ids),
+                        "spec_draft_tokens": res.spec_draft_tokens,
+                        "spec_accepted_tokens": res.spec_accepted_tokens,
                     },
                     ensure_ascii=False,
                 )

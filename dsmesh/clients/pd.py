@@ -52,6 +52,7 @@ async def generate_pd(
     handoff_timeout_s: float = 0.0,
     broker: kv_broker_pb2_grpc.KVBrokerStub | None = None,
     on_prefilled: Callable[[prefill_pb2.PrefillResponse], None] | None = None,
+    prefill_first: bool = False,
 ) -> AsyncIterator[decode_pb2.DecodeResponse]:
     """Yield decode's messages; raise :class:`PDError` on failure. Cancelling the iterator
     (or leaving it early) cancels both calls, which frees pages on both sides.
@@ -60,7 +61,9 @@ async def generate_pd(
     (e.g. it died), before decode's call is cancelled; without it the handoff ends ABORTED.
     ``on_prefilled``: called with prefill's answer when it succeeded (the request has left
     prefill's queue by then; the answer says what its KV handoff cost and how much of the
-    prompt its prefix cache served), at the latest before the last message is yielded.
+    prompt its prefix cache served), at the latest before the last message is yielded; with
+    ``prefill_first``, before the first (decode's first message waits for prefill's answer,
+    which then carries what the client must see first: the prompt logprobs).
     """
     decode_call = decode.Decode(
         decode_pb2.DecodeRequest(
@@ -115,7 +118,12 @@ async def generate_pd(
     done = [False]
     messages = decode_call.__aiter__()
     try:
+        first = True
         async for message in _relay(messages, done):
+            if first and prefill_first and not prefill_task.done():
+                # prefill answers right after its commit; its call's deadline bounds the wait
+                await asyncio.wait({prefill_task})
+            first = False
             if message.finish_reason and not prefill_task.done():
                 # prefill committed before decode streamed: its answer is on its way
                 await asyncio.wait({prefill_task}, timeout=PREFILL_SETTLE_S)

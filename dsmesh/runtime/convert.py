@@ -6,6 +6,7 @@ import grpc
 
 from dsmesh.v1 import generation_pb2
 from engine.errors import InvalidRequestError
+from engine.grammar import GrammarSpec
 from engine.sampling_params import SamplingParams
 from engine.token_logprobs import TokenLogprobs
 
@@ -39,6 +40,9 @@ def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
         ),
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        min_tokens=msg.min_tokens,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        grammar=grammar_from_proto(msg.grammar) if msg.HasField("grammar") else None,
     )
     try:
         params.validate()
@@ -61,12 +65,35 @@ def sampling_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
         logit_bias=dict(params.logit_bias),
+        min_tokens=params.min_tokens,
     )
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
     if params.seed is not None:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.grammar is not None:
+        msg.grammar.CopyFrom(grammar_to_proto(params.grammar))
     return msg
+
+
+def grammar_from_proto(msg: generation_pb2.Grammar) -> GrammarSpec:
+    """The spec of a set ``Grammar`` (InvalidRequestError when no kind is set)."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError("grammar", "set one kind: json_schema, json_object, regex, ...")
+    if kind == "json_object":
+        if not msg.json_object:
+            raise InvalidRequestError("grammar.json_object", "must be true when set")
+        return GrammarSpec.json_object()
+    return GrammarSpec(kind, getattr(msg, kind))
+
+
+def grammar_to_proto(spec: GrammarSpec) -> generation_pb2.Grammar:
+    if spec.kind == "json_object":
+        return generation_pb2.Grammar(json_object=True)
+    return generation_pb2.Grammar(**{spec.kind: spec.source})
 
 
 def logprobs_to_proto(logprobs: TokenLogprobs) -> generation_pb2.TokenLogprobs:

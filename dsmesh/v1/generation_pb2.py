@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.api import annotations_pb2 as google_dot_api_dot_annotations__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64smesh/v1/generation.proto\x12\tdsmesh.v1\x1a\x1cgoogle/api/annotations.proto\"\x9b\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x18\n\x10presence_penalty\x18\n \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\x06\x88\x01\x01\x12<\n\nlogit_bias\x18\r \x03(\x0b\x32(.dsmesh.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x07\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x11\n\x0f_max_new_tokensB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"X\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.dsmesh.v1.TokenLogprob\"\x83\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\tinput_ids\x18\x03 \x03(\x05\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.dsmesh.v1.SamplingParams\x12\x0e\n\x06stream\x18\x05 \x01(\x08\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xab\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.dsmesh.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.dsmesh.v1.TokenLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\x32\xbe\x01\n\nGeneration\x12^\n\x08Generate\x12\x1a.dsmesh.v1.GenerateRequest\x1a\x1b.dsmesh.v1.GenerateResponse\"\x17\x82\xd3\xe4\x93\x02\x11\"\x0c/v1/generate:\x01*0\x01\x12P\n\x05\x41\x62ort\x12\x17.dsmesh.v1.AbortRequest\x1a\x18.dsmesh.v1.AbortResponse\"\x14\x82\xd3\xe4\x93\x02\x0e\"\t/v1/abort:\x01*b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64smesh/v1/generation.proto\x12\tdsmesh.v1\x1a\x1cgoogle/api/annotations.proto\"\x86\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x18\n\x10presence_penalty\x18\n \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\x06\x88\x01\x01\x12<\n\nlogit_bias\x18\r \x03(\x0b\x32(.dsmesh.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\x08\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x10 \x01(\x05\x12#\n\x07grammar\x18\x14 \x01(\x0b\x32\x12.dsmesh.v1.Grammar\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x11\n\x0f_max_new_tokensB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"p\n\x07Grammar\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x04 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"X\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.dsmesh.v1.TokenLogprob\"\x8e\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\tinput_ids\x18\x03 \x03(\x05\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.dsmesh.v1.SamplingParams\x12\x0e\n\x06stream\x18\x05 \x01(\x08\x12\t\n\x01n\x18\x06 \x01(\x05\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xed\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.dsmesh.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.dsmesh.v1.TokenLogprobs\x12\r\n\x05index\x18\x07 \x01(\x05\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.dsmesh.v1.TokenLogprobs\"t\n\x0fGenerateChoices\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x1b.dsmesh.v1.GenerateResponse\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.dsmesh.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\x32\xbe\x01\n\nGeneration\x12^\n\x08Generate\x12\x1a.dsmesh.v1.GenerateRequest\x1a\x1b.dsmesh.v1.GenerateResponse\"\x17\x82\xd3\xe4\x93\x02\x11\"\x0c/v1/generate:\x01*0\x01\x12P\n\x05\x41\x62ort\x12\x17.dsmesh.v1.AbortRequest\x1a\x18.dsmesh.v1.AbortResponse\"\x14\x82\xd3\xe4\x93\x02\x0e\"\t/v1/abort:\x01*b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,23 +39,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATION'].methods_by_name['Abort']._loaded_options = None
   _globals['_GENERATION'].methods_by_name['Abort']._serialized_options = b'\202\323\344\223\002\016\"\t/v1/abort:\001*'
   _globals['_SAMPLINGPARAMS']._serialized_start=72
-  _globals['_SAMPLINGPARAMS']._serialized_end=611
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=453
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=501
-  _globals['_TOKENLOGPROB']._serialized_start=613
-  _globals['_TOKENLOGPROB']._serialized_end=662
-  _globals['_TOKENLOGPROBS']._serialized_start=664
-  _globals['_TOKENLOGPROBS']._serialized_end=752
-  _globals['_GENERATEREQUEST']._serialized_start=755
-  _globals['_GENERATEREQUEST']._serialized_end=886
-  _globals['_USAGE']._serialized_start=888
-  _globals['_USAGE']._serialized_end=968
-  _globals['_GENERATERESPONSE']._serialized_start=971
-  _globals['_GENERATERESPONSE']._serialized_end=1142
-  _globals['_ABORTREQUEST']._serialized_start=1144
-  _globals['_ABORTREQUEST']._serialized_end=1178
-  _globals['_ABORTRESPONSE']._serialized_start=1180
-  _globals['_ABORTRESPONSE']._serialized_end=1212
-  _globals['_GENERATION']._serialized_start=1215
-  _globals['_GENERATION']._serialized_end=1405
+  _globals['_SAMPLINGPARAMS']._serialized_end=718
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=540
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=588
+  _globals['_GRAMMAR']._serialized_start=720
+  _globals['_GRAMMAR']._serialized_end=832
+  _globals['_TOKENLOGPROB']._serialized_start=834
+  _globals['_TOKENLOGPROB']._serialized_end=883
+  _globals['_TOKENLOGPROBS']._serialized_start=885
+  _globals['_TOKENLOGPROBS']._serialized_end=973
+  _globals['_GENERATEREQUEST']._serialized_start=976
+  _globals['_GENERATEREQUEST']._serialized_end=1118
+  _globals['_USAGE']._serialized_start=1120
+  _globals['_USAGE']._serialized_end=1200
+  _globals['_GENERATERESPONSE']._serialized_start=1203
+  _globals['_GENERATERESPONSE']._serialized_end=1440
+  _globals['_GENERATECHOICES']._serialized_start=1442
+  _globals['_GENERATECHOICES']._serialized_end=1558
+  _globals['_ABORTREQUEST']._serialized_start=1560
+  _globals['_ABORTREQUEST']._serialized_end=1594
+  _globals['_ABORTRESPONSE']._serialized_start=1596
+  _globals['_ABORTRESPONSE']._serialized_end=1628
+  _globals['_GENERATION']._serialized_start=1631
+  _globals['_GENERATION']._serialized_end=1821
 # @@protoc_insertion_point(module_scope)

@@ -18,7 +18,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "prompt_tokens", "cached_tokens", "kv_bytes", "kv_write_us", "handoff_us")
+    __slots__ = ("request_id", "first_token_id", "prompt_tokens", "cached_tokens", "kv_bytes", "kv_write_us", "handoff_us", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class PrefillResponse(_message.Message):
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_WRITE_US_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_US_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     prompt_tokens: int
@@ -33,7 +34,8 @@ class PrefillResponse(_message.Message):
     kv_bytes: int
     kv_write_us: int
     handoff_us: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_write_us: _Optional[int] = ..., handoff_us: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_write_us: _Optional[int] = ..., handoff_us: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class PrefixCursor(_message.Message):
     __slots__ = ("epoch", "seq")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.hf_checkpoints import HFCheckpoint, make_hf_v2, make_hf_v3
+from tests.engine.hf_checkpoints import HFCheckpoint, add_mtp_layer, make_hf_v2, make_hf_v3
 
 
 @pytest.fixture(scope="session")
@@ -53,3 +53,19 @@ def v2_latent_ckpt(tmp_path_factory: pytest.TempPathFactory) -> HFCheckpoint:
     FlashInfer's MLA kernels are built for."""
     path = tmp_path_factory.mktemp("v2_latent")
     return HFCheckpoint(*make_hf_v2(path, seed=4, kv_lora_rank=512, qk_rope_head_dim=64))
+
+
+@pytest.fixture(scope="session")
+def v3_mtp_ckpt(tmp_path_factory: pytest.TempPathFactory) -> HFCheckpoint:
+    """V3 with one MTP layer (random weights, MoE like the official layer 61)."""
+    model, path = make_hf_v3(tmp_path_factory.mktemp("v3_mtp"), seed=5)
+    add_mtp_layer(path, seed=6)
+    return HFCheckpoint(model, path)
+
+
+@pytest.fixture(scope="session")
+def v3_mtp_small_vocab_ckpt(tmp_path_factory: pytest.TempPathFactory) -> HFCheckpoint:
+    """V3 with one MTP layer and a vocabulary of 4 tokens, for distribution tests."""
+    model, path = make_hf_v3(tmp_path_factory.mktemp("v3_mtp_vocab4"), seed=7, vocab_size=4)
+    add_mtp_layer(path, seed=8)
+    return HFCheckpoint(model, path)

@@ -283,3 +283,26 @@ def prefill_logits(
 def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     """max |ours - ref| / max |ref| over the whole tensor."""
     return float((ours - ref).abs().max() / ref.abs().max())
+
+
+def add_mtp_layer(checkpoint_dir: Path, seed: int, std: float = WEIGHT_STD) -> None:
+    """Give a (copied) V3 checkpoint one multi-token-prediction layer, as DeepSeek-V3 ships
+    it: ``num_nextn_predict_layers: 1`` and random ``model.layers.{num_hidden_layers}.*``
+    tensors (with the checkpoint's copies of the embedding and the LM head) in a second file,
+    ``mtp.safetensors``. transformers ignores the layer; the engine drafts with it."""
+    from safetensors.torch import load_file, save_file
+
+    from engine.config import load_config
+    from engine.mtp import build_mtp, init_random_mtp
+    from engine.mtp_weights import mtp_state_dict
+
+    edit_config(checkpoint_dir, num_nextn_predict_layers=1)
+    cfg = load_config(checkpoint_dir)
+    draft = build_mtp(cfg, torch.float32, "cpu")
+    init_random_mtp(draft, seed, std)
+    tensors = mtp_state_dict(draft)
+    main = load_file(str(Path(checkpoint_dir) / "model.safetensors"))
+    layer = f"model.layers.{cfg.num_hidden_layers}"
+    tensors[f"{layer}.embed_tokens.weight"] = main["model.embed_tokens.weight"].clone()
+    tensors[f"{layer}.shared_head.head.weight"] = main["lm_head.weight"].clone()
+    save_file(tensors, str(Path(checkpoint_dir) / "mtp.safetensors"), metadata={"format": "pt"})

@@ -99,12 +99,12 @@ def test_penalties_read_the_requests_own_tokens(tiny_model, monkeypatch) -> None
     seen: list[tuple[list[int], list[int]]] = []
     real = engine.sampler
 
-    def spy(logits, params, generators, prompt_ids=None, output_ids=None):
+    def spy(logits, params, generators, prompt_ids=None, output_ids=None, allowed=None):
         assert prompt_ids is not None and output_ids is not None
         for p, prompt, output in zip(params, prompt_ids, output_ids, strict=True):
             if p.has_penalties:
                 seen.append((list(prompt), list(output)))
-        return real(logits, params, generators, prompt_ids, output_ids)
+        return real(logits, params, generators, prompt_ids, output_ids, allowed=allowed)
 
     monkeypatch.setattr(engine, "sampler", spy)
     ps = prompts([20, 4], tiny_model.config.vocab_size, seed=4)

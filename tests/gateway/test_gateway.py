@@ -256,7 +256,7 @@ BAD_REST = [
     ({"text": "hi", "sampling": {"temperature": -0.5}}, "temperature"),
     ({"text": "hi", "sampling": {"top_p": 1.5}}, "top_p"),
     ({"text": "hi", "sampling": {"top_p": 0}}, "top_p"),
-    ({"text": "hi", "sampling": {"max_new_tokens": 0}}, "max_new_tokens"),
+    ({"text": "hi", "sampling": {"max_new_tokens": -1}}, "max_new_tokens"),  # 0: the prompt only
     ({"text": ""}, "input_ids"),
     ({"input_ids": [1, 999999]}, "input_ids"),
     ({"input_ids": [1] * 5000}, "input_ids"),
@@ -288,7 +288,7 @@ def test_rest_malformed_json_is_400(gw) -> None:
 BAD_OPENAI = [
     ({"prompt": "hi", "temperature": -1}, "temperature"),
     ({"prompt": "hi", "top_p": 2}, "top_p"),
-    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),  # 0: the prompt only
     ({"prompt": ""}, "prompt"),
     ({"prompt": [1, 999999]}, "prompt"),
     ({"prompt": "x" * 5000}, "prompt"),
@@ -316,7 +316,7 @@ def test_grpc_bad_input_is_invalid_argument(gw) -> None:
         bad = [
             pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=-1)),
             pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_p=0)),
-            pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_new_tokens=0)),
+            pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_new_tokens=-1)),
             pb.GenerateRequest(),
             pb.GenerateRequest(input_ids=[1, 10**6]),
             pb.GenerateRequest(input_ids=[1] * 5000),

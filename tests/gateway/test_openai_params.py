@@ -13,6 +13,7 @@ from gateway.openai_params import (
     OpenAIError,
     include_usage,
     num_choices,
+    prompt_only,
     sampling_from_openai,
 )
 
@@ -65,9 +66,18 @@ BAD_COMPLETIONS = [
     ({"logit_bias": [1, 2]}, "logit_bias"),
     ({"logprobs": 21}, "logprobs"),
     ({"logprobs": True}, "logprobs"),
-    ({"echo": True}, "echo"),
+    ({"echo": "yes"}, "echo"),
+    ({"min_tokens": 3, "max_tokens": 2}, "min_tokens"),
+    ({"min_tokens": 1, "max_tokens": 0}, "min_tokens"),  # the prompt only
+    ({"stop_token_ids": [1, "2"]}, "stop_token_ids"),
     ({"suffix": "x"}, "suffix"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),  # chat only
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"guided_regex": "(ab"}, "guided_regex"),
+    ({"guided_json": {"type": "objectx"}}, "guided_json"),
+    ({"guided_choice": "yes"}, "guided_choice"),
+    ({"regex": "a+", "ebnf": 'root ::= "a"'}, "ebnf"),  # one constraint at a time
 ]
 
 
@@ -84,11 +94,17 @@ BAD_CHAT = [
     ({"top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"logprobs": 3}, "logprobs"),
-    ({"tools": TOOLS}, "tools"),
-    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     ({"functions": [{"name": "f"}]}, "functions"),
-    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"echo": True}, "echo"),  # completions' only
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {}}},
+        "response_format.json_schema.name",
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}},
+        "response_format.json_schema.schema",
+    ),
 ]
 
 
@@ -138,8 +154,8 @@ def test_chat_sampling_errors_name_the_field_sent(body: dict[str, Any], param: s
 
 def test_completions_max_tokens_error_names_max_tokens() -> None:
     with pytest.raises(OpenAIError) as info:
-        sampling_from_openai({"max_tokens": 0}, 10)
-    assert info.value.message == "max_tokens: must be in [1, 2**31 - 1], got 0"
+        sampling_from_openai({"max_tokens": -1}, 10)
+    assert info.value.message == "max_tokens: must be in [1, 2**31 - 1], got -1"
 
 
 def test_stream_options() -> None:
@@ -178,3 +194,16 @@ def test_served_model_names() -> None:
     routes = OpenAIRoutes(None, ["deepseek-v3", "ds3,default"])  # type: ignore[arg-type]
     assert routes.model_name == "deepseek-v3"
     assert routes.model_names == ("deepseek-v3", "ds3", "default")
+
+
+def test_min_tokens_stop_token_ids_echo_and_the_prompt_only() -> None:
+    """vLLM's extra fields map onto SamplingParams; completions' echo with logprobs scores the
+    prompt; max_tokens 0 asks the instance for 1 token (dropped by the gateway)."""
+    params = sampling_from_openai({"min_tokens": 2, "stop_token_ids": [7, 9]}, 10)
+    assert (params.min_tokens, params.stop_token_ids, params.prompt_logprobs) == (2, (7, 9), None)
+    scoring = {"max_tokens": 0, "echo": True, "logprobs": 1}
+    assert prompt_only(scoring, chat=False) and not prompt_only(scoring, chat=True)
+    params = sampling_from_openai(scoring, 10)
+    assert (params.max_new_tokens, params.logprobs, params.prompt_logprobs) == (1, 1, 1)
+    assert sampling_from_openai({"echo": True}, 10).prompt_logprobs is None  # no logprobs
+    assert not prompt_only({"max_tokens": False}, chat=False)

@@ -97,3 +97,22 @@ def test_random_chunks_equal_plain_find(tok: Tokenizer, seed: int) -> None:
 
 def test_folder_fixture_is_the_real_tokenizer(tok: Tokenizer, tmp_path: Path) -> None:
     assert tok.vocab_size == 128815 and tok.encode("🦩") == [3574, 102, 105]
+
+
+@pytest.mark.parametrize("sizes", [None, [2, 5, 100]])
+def test_min_tokens_text_is_not_searched_for_stop_strings(tok: Tokenizer, sizes) -> None:
+    """The text of the first min_tokens tokens is shown as is; a stop string after it stops
+    the stream, whether the pushes split at the boundary or straddle it."""
+    ids = tok.encode("ab ab ab ab", add_special_tokens=False)
+    first = len(tok.encode("ab ab", add_special_tokens=False))
+    assert tok.decode(ids[:first]) == "ab ab"
+    output = OutputText(tok, ("ab",), min_tokens=first)
+    pieces, start = [], 0
+    for size in sizes or [1] * len(ids):
+        pieces.append(output.push(ids[start : start + size]))
+        start += size
+        if output.stopped:
+            break
+    assert output.stopped and "".join(pieces) == "ab ab "
+    plain, stopped = run(tok, ids, ("ab",))
+    assert stopped and "".join(plain) == ""

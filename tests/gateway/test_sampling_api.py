@@ -201,10 +201,14 @@ def test_penalties_equal_offline(gw, client, offline, tok) -> None:
 
 def test_unsupported_fields_are_400(gw) -> None:
     for route, extra, param in [
-        ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            "chat/completions",
+            {"tools": [{"type": "function", "function": {"name": "no spaces"}}]},
+            "tools[0].function.name",
+        ),
+        ("chat/completions", {"response_format": {"type": "json"}}, "response_format.type"),
         ("chat/completions", {"top_logprobs": 2}, "top_logprobs"),
-        ("completions", {"echo": True}, "echo"),
+        ("chat/completions", {"echo": True}, "echo"),  # completions' only
     ]:
         body = {"model": gw.model_name, "max_tokens": 2, **extra}
         body["messages" if route.startswith("chat") else "prompt"] = (
@@ -237,7 +241,7 @@ def test_stream_usage_chunk_and_errors_name_the_field_sent(gw, client) -> None:
             {"messages": chat, "max_completion_tokens": 0},
             "max_completion_tokens",
         ),
-        ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ("completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens"),  # 0: the prompt only
         (
             "completions",
             {"prompt": "hi", "stream_options": {"include_usage": True}},
