@@ -7,7 +7,8 @@ The same V2-Lite-shaped engine decodes four ways, in one process, back to back:
 - ``ep_graphs``: every MoE layer behind the all-to-all dispatcher of a one-rank
   torch.distributed group (NCCL on CUDA) in its static mode, captured, every step agreed
   through the group vote as under real expert parallelism;
-- ``ep_eager``: the same dispatcher in its dynamic (host-sized) mode, uncaptured.
+- ``ep_eager``: the same dispatcher in its dynamic (host-sized) mode, uncaptured;
+- ``ep_tbo_eager``: that with two-batch overlap (which CUDA graphs do not capture).
 
 Prints one JSON line: per batch, mean step milliseconds of each, and ``ep_graphs`` over
 ``graphs``. Usage: ``python3 -m bench.ep_graphs --batches 32,256 --context 2000``.
@@ -16,6 +17,7 @@ Prints one JSON line: per batch, mean step milliseconds of each, and ``ep_graphs
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import types
 from datetime import timedelta
@@ -99,6 +101,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     if args.profile:
         tables["ep_graphs"] = kernel_table(engine, max(batches))
     decode("ep_eager", False)
+    # two-batch overlap runs eagerly (its micro-batches interleave collectives by layer)
+    engine.config = dataclasses.replace(engine.config, tbo=True)
+    decode("ep_tbo_eager", False)
     for row in rows.values():
         row["ep_graphs_over_graphs"] = row["ep_graphs_ms"] / row["graphs_ms"]
         row["graphs_speedup_over_eager"] = row["eager_ms"] / row["graphs_ms"]

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.llm_engine import LLMEngine
@@ -124,6 +124,45 @@ class _CacheCounters(Collector):
             yield family
 
 
+class _SpecCounters(Collector):
+    """Speculative decoding (MTP): drafts, accepted drafts, and the tokens each verification
+    emitted (accepted drafts + the target's own token), read at scrape time. Nothing when
+    the engine does not speculate."""
+
+    def __init__(self, engine: LLMEngine, role: str) -> None:
+        self.engine = engine
+        self.role = role
+
+    def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
+        stats = self.engine.spec_stats
+        if stats is None:
+            return
+        for name, doc, value in (
+            ("dsmesh_spec_draft_tokens", "tokens drafted by the MTP layer", stats.num_draft_tokens),
+            (
+                "dsmesh_spec_accepted_tokens",
+                "drafted tokens the target model accepted",
+                stats.num_accepted_tokens,
+            ),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["role"])
+            family.add_metric([self.role], value)
+            yield family
+        buckets, total = [], 0
+        for accepted, count in enumerate(stats.accepted_histogram):
+            total += count
+            buckets.append((str(float(accepted + 1)), total))
+        buckets.append(("+Inf", total))
+        emitted = stats.num_verifications + stats.num_accepted_tokens
+        family = HistogramMetricFamily(
+            "dsmesh_spec_acceptance_length",
+            "tokens one verification emitted: accepted drafts + the target's token",
+            labels=["role"],
+        )
+        family.add_metric([self.role], buckets, sum_value=emitted)
+        yield family
+
+
 class InstanceMetrics:
     """``waiting``: the requests-waiting gauge, from the engine's load (default: its queue)."""
 
@@ -132,6 +171,7 @@ class InstanceMetrics:
         r = self.registry
         r.register(_EngineGauges(engine, role, waiting))
         r.register(_CacheCounters(engine, role))
+        r.register(_SpecCounters(engine, role))
         self.prompt_tokens = Counter(
             "dsmesh_prompt_tokens",
             "prompt tokens computed (prefill) or received (decode)",

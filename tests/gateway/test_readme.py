@@ -38,3 +38,20 @@ def test_readme_openai_snippet(gw) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.endswith("\n")
+
+
+def test_readme_structured_outputs_snippet(gw) -> None:
+    """The second Python block (after the first, which makes the client) runs as written:
+    the reply parses as JSON with the schema's key, and n=2 gives two choices."""
+    text = README.read_text()
+    section = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    blocks = [code for lang, code in re.findall(r"```(\w+)\n(.*?)```", section, re.S)]
+    _, first = quick_start_blocks()
+    second = next(code for code in blocks if "response_format" in code)
+    out = subprocess.run(
+        [sys.executable, "-c", first + second], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "'city'" in lines[-2]
+    assert lines[-1].startswith("2 {")  # two choices, the first token's top logprobs
