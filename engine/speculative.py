@@ -312,7 +312,11 @@ class MTPSpeculator:
         last_rows: dict[int, Request] = {}  # row of the draft batch -> request that drafts
         for v in verified:
             req = v.request
-            if req.status is not RequestStatus.RUNNING or not drafts_allowed(req):
+            # A prefill instance's request ends at its first token ("prefilled"), but the MTP
+            # still runs over its prompt: that draft KV crosses the handoff with its pages.
+            prefilled = req.prefill_only and req.finish_reason == "prefilled"
+            running = req.status is RequestStatus.RUNNING
+            if not (running or prefilled) or not drafts_allowed(req):
                 req.spec_draft = None
                 continue
             assert req.page_table is not None
@@ -325,7 +329,7 @@ class MTPSpeculator:
             else:
                 seqs.append(SequenceChunk(ids, v.start, req.page_table))
             rows += range(v.row, v.row + m)
-            if not req.is_prefilling:
+            if running and not req.is_prefilling:
                 last_rows[len(rows) - 1] = req
         if not seqs:
             return

@@ -322,3 +322,26 @@ def test_instance_metrics_export_the_speculation_counters(
     assert emitted / stats.num_verifications == stats.mean_acceptance_length
     plain = InstanceMetrics(_engine(v3_mtp_small_vocab_ckpt, None), "unified")
     assert b"dsmesh_spec" not in generate_latest(plain.registry)
+
+
+def test_prefill_only_requests_write_the_prompts_draft_kv(
+    v3_mtp_small_vocab_ckpt: HFCheckpoint,
+) -> None:
+    """A prefill instance's request ends at its first token, yet the MTP layer still runs
+    over its prompt: the draft layer's KV of every prompt position (what crosses the PD
+    handoff with the pages) equals the offline engine's after the same prefill."""
+    ckpt = v3_mtp_small_vocab_ckpt
+    prompt = random_prompts([23], 4, seed=4)[0]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    draft_kv = []
+    for prefill_only in (True, False):
+        engine = _engine(ckpt, 2)
+        rid = engine.add_request(prompt, params, prefill_only=prefill_only)
+        engine.step()  # the whole prompt in one chunk, then the MTP over it
+        req = engine.requests[rid]
+        slots = torch.tensor([req.pages[p // PAGE] * PAGE + p % PAGE for p in range(len(prompt))])
+        pool = engine.kv_pool
+        draft_layer = pool.num_layers - 1  # the MTP layer's KV: the pool's last layer
+        draft_kv.append(pool.read(draft_layer, slots).clone())
+    assert bool(draft_kv[0].abs().sum() > 0)
+    torch.testing.assert_close(draft_kv[0], draft_kv[1])
