@@ -282,8 +282,8 @@ def test_grammar_state_crosses_the_handoff(engine: LLMEngine, folder: Path, tok:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graphs_with_grammar_equal_eager(folder: Path, tok: Tokenizer) -> None:
     """Decode steps replay the graphs and the mask is applied to their logits afterwards (it
-    is never captured): the tokens equal the eager engine's. The batch has sampled rows, so
-    no step is launched ahead."""
+    is never captured): the tokens equal the eager engine's, with sampled rows in the batch
+    and with greedy ones only (whose steps launch ahead)."""
     base = EngineConfig(
         model=str(folder), device="cuda", dtype="float32", page_size=4, max_total_tokens=8192
     )
@@ -302,7 +302,13 @@ def test_cuda_graphs_with_grammar_equal_eager(folder: Path, tok: Tokenizer) -> N
         jsonschema.validate(
             json.loads(tok.decode(result.output_ids, skip_special_tokens=True)), SCHEMA
         )
-    assert graphs.num_launched_ahead == 0
+    # all greedy: the constrained steps launch ahead, masked once the previous tokens are in
+    before = graphs.num_launched_ahead
+    greedy = [SamplingParams(seed=s, max_new_tokens=128, grammar=spec) for s in range(4)]
+    want = generate(eager, tok, greedy)
+    got = generate(graphs, tok, greedy)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    assert graphs.num_launched_ahead - before > 5
 
 
 def test_greedy_constrained_decode_launches_ahead(folder: Path, tok: Tokenizer) -> None:
