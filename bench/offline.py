@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 from bench.backends import Backend, RequestError
 from dsmesh.instance.worker import EngineWorker, drain_outputs
-from dsmesh.runtime.convert import sampling_from_proto
+from dsmesh.runtime.convert import sampling_from_proto, spec_to_proto
 from dsmesh.v1 import generation_pb2 as pb
 from engine.errors import InvalidRequestError
 from engine.llm_engine import EngineConfig, LLMEngine, StepOutput, resolve_model_dir
@@ -61,10 +61,12 @@ class OfflineBackend(Backend):
         except InvalidRequestError as exc:
             raise RequestError(f"INVALID_ARGUMENT: {exc}") from exc
         count = 0
+        spec = None  # speculation counts so far
         try:
             while True:
                 first = await asyncio.wait_for(streams[0].get(), timeout_s)
                 out = drain_outputs(first, streams[0])
+                spec = out.spec_counts or spec
                 if not out.new_token_ids and not out.finished:
                     continue  # a prompt chunk without a token yet
                 count += len(out.new_token_ids)
@@ -77,6 +79,8 @@ class OfflineBackend(Backend):
                 msg.usage.completion_tokens = count
                 # set on the engine thread at admission, before any token was delivered
                 msg.usage.cached_tokens = requests[0].num_cached_prompt_tokens or 0
+                if spec is not None:
+                    msg.usage.spec.CopyFrom(spec_to_proto(spec))
                 yield msg
                 if out.finished:
                     return

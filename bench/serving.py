@@ -273,6 +273,8 @@ class RequestRecord:
     chunk_times_s: tuple[float, ...]  # arrival of each token-bearing message
     chunk_tokens: tuple[int, ...]  # tokens in each of those messages
     cached_tokens: int = 0  # prompt tokens a prefix cache served, as the server reported
+    # speculative decoding, as the server reported it: (drafted, accepted, verifications)
+    spec: tuple[int, int, int] = (0, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -296,6 +298,10 @@ class BenchSummary:
     total_cached_tokens: int = 0  # prompt tokens prefix caches served
     mean_cached_tokens: float = math.nan  # per successful request
     cache_hit_rate: float = math.nan  # cached / input tokens
+    # speculative decoding: drafts accepted / drafted, and tokens per verification
+    # (accepted drafts + the target's own); nan when the server did not speculate
+    spec_acceptance_rate: float = math.nan
+    spec_mean_acceptance_length: float = math.nan
 
 
 def summarize(records: Sequence[RequestRecord], duration_s: float) -> BenchSummary:
@@ -304,6 +310,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> BenchSumma
     total_in = sum(r.prompt_tokens for r in ok)
     total_out = sum(r.output_tokens for r in ok)
     total_cached = sum(r.cached_tokens for r in ok)
+    drafted, accepted, verifications = (sum(r.spec[i] for r in ok) for i in range(3))
     per_s = 1.0 / duration_s if duration_s > 0 else math.nan
     tpot = [
         (r.e2e_s - r.ttft_s) / (r.output_tokens - 1) * 1e3
@@ -328,6 +335,8 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> BenchSumma
         total_cached_tokens=total_cached,
         mean_cached_tokens=total_cached / len(ok) if ok else math.nan,
         cache_hit_rate=total_cached / total_in if total_in else math.nan,
+        spec_acceptance_rate=accepted / drafted if drafted else math.nan,
+        spec_mean_acceptance_length=1 + accepted / verifications if verifications else math.nan,
     )
 
 
@@ -365,6 +374,7 @@ async def send_request(
     finish_reason, request_id, error = "", "", ""
     prompt_tokens = len(request.input_ids)
     cached_tokens = 0
+    spec = (0, 0, 0)
     send = time.perf_counter()
     try:
         async for resp in backend.generate(request.to_proto(), timeout_s):
@@ -378,6 +388,9 @@ async def send_request(
             finish_reason = resp.finish_reason or finish_reason
             if resp.HasField("usage"):
                 cached_tokens = resp.usage.cached_tokens or cached_tokens
+                if resp.usage.HasField("spec"):
+                    u = resp.usage.spec
+                    spec = (u.draft_tokens, u.accepted_tokens, u.verifications)
                 if resp.usage.prompt_tokens and not request.input_ids:
                     prompt_tokens = resp.usage.prompt_tokens
     except RequestError as exc:
@@ -404,6 +417,7 @@ async def send_request(
         chunk_times_s=tuple(chunk_times),
         chunk_tokens=tuple(chunk_tokens),
         cached_tokens=cached_tokens,
+        spec=spec,
     )
 
 
@@ -570,6 +584,14 @@ def format_summary(config: BenchConfig, summary: BenchSummary) -> str:
         _row("Total cached prompt tokens:", s.total_cached_tokens),
         _row("Mean cached tokens per request:", s.mean_cached_tokens),
         _row("Prompt cache hit rate (%):", s.cache_hit_rate * 100),
+        *(
+            []
+            if math.isnan(s.spec_mean_acceptance_length)
+            else [
+                _row("Draft acceptance rate (%):", s.spec_acceptance_rate * 100),
+                _row("Mean acceptance length:", s.spec_mean_acceptance_length),
+            ]
+        ),
         _row("Request throughput (req/s):", s.request_throughput),
         _row("Input token throughput (tok/s):", s.input_throughput),
         _row("Output token throughput (tok/s):", s.output_throughput),

@@ -28,7 +28,7 @@ from dsmesh.instance.rpc import parse_request, server_stream, unary
 from dsmesh.instance.worker import EngineWorker, drain_outputs
 from dsmesh.runtime import telemetry
 from dsmesh.runtime.background import BackgroundTasks
-from dsmesh.runtime.convert import logprobs_from_proto, logprobs_to_proto
+from dsmesh.runtime.convert import logprobs_from_proto, logprobs_to_proto, spec_to_proto
 from dsmesh.runtime.transfer import RemotePool
 from dsmesh.v1 import decode_pb2, decode_pb2_grpc, generation_pb2, prefill_pb2
 from dsmesh.v1 import kv_broker_pb2 as kb
@@ -212,9 +212,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         )
         completion = 0
         finished = False
+        spec: tuple[int, int, int] | None = None  # speculation counts so far
         try:
             async for out in self._outputs(rid, end.first_token_id, end.first_token_logprobs):
                 finished = out.finished
+                spec = out.spec_counts or spec
                 completion += len(out.new_token_ids)
                 if self.metrics is not None:
                     self.metrics.generated_tokens.inc(len(out.new_token_ids))
@@ -229,6 +231,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     prompt_tokens=num_prompt,
                     completion_tokens=completion,
                     logprobs=[logprobs_to_proto(lp) for lp in out.logprobs or ()],
+                    spec=spec_to_proto(spec),
                 )
         finally:
             span.set_attribute("dsmesh.completion_tokens", completion)

@@ -70,6 +70,9 @@ class StepOutput:
     computed: tuple[int, int] = (0, 0)
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # speculative decoding: the request's (drafted, accepted, verifications) so far, on the
+    # outputs of a speculative step; None elsewhere
+    spec_counts: tuple[int, int, int] | None = None
 
 
 @dataclass
@@ -669,7 +672,13 @@ class LLMEngine:
                 computed = (v.start, req.num_computed)
                 outputs.append(StepOutput(req.request_id, [], False, None, computed))
                 continue
-            outputs.append(self._book_run(req, v.start, v.first_computed, v.tokens, v.logprobs))
+            out = self._book_run(req, v.start, v.first_computed, v.tokens, v.logprobs)
+            counts = (
+                req.num_spec_draft_tokens,
+                req.num_spec_accepted_tokens,
+                req.num_spec_verifications,
+            )
+            outputs.append(dataclasses.replace(out, spec_counts=counts))
         spec.draft(verified)
         return outputs
 

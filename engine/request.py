@@ -66,6 +66,7 @@ class Request:
     spec_draft: Any = None
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
+    num_spec_verifications: int = 0
     _pages_np: np.ndarray = field(
         default_factory=lambda: np.empty(0, np.int32), repr=False, compare=False
     )

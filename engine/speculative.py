@@ -283,6 +283,7 @@ class MTPSpeculator:
         self.accepted_histogram[accepted] += 1
         req.num_spec_draft_tokens += num_drafts
         req.num_spec_accepted_tokens += accepted
+        req.num_spec_verifications += 1
 
     def _valid_drafts(self, req: Request) -> list[int]:
         proposal = req.spec_draft

@@ -76,6 +76,11 @@ async def generate(
             msg.usage.prompt_tokens = delta.prompt_tokens
             msg.usage.completion_tokens = delta.completion_tokens
             msg.usage.cached_tokens = delta.cached_tokens
+            if delta.spec is not None:
+                drafted, accepted, verifications = delta.spec
+                msg.usage.spec.draft_tokens = drafted
+                msg.usage.spec.accepted_tokens = accepted
+                msg.usage.spec.verifications = verifications
             yield msg
     finally:
         if group is not None:

@@ -91,6 +91,9 @@ class Delta:
     # on the first delta, when the request asks for prompt logprobs: one per prompt token
     # after the first (SamplingParams.prompt_logprobs), else None
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # speculative decoding: (drafted, accepted, verifications) of the request so far, as the
+    # decoding instance reported them; None when it does not speculate
+    spec: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -335,6 +338,7 @@ class GenerationCore:
         output = OutputText(self.tokenizer, inp.params.stop, inp.params.min_tokens)
         completion = 0
         cached = 0  # prompt tokens the instance that prefilled it found in its prefix cache
+        spec: tuple[int, int, int] | None = None  # the decoding instance's speculation counts
         wants_prompt = inp.params.prompt_logprobs is not None
         scored: list[TokenLogprobs] | None = None  # prompt logprobs, not handed over yet
         last = start
@@ -404,6 +408,8 @@ class GenerationCore:
                     m.generated_tokens.inc(len(tokens))
                 if placed.prefill is None:
                     cached = msg.cached_tokens  # a unified instance reports it in its stream
+                if msg.HasField("spec"):
+                    spec = (msg.spec.draft_tokens, msg.spec.accepted_tokens, msg.spec.verifications)
                 # a stop token id ends the output but, as in vLLM, its text is not shown
                 shown = tokens
                 stop_id = msg.finish_reason == "stop" and bool(tokens)
@@ -423,6 +429,7 @@ class GenerationCore:
                         cached,
                         logprobs,
                         prompt_logprobs=prompt_lps,
+                        spec=spec,
                     )
                     return
                 reason = msg.finish_reason or None
@@ -444,6 +451,7 @@ class GenerationCore:
                         cached,
                         logprobs,
                         prompt_logprobs=prompt_lps,
+                        spec=spec,
                     )
                     return
                 yield Delta(
@@ -455,6 +463,7 @@ class GenerationCore:
                     cached,
                     logprobs,
                     prompt_logprobs=prompt_lps,
+                    spec=spec,
                 )
             raise GatewayError(grpc.StatusCode.INTERNAL, "decode stream ended without a finish")
         except PDError as exc:

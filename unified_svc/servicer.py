@@ -14,7 +14,7 @@ from dsmesh.instance.prefixes import prefix_digest
 from dsmesh.instance.rpc import parse_request, server_stream, unary
 from dsmesh.instance.worker import EngineWorker, drain_outputs
 from dsmesh.runtime.background import BackgroundTasks
-from dsmesh.runtime.convert import logprobs_to_proto
+from dsmesh.runtime.convert import logprobs_to_proto, spec_to_proto
 from dsmesh.v1 import decode_pb2, decode_pb2_grpc, generation_pb2, prefill_pb2
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, StepOutput
@@ -59,9 +59,11 @@ class UnifiedServicer(decode_pb2_grpc.DecodeServicer):
                 settled = True
                 raise
             completion = 0
+            spec: tuple[int, int, int] | None = None  # speculation counts so far
             scored: list[TokenLogprobs] = []  # prompt logprobs not sent yet
             while not settled:
                 out = drain_outputs(await streams[0].get(), streams[0])
+                spec = out.spec_counts or spec
                 scored += out.prompt_logprobs or ()
                 if not out.new_token_ids and not out.finished:
                     continue  # a prompt chunk: no token yet
@@ -82,6 +84,7 @@ class UnifiedServicer(decode_pb2_grpc.DecodeServicer):
                     cached_tokens=cached,
                     logprobs=[logprobs_to_proto(lp) for lp in out.logprobs or ()],
                     prompt_logprobs=[logprobs_to_proto(lp) for lp in scored],
+                    spec=spec_to_proto(spec),
                 )
                 scored = []
         finally:

@@ -65,23 +65,32 @@ def _put_all(items: list[tuple[asyncio.Queue[StepOutput], StepOutput]]) -> None:
 
 def drain_outputs(first: StepOutput, outputs: asyncio.Queue[StepOutput]) -> StepOutput:
     """``first`` merged with every output already queued behind it (their tokens, logprobs
-    and prompt logprobs in order, the last one's finish): a stream that fell behind catches up
-    in one message."""
+    and prompt logprobs in order, the last one's finish and speculation counts): a stream
+    that fell behind catches up in one message."""
     if outputs.empty():
         return first
     tokens = list(first.new_token_ids)
     logprobs = None if first.logprobs is None else list(first.logprobs)
     prompt = None if first.prompt_logprobs is None else list(first.prompt_logprobs)
     last = first
+    spec = first.spec_counts
     while not outputs.empty() and not last.finished:
         last = outputs.get_nowait()
+        spec = last.spec_counts or spec
         tokens += last.new_token_ids
         if last.logprobs is not None:
             logprobs = (logprobs or []) + last.logprobs
         if last.prompt_logprobs is not None:
             prompt = (prompt or []) + last.prompt_logprobs
     return StepOutput(
-        last.request_id, tokens, last.finished, last.finish_reason, last.computed, logprobs, prompt
+        last.request_id,
+        tokens,
+        last.finished,
+        last.finish_reason,
+        last.computed,
+        logprobs,
+        prompt,
+        spec,
     )
 
 

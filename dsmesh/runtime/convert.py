@@ -117,3 +117,13 @@ def require_request_id(request_id: str) -> None:
 
 async def abort_invalid(context: grpc.aio.ServicerContext, exc: InvalidRequestError) -> None:
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+
+def spec_to_proto(counts: tuple[int, int, int] | None) -> generation_pb2.SpecUsage | None:
+    """A request's (drafted, accepted, verifications) speculation counts as the proto."""
+    if counts is None:
+        return None
+    drafted, accepted, verifications = counts
+    return generation_pb2.SpecUsage(
+        draft_tokens=drafted, accepted_tokens=accepted, verifications=verifications
+    )

@@ -21,7 +21,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., handoff_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "logprobs", "prompt_logprobs")
+    __slots__ = ("request_id", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "logprobs", "prompt_logprobs", "spec")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class DecodeResponse(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
@@ -38,7 +39,8 @@ class DecodeResponse(_message.Message):
     cached_tokens: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprobs]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    spec: _generation_pb2.SpecUsage
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., spec: _Optional[_Union[_generation_pb2.SpecUsage, _Mapping]] = ...) -> None: ...
 
 class DecodeLoad(_message.Message):
     __slots__ = ("instance_id", "free_pages", "total_pages", "running_requests", "waiting_handoffs", "page_size", "max_running_requests", "prefixes")

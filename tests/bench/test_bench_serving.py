@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -221,6 +222,21 @@ def test_summarize() -> None:
     assert s.e2e_ms.mean == pytest.approx(1000.0)
     # TPOT: (500 - 100) / 2 = 200 and (1500 - 400) / 3 = 366.7
     assert s.tpot_ms.mean == pytest.approx((200.0 + 1100.0 / 3) / 2)
+
+
+def test_summarize_speculation_counts() -> None:
+    """Drafts accepted / drafted and tokens per verification over the successful requests;
+    nan (and no table rows) when the server reported no speculation."""
+    spec = [
+        dataclasses.replace(RECORDS[0], spec=(20, 12, 10)),
+        dataclasses.replace(RECORDS[1], spec=(10, 3, 5)),
+        dataclasses.replace(RECORDS[2], spec=(50, 50, 25)),  # failed: not counted
+    ]
+    s = summarize(spec, duration_s=2.0)
+    assert s.spec_acceptance_rate == pytest.approx(15 / 30)
+    assert s.spec_mean_acceptance_length == pytest.approx(1 + 15 / 15)
+    plain = summarize(RECORDS, duration_s=2.0)
+    assert math.isnan(plain.spec_acceptance_rate) and math.isnan(plain.spec_mean_acceptance_length)
 
 
 def test_report_table_errors_and_json() -> None:

@@ -191,3 +191,31 @@ def test_bad_flags_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--request-rate", "0"]) == 2
     with pytest.raises(SystemExit):
         main(["bench", "--input-len", "9,3"])
+
+
+def test_offline_backend_reports_the_mean_acceptance_length(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--backend offline`` with ``--speculative mtp`` on a checkpoint with an MTP layer:
+    the table and the JSON report the acceptance the engine's usage reported."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from tests.engine.hf_checkpoints import add_mtp_layer, make_hf_v3
+
+    _, ckpt = make_hf_v3(tmp_path / "mtp", seed=7, vocab_size=4)
+    add_mtp_layer(ckpt, seed=8)
+    # the offline backend loads a tokenizer; the prompts are token ids in [0, 3]
+    words = Tokenizer(WordLevel({"a": 0, "b": 1, "c": 2, "d": 3}, unk_token="a"))
+    words.save(str(ckpt / "tokenizer.json"))
+    out = tmp_path / "result.json"
+    args = ["--backend", "offline", "--model", str(ckpt), "--page-size", "4"]
+    args += ["--speculative", "mtp", "--num-draft-tokens", "2", "--max-total-tokens", "4096"]
+    args += ["--num-prompts", "6", "--max-concurrency", "3", "--input-len", "8,24"]
+    args += ["--output-len", "24", "--min-token-id", "0", "--max-token-id", "3", "--seed", "3"]
+    assert bench(*args, "--json", str(out)) == 0
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["completed"] == 6
+    assert 0 < summary["spec_acceptance_rate"] <= 1
+    assert 1 < summary["spec_mean_acceptance_length"] <= 3
+    assert "Mean acceptance length:" in capsys.readouterr().out

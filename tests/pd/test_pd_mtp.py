@@ -36,17 +36,20 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-async def _run_pd(prefill_addr: str, decode_addr: str) -> list[list[int]]:
+async def _run_pd(prefill_addr: str, decode_addr: str) -> tuple[list[list[int]], list]:
     sampling = sampling_to_proto(SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
     async with channel(prefill_addr) as p_ch, channel(decode_addr) as d_ch:
         prefill = prefill_pb2_grpc.PrefillStub(p_ch)
         decode = decode_pb2_grpc.DecodeStub(d_ch)
 
-        async def one(i: int, prompt: list[int]) -> list[int]:
+        async def one(i: int, prompt: list[int]) -> tuple[list[int], tuple[int, int, int]]:
             tokens: list[int] = []
+            spec = (0, 0, 0)
             async for msg in generate_pd(prefill, decode, f"mtp-{i}", prompt, sampling, 120):
                 tokens += list(msg.token_ids)
-            return tokens
+                if msg.HasField("spec"):  # the request's counts so far
+                    spec = (msg.spec.draft_tokens, msg.spec.accepted_tokens, msg.spec.verifications)
+            return tokens, spec
 
         prompts = random_prompts(LENGTHS, 4, seed=2)
         outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
@@ -58,7 +61,7 @@ async def _run_pd(prefill_addr: str, decode_addr: str) -> list[list[int]]:
                 break
             assert time.monotonic() < deadline, f"decode {d}, prefill {p}"
             await asyncio.sleep(0.2)
-        return list(outs)
+        return [t for t, _ in outs], [c for _, c in outs]
 
 
 def test_pd_with_mtp_equals_plain_offline(checkpoint: Path, tmp_path: Path) -> None:
@@ -83,7 +86,7 @@ def test_pd_with_mtp_equals_plain_offline(checkpoint: Path, tmp_path: Path) -> N
             log_dir=tmp_path,
         )
         started.append(decode)
-        got = asyncio.run(_run_pd(prefill.address, decode.address))
+        got, spec_counts = asyncio.run(_run_pd(prefill.address, decode.address))
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
             metrics = resp.read().decode()
     finally:
@@ -117,3 +120,7 @@ def test_pd_with_mtp_equals_plain_offline(checkpoint: Path, tmp_path: Path) -> N
     drafted = counters["dsmesh_spec_draft_tokens_total"]
     assert 0 < drafted <= stats.num_draft_tokens
     assert counters["dsmesh_spec_accepted_tokens_total"] > 0
+    # each stream reports its request's counts; together they are the instance's
+    assert sum(c[0] for c in spec_counts) == drafted
+    assert sum(c[1] for c in spec_counts) == counters["dsmesh_spec_accepted_tokens_total"]
+    assert all(c[2] > 0 for c in spec_counts)
