@@ -3,8 +3,8 @@
 A decode step (every request feeds one token) does the same work at every step of the same
 batch size, so it is captured once and replayed, which removes the launch gaps of thousands
 of small kernels per step. The runner re-implements nothing: it keeps fixed input buffers
-(``meta`` [4, max_batch] int64: token ids, positions, KV slots, lengths; ``lens`` the lengths
-as int32; one page table [max_batch, pages] int32 per page bucket), builds a
+(``meta`` [4, max_batch] int64: token ids, positions, KV slots, lengths; one page table
+[max_batch, pages] int32 per page bucket), builds a
 :meth:`ForwardBatch.decode_only` over them and captures ``model.forward``, whose modules
 never synchronise with the host on that path (engine/kernel_choice.py; MoE dispatch in its
 static mode).
@@ -81,7 +81,6 @@ class CudaGraphRunner:
         self.min_page_bucket = min(max(1, min_page_bucket), self.max_pages)
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.meta = torch.zeros(4, max_batch, dtype=torch.int64, device=self.device)
-        self.lens = torch.zeros(max_batch, dtype=torch.int32, device=self.device)
         self.tables: dict[int, torch.Tensor] = {}
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -172,7 +171,7 @@ class CudaGraphRunner:
         """``model.forward`` over the first ``b`` rows of the buffers -> logits [b, vocab]."""
         meta = self.meta[:, :b]
         batch = ForwardBatch.decode_only(
-            meta[_IDS], meta[_POS], meta[_SLOT], self._table(p)[:b], self.lens[:b]
+            meta[_IDS], meta[_POS], meta[_SLOT], self._table(p)[:b], meta[_LEN].to(torch.int32)
         )
         with self.model.static_dispatch():
             return self.model(batch, self.kv_pool)
@@ -214,11 +213,9 @@ class CudaGraphRunner:
         meta[_SLOT, :n] = table[np.arange(n), pos // ps].astype(np.int64) * ps + pos % ps
         meta[:, n:] = meta[:, :1]
         meta[_LEN] = meta[_POS] + 1
-        lens = meta[_LEN].astype(np.int32)
         self._upload(self.meta[:, :b], meta)
-        self._upload(self.lens[:b], lens)
         self._upload(self._table(p)[:b], table)
-        return table, lens
+        return table, meta[_LEN].astype(np.int32)
 
     def _upload(self, dst: torch.Tensor, src: np.ndarray) -> None:
         """Host -> device from pinned memory, ordered on the stream (no wait for the GPU)."""
