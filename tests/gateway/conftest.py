@@ -48,8 +48,27 @@ class GatewayMesh:
         return self.model_dir.name
 
 
+def port_taken(port: int) -> bool:
+    """Whether something already listens on 127.0.0.1:``port`` (SO_REUSEADDR: a listening
+    socket still refuses the bind, connections in TIME_WAIT do not)."""
+    import socket
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # ignore TIME_WAIT leftovers
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
 @pytest.fixture(scope="session")
 def gw(tmp_path_factory: pytest.TempPathFactory):
+    # The README's fixed ports: another mesh there (a second test run, say) would answer
+    # instead of this one, and its state would make these tests lie.
+    taken = [port for port in (HTTP_PORT, GRPC_PORT) if port_taken(port)]
+    if taken:
+        pytest.fail(f"ports {taken} are in use: these tests start `dsmesh up` on them")
     cache = tmp_path_factory.mktemp("gw-cache")
     logs = tmp_path_factory.mktemp("gw-logs")
     os.environ["DSMESH_CACHE_DIR"] = str(cache)
