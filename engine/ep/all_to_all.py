@@ -9,9 +9,10 @@ order, also with zero tokens: the collectives pair up across ranks. Two modes:
   can compute meanwhile (two-batch overlap);
 - static (``static`` set, in captured decode forwards; every rank of the group must be in
   it for the step): fixed-capacity buffers, as DeepEP's low-latency mode has them. Each rank
-  sends every other rank ``T * k`` rows (room for all its pairs), padding marked with expert
-  id -1, so the shapes are known on the host and nothing synchronises: CUDA graphs capture
-  the all-to-alls and the grouped GEMMs between them.
+  sends every other rank ``T * k`` rows (room for all its pairs), each carrying its local
+  expert id in its last 8 bytes (-1 marks padding), so the shapes are known on the host,
+  nothing synchronises and each MoE layer makes two collectives (rows there, results back):
+  CUDA graphs capture them and the experts between.
 """
 
 from __future__ import annotations
@@ -149,16 +150,20 @@ class AllToAllDispatcher(MoEDispatcher):
         sorted_dest = dest[order]
         rank_in_dest = torch.arange(cap, device=device) - (counts.cumsum(0) - counts)[sorted_dest]
         slot = sorted_dest * cap + rank_in_dest
-        send = hidden.new_empty((self.ep_size * cap, hidden.shape[1]))
-        send.index_copy_(0, slot, hidden.index_select(0, order // top_k))
-        ids = torch.full((self.ep_size * cap,), -1, dtype=torch.int64, device=device)
-        ids.index_copy_(0, slot, (flat % self.num_local)[order])
-        recv, recv_ids = torch.empty_like(send), torch.empty_like(ids)
+        # One collective for rows and expert ids: each row carries its local expert id in
+        # the bytes of its last columns (int64 over 8 bytes of the hidden dtype).
+        h = hidden.shape[1]
+        extra = 8 // hidden.element_size()
+        send = hidden.new_empty((self.ep_size * cap, h + extra))
+        local = (flat % self.num_local)[order]
+        rows = torch.cat([hidden.index_select(0, order // top_k), _as_columns(local, hidden)], 1)
+        _ids_of(send).fill_(-1)
+        send.index_copy_(0, slot, rows)
+        recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
-        dist.all_to_all_single(recv_ids, ids, group=self.group)
         w = weights.reshape(-1)[order].to(torch.float32)
         handle = _StaticHandle(order, slot, w, num_tokens, top_k)
-        return DispatchOutput(recv, None, handle, expert_ids=recv_ids)
+        return DispatchOutput(recv[:, :h].contiguous(), None, handle, expert_ids=_ids_of(recv))
 
     def _combine_static(self, expert_out: torch.Tensor, h: _StaticHandle) -> torch.Tensor:
         """Padding rows hold anything: only the pairs' own slots are read back."""
@@ -169,3 +174,15 @@ class AllToAllDispatcher(MoEDispatcher):
             (h.num_tokens, expert_out.shape[1]), dtype=expert_out.dtype, device=expert_out.device
         )
         return out.index_add_(0, h.order // h.top_k, pairs * h.weights[:, None].to(pairs.dtype))
+
+
+def _as_columns(ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """int64 ``ids`` [N] as [N, 8 // itemsize] columns of ``like``'s dtype (the same bytes)."""
+    return ids.to(torch.int64).contiguous().view(like.dtype).view(ids.shape[0], -1)
+
+
+def _ids_of(rows: torch.Tensor) -> torch.Tensor:
+    """The int64 ids carried in the last 8 bytes of each row of ``rows`` [N, H + extra], as a
+    view [N] (writes go through to ``rows``)."""
+    extra = 8 // rows.element_size()
+    return rows[:, rows.shape[1] - extra :].view(torch.int64)[:, 0]
