@@ -20,6 +20,7 @@ from dsmesh.runtime.security import (
     TLSConfig,
     api_keys_from_env_and_args,
 )
+from engine.kernel_choice import KERNEL_SETS, MOE_BACKENDS
 from engine.kv_budget import CPU_MAX_TOTAL_TOKENS, DEFAULT_MEM_FRACTION
 from engine.llm_engine import EngineConfig
 from engine.mla_decode_backend import ATTENTION_BACKENDS
@@ -102,6 +103,20 @@ def add_engine_args(
         "'dsmesh[flashinfer]'); torch = the reference",
     )
     g.add_argument(
+        "--kernels",
+        default=d.kernels,
+        choices=KERNEL_SETS,
+        help="auto = dsmesh's Triton kernels on CUDA (fused glue, routing, prefill "
+        "attention); torch = the torch references everywhere (A/B runs)",
+    )
+    g.add_argument(
+        "--moe-backend",
+        default=d.moe_backend,
+        choices=MOE_BACKENDS,
+        help="decode-sized MoE: auto/fused = one fused kernel (bf16/fp16 on CUDA), grouped "
+        "= grouped GEMMs",
+    )
+    g.add_argument(
         "--overlap-decode",
         action=argparse.BooleanOptionalAction,
         default=d.overlap_decode,
@@ -173,6 +188,8 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         cuda_graphs=getattr(args, "cuda_graphs", True),
         overlap_decode=getattr(args, "overlap_decode", True),
         decode_attention=getattr(args, "decode_attention", "auto"),
+        kernels=getattr(args, "kernels", "auto"),
+        moe_backend=getattr(args, "moe_backend", "auto"),
         fp8_experts=getattr(args, "fp8_experts", False),
         speculative=getattr(args, "speculative", None),
         num_draft_tokens=getattr(args, "num_draft_tokens", 1),

@@ -28,6 +28,11 @@ FORWARDED_ENGINE_FLAGS = (
     "max_batch_tokens",
     "attention_mode",
     "decode_attention",
+    "kernels",
+    "moe_backend",
+    "speculative",
+    "num_draft_tokens",
+    "speculative_max_batch",
     "gil_switch_ms",
 )
 # --x / --no-x

@@ -100,6 +100,23 @@ def test_decode_attention_is_checked_and_forwarded() -> None:
         build_parser().parse_args(["generate", "--decode-attention", "fast"])
 
 
+def test_every_engine_flag_of_up_is_forwarded() -> None:
+    """An engine flag ``up`` accepts reaches the instances: the kernel choice and speculative
+    decoding included, spelled as the instance commands parse them, in engine_config_from's
+    values (nothing given to ``up`` is dropped silently)."""
+    from dsmesh.cli.common import engine_config_from
+
+    given = ["--kernels", "torch", "--moe-backend", "grouped", "--speculative", "mtp"]
+    given += ["--num-draft-tokens", "2", "--speculative-max-batch", "8"]
+    flags = engine_flags(build_parser().parse_args(["up", *given]))
+    assert flags == tuple(given)
+    config = engine_config_from(build_parser().parse_args(["unified", "--broker", "b:1", *flags]))
+    assert (config.kernels, config.moe_backend, config.speculative) == ("torch", "grouped", "mtp")
+    assert (config.num_draft_tokens, config.speculative_max_batch) == (2, 8)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--kernels", "fast"])
+
+
 def test_backoff_doubles_to_the_cap_and_resets_after_a_stable_run() -> None:
     policy = RestartPolicy()
     delays = [0.0]
