@@ -127,6 +127,8 @@ class MLAttention(nn.Module):
             out[rows] = self._decode(q_nope[rows], q_pe[rows], kv_pool, meta)
         if meta is None:
             prefill = list(range(batch.num_requests))
+        elif meta.rows is None:
+            prefill = []  # every row decodes (decode-only steps: no per-layer host loop)
         else:
             prefill = [i for i, n in enumerate(batch.extend_lens) if n > 1]
         if prefill:
