@@ -166,14 +166,15 @@ class TransferQueue:
             if isinstance(job, ChunkJob):
                 key = self._lane_of.setdefault(rid, job.remote.session)
                 self.pending_bytes += self.job_bytes(job)
-            else:  # the request's last job: after its chunks, on the same lane
-                key = self._lane_of.pop(rid, "")
+            else:  # after its chunks, on the same lane; kept until it ran (see _run)
+                key = self._lane_of.get(rid, "")
         self._lane(key).put(job)
 
     def begin(self, request_id: str) -> None:
         """A new request with this id starts (ids may be reused once their handoff ended)."""
         with self._lock:
             self._dead.pop(request_id, None)
+            self._lane_of.pop(request_id, None)  # a dead chunk queued after the last release
 
     def abort(self, request_id: str, trace_context: Context | None = None) -> None:
         """Drop the request's queued writes; a release job follows the one in flight."""
@@ -197,6 +198,12 @@ class TransferQueue:
             dead = rid in self._dead
             if dead and isinstance(job, ChunkJob):
                 self.pending_bytes -= self.job_bytes(job)
+            elif not isinstance(job, ChunkJob):
+                # Every write of the request has ended: a release queued after this one (an
+                # abort after the final job) may run on any lane. Popped when queued, a
+                # release that followed the final job would run at once on another lane,
+                # while a write to a dark peer was still in flight.
+                self._lane_of.pop(rid, None)
         if isinstance(job, ReleaseJob):
             with self._lock:
                 self._bytes.pop(rid, None)

@@ -31,6 +31,13 @@ from engine.ep.runtime import EPConfig, check_dispatch, check_placement, free_po
 log = logging.getLogger(__name__)
 Ready = Callable[[str, int], None]
 FATAL_EXIT_CODE = 70
+# A peer whose host goes dark sends no RST: a rank would wait in its next collective until
+# --ep-timeout (120 s by default, sized for slow steps, not for dead links). The connections
+# the group opens at start-up (gloo's pairs, the rendezvous) get this bound instead: a peer
+# silent this long (its kernel acknowledges neither data nor keepalive probes) fails the
+# collective, sending or receiving, and the group stops (dsmesh/runtime/tcp_timeout.py). A
+# live peer's kernel answers whatever its rank is doing.
+GROUP_LINK_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,7 @@ def _rank_main(
     )
     import torch
 
+    from dsmesh.runtime.tcp_timeout import set_peer_timeout, socket_inodes
     from engine.ep.runtime import init_group, rank_device
 
     if threads:
@@ -88,7 +96,9 @@ def _rank_main(
     sys.setswitchinterval(switch_interval_s)  # as the parent's command set it
     code = 0
     try:
+        before = socket_inodes()
         init_group(spec.ep, spec.rank, rank_device(target.engine_config, spec.rank))
+        set_peer_timeout(socket_inodes() - before, int(GROUP_LINK_TIMEOUT_S * 1000))
         target(spec, lambda iid, port: ready_queue.put((spec.local_rank, iid, port)))
     except BaseException:  # noqa: BLE001 - reported, then the parent stops the group
         log.exception("rank %d failed", spec.rank)

@@ -65,6 +65,8 @@ UNTRACED_METHOD_PREFIXES = (
     "/dsmesh.v1.KVBroker/ListInstances",
     "/dsmesh.v1.Prefill/GetLoad",
     "/dsmesh.v1.Decode/GetLoad",
+    "/dsmesh.v1.EPLB/ReportLoad",  # an EP group's streams to eplb: open while it lives
+    "/dsmesh.v1.EPLB/WatchPlacement",
 )
 _NOOP_TRACER = trace.NoOpTracer()
 
@@ -253,7 +255,11 @@ def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
 def _client_interceptor_classes() -> tuple[type, ...]:
     """The instrumentation's aio client interceptors, except that a span is ended when the
     interceptor itself is interrupted: upstream leaves it open when a unary call is cancelled
-    before it completes, and the server's spans under it would then have no exported parent."""
+    before it completes, and the server's spans under it would then have no exported parent.
+
+    And a client-streaming call is handed back as soon as it starts: upstream waits for its
+    status first, while ``call.write()`` waits for the call to be handed back, so a call that
+    writes its requests (an EP group's load reports to eplb) waited forever."""
     from opentelemetry.instrumentation.grpc import _aio_client
 
     class EndOnError:
@@ -268,13 +274,35 @@ def _client_interceptor_classes() -> tuple[type, ...]:
                         span.end()
                     raise
 
+    class StreamUnaryAioClientInterceptor(EndOnError, _aio_client.StreamUnaryAioClientInterceptor):
+        async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+            if self.tracing_skipped(client_call_details):
+                return await continuation(client_call_details, request_iterator)
+            with self._start_interceptor_span(client_call_details.method) as span:
+                details = self.propagate_trace_in_details(client_call_details)
+                call = await continuation(details, request_iterator)
+
+            def done(call) -> None:  # the call has its status: ending the span waits for none
+                asyncio.ensure_future(_end_client_span(span, call))
+
+            call.add_done_callback(done)
+            return call
+
     bases = (
         _aio_client.UnaryUnaryAioClientInterceptor,
         _aio_client.UnaryStreamAioClientInterceptor,
-        _aio_client.StreamUnaryAioClientInterceptor,
         _aio_client.StreamStreamAioClientInterceptor,
     )
-    return tuple(type(base.__name__, (EndOnError, base), {}) for base in bases)
+    ours = tuple(type(base.__name__, (EndOnError, base), {}) for base in bases)
+    return (*ours[:2], StreamUnaryAioClientInterceptor, ours[2])
+
+
+async def _end_client_span(span: trace.Span, call: grpc.aio.Call) -> None:
+    code = await call.code()
+    span.set_attribute("rpc.grpc.status_code", code.value[0])
+    if code != grpc.StatusCode.OK:
+        span.set_status(Status(StatusCode.ERROR, f"{code.name}: {await call.details()}"))
+    span.end()
 
 
 # ---- context across threads ---------------------------------------------------------------

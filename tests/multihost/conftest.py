@@ -1,7 +1,8 @@
 """A mesh across hosts: kv_broker, prefill, decode and the gateway each in its own network
 namespace (tests/multihost/netns.py), each bound to 0.0.0.0 and advertising its own IP as
 the address of its default route's interface (no ``--advertise-host``). Every service uses
-its default port: each host has its own ports. Skipped where namespaces cannot be made."""
+its default port: each host has its own ports, and exports its spans to an OTLP receiver in
+this process. Skipped where namespaces cannot be made."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from dsmesh.v1 import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
 from tests.multihost import netns
+from tests.telemetry.otlp_receiver import OTLPReceiver
 
 BROKER_PORT, PREFILL_PORT, DECODE_PORT, GRPC_PORT, HTTP_PORT = 50054, 50100, 50200, 50051, 8000
 EP_MASTER_PORT = 29600
@@ -44,6 +46,16 @@ class Mesh:
     services: dict[str, ServiceProcess]
     model_dir: Path
     log_dir: Path
+    receiver: OTLPReceiver  # every service exports its spans here
+    env: dict[str, str]  # what every service's environment adds (the exporter's settings)
+
+    def start(self, name: str, host: str, *args: str, timeout: float = 120) -> ServiceProcess:
+        """Run ``dsmesh ARGS`` in ``host`` as service ``name`` and wait for it to listen."""
+        argv = self.hosts[host].command(dsmesh_command("--log-level", "INFO", *args))
+        self.services[name] = proc = start_service(
+            name, argv, env=self.env, log_dir=self.log_dir, timeout=timeout
+        )
+        return proc
 
     @property
     def http(self) -> str:
@@ -125,33 +137,40 @@ def network() -> Iterator[netns.Network]:
 
 @pytest.fixture(scope="package")
 def mesh(network: netns.Network, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """The services run on hosts of the same name ("kv-broker", ...; "spare" runs none until
+    a test starts one), tracing to an OTLP receiver on the bridge's address."""
     from engine.tiny_model import default_model_dir
 
     model_dir = default_model_dir()  # built once here, before four processes look for it
     log_dir = tmp_path_factory.mktemp("multihost-logs")
     names = ("kv-broker", "prefill", "decode", "gateway", "spare")
     hosts = dict(zip(names, network.hosts, strict=True))
-    services: dict[str, ServiceProcess] = {}
+    receiver = OTLPReceiver(network.bridge_address)
+    mesh = Mesh(network, hosts, {}, model_dir, log_dir, receiver, receiver.exporter_env())
     model = ("--model", str(model_dir))
     bind = ("--host", "0.0.0.0", "--drain-timeout", "1")
-
-    def start(name: str, *args: str) -> ServiceProcess:
-        argv = hosts[name].command(dsmesh_command("--log-level", "INFO", *args))
-        services[name] = proc = start_service(name, argv, log_dir=log_dir, timeout=120)
-        return proc
-
     try:
-        broker = start("kv-broker", "kv-broker", *bind, "--port", str(BROKER_PORT))
+        broker = mesh.start(
+            "kv-broker", "kv-broker", "kv-broker", *bind, "--port", str(BROKER_PORT)
+        )
         # 32 tokens per forward: a long prompt is still being written when a test cuts a cable
         prefill_args = ("--port", str(PREFILL_PORT), "--max-batch-tokens", "32")
-        start("prefill", "prefill", "--broker", broker.address, *bind, *prefill_args, *model)
-        decode_args = ("--port", str(DECODE_PORT))
-        start("decode", "decode", "--broker", broker.address, *bind, *decode_args, *model)
+        common = ("--broker", broker.address, *bind, *model)
+        mesh.start("prefill", "prefill", "prefill", *common, *prefill_args)
+        mesh.start("decode", "decode", "decode", *common, "--port", str(DECODE_PORT))
         gateway_ports = ("--grpc-port", str(GRPC_PORT), "--http-port", str(HTTP_PORT))
-        start("gateway", "gateway", "--broker", broker.address, *bind, *gateway_ports, *model)
-        mesh = Mesh(network, hosts, services, model_dir, log_dir)
+        mesh.start("gateway", "gateway", "gateway", *common, *gateway_ports)
         assert wait_until(mesh.healthy, 60), mesh.log_tails()
         yield mesh
     finally:
-        for proc in reversed(services.values()):
+        for proc in reversed(mesh.services.values()):
             proc.stop(timeout=10)
+        receiver.stop()
+
+
+@pytest.fixture(scope="package")
+def offline(mesh: Mesh):
+    """The offline engine on the mesh's checkpoint: the tokens every test compares with."""
+    from engine.llm_engine import EngineConfig, LLMEngine
+
+    return LLMEngine(EngineConfig(model=str(mesh.model_dir), max_total_tokens=1 << 15))

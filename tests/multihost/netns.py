@@ -13,29 +13,43 @@ default route out of its interface (no gateway: nothing leaves the machine), so 
 bound to 0.0.0.0 finds its own address as "the default route's".
 
 Faults: :meth:`Host.link_down` / :meth:`Host.link_up` (the host's cable: its bridge port) and
-:meth:`Network.netem` (``tc netem`` delay and loss on every host's bridge port, so that each
-packet between two hosts is delayed once).
+:meth:`Network.impair` (delay and loss on every link, each packet between two hosts delayed
+once). ``impair`` uses ``tc netem`` on every host's bridge port where the kernel has
+``sch_netem``. Where it does not (the CPU box and its CI: "Specified qdisc kind is unknown"),
+it impairs the links in user space with real packets (:func:`user_space_impairment`): every
+host, and this namespace as the client, gets a TUN device with a /32 route through it to each
+of the others, and a forwarder process (tests/multihost/impair.py) reads each IP packet from
+the sender's TUN, drops it with the given probability (seeded), and writes it into the
+receiver's TUN after the delay. The hosts' TCP stacks see real loss and delay:
+retransmissions, RTOs, congestion windows. Ending the impairment ends the forwarder; its TUN
+devices, and the routes through them, go with it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import ipaddress
 import os
 import re
 import shutil
 import signal
+import struct
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 # A network of run <pid> is named dsm<pid><tag> (tag: a letter per network of the run): its
 # namespaces dsm<pid><tag>-h<i>, its bridge dsm<pid><tag>br, its hosts' bridge ports
-# dsm<pid><tag>h<i> (15 characters at most, as Linux wants).
+# dsm<pid><tag>h<i>, the TUN devices of a user-space impairment dsm<pid><tag>t<i> (15
+# characters at most, as Linux wants).
 PREFIX = "dsm"
-_NAME = re.compile(rf"^({PREFIX}(\d+)[a-z]?)(?:-h\d+|-probe|br|h\d+|n\d+)$")
+_NAME = re.compile(rf"^({PREFIX}(\d+)[a-z]?)(?:-h\d+|-probe|br|h\d+|n\d+|t\d+)$")
 _TAGS = iter("abcdefghijklmnopqrstuvwxyz")
 SUPERNET = ipaddress.IPv4Network("198.18.0.0/15")  # RFC 2544
+TUNSETIFF, IFF_TUN, IFF_NO_PI = 0x400454CA, 0x0001, 0x1000  # linux/if_tun.h
 
 
 class NetnsError(RuntimeError):
@@ -106,6 +120,24 @@ class Network:
         tc("qdisc", "del", "dev", link, "root")
         return None
 
+    @property
+    def owner(self) -> str:
+        return self.bridge.removesuffix("br")
+
+    @contextlib.contextmanager
+    def impair(self, delay_ms: float, loss_percent: float, seed: int = 0) -> Iterator[str]:
+        """Delay and loss on every link while the block runs; yields how: "netem" or
+        "user space" (see the module's notes)."""
+        if self.netem_unavailable_reason() is None:
+            self.netem(delay_ms, loss_percent)
+            try:
+                yield "netem"
+            finally:
+                self.netem()
+        else:
+            with user_space_impairment(self, delay_ms, loss_percent, seed):
+                yield "user space"
+
     def netem(self, delay_ms: float = 0, loss_percent: float = 0) -> None:
         """Delay and drop the packets into every host; ``netem()`` with no argument clears."""
         for host in self.hosts:
@@ -124,6 +156,60 @@ class Network:
                     "loss",
                     f"{loss_percent}%",
                 )
+
+
+def _open_tun(name: str) -> int:
+    """A new TUN device ``name`` (bare IP packets), in this namespace; its fd. It lives while
+    the fd is open, wherever it is moved."""
+    fd = os.open("/dev/net/tun", os.O_RDWR)
+    try:
+        fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", name.encode(), IFF_TUN | IFF_NO_PI))
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+@contextlib.contextmanager
+def user_space_impairment(
+    net: Network, delay_ms: float, loss_percent: float, seed: int = 0
+) -> Iterator[None]:
+    """Route the traffic between every two of ``net``'s hosts, and between this namespace
+    and each host, through TUN devices and tests/multihost/impair.py's forwarder, which
+    delays every packet ``delay_ms`` and drops ``loss_percent`` % of them."""
+    # (namespace or None for this one, address, TUN name)
+    ends = [(h.name, h.address, f"{net.owner}t{i}") for i, h in enumerate(net.hosts)]
+    ends.append((None, net.bridge_address, f"{net.owner}t{len(net.hosts)}"))
+    fds: list[int] = []
+    forwarder = None
+    try:
+        for _, _, tun in ends:
+            fds.append(_open_tun(tun))
+        argv = [sys.executable, "-m", "tests.multihost.impair", "--delay-ms", str(delay_ms)]
+        argv += ["--loss", str(loss_percent / 100), "--seed", str(seed)]
+        argv += [f"{fd}={address}" for fd, (_, address, _) in zip(fds, ends, strict=True)]
+        root = Path(__file__).resolve().parents[2]
+        forwarder = subprocess.Popen(argv, stdin=subprocess.PIPE, pass_fds=fds, cwd=root)
+        for namespace, address, tun in ends:
+            inside: tuple[str, ...] = ()
+            if namespace is not None:
+                ip("link", "set", tun, "netns", namespace)
+                inside = ("-n", namespace)
+            ip(*inside, "link", "set", tun, "up")
+            for _, other, _ in ends:
+                if other != address:
+                    ip(*inside, "route", "add", f"{other}/32", "dev", tun, "src", address)
+        yield
+    finally:
+        if forwarder is not None:
+            forwarder.stdin.close()  # type: ignore[union-attr]
+            try:
+                forwarder.wait(10)
+            except subprocess.TimeoutExpired:
+                forwarder.kill()
+                forwarder.wait()
+        for fd in fds:  # the last reference: the devices and their routes go
+            os.close(fd)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -46,19 +46,22 @@ def _attributes(kvs) -> dict[str, Any]:
 
 
 class OTLPReceiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """Start on construction; ``endpoint`` goes into ``OTEL_EXPORTER_OTLP_ENDPOINT``."""
+    """Start on construction, on a free port of ``host`` (another address than loopback for
+    exporters on other hosts: tests/multihost); ``endpoint`` goes into
+    ``OTEL_EXPORTER_OTLP_ENDPOINT``."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
         self._spans: list[SpanRecord] = []
         self._lock = threading.Lock()
         self._server = grpc.server(ThreadPoolExecutor(4))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self._server)
-        self.port = self._server.add_insecure_port("127.0.0.1:0")
+        self.host = host
+        self.port = self._server.add_insecure_port(f"{host}:0")
         self._server.start()
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def exporter_env(self) -> dict[str, str]:
         """What a process needs to export its spans here, quickly."""

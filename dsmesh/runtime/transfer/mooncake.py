@@ -15,7 +15,12 @@ Engine facts this module relies on (mooncake-transfer-engine 0.3.13):
   keep at most ``max_batches_per_peer`` calls in flight per peer.
 - A blocked peer is given up on after the engine's own timeouts: about 60 s for a
   handshake that gets no answer, ``MC_TRANSFER_TIMEOUT`` (default 30 s, + 1 s per GiB) for
-  a transfer. Callers that need a tighter bound wrap the call in their own deadline.
+  a transfer, and, on TCP, ``MC_TCP_PROGRESS_TIMEOUT_SEC`` (default 30 s) for a
+  connection that makes no progress, which it then closes. The kernel would still deliver
+  what the closed socket held once the peer's link came back, into pages the peer may have
+  reused: :class:`~dsmesh.runtime.transfer.stall.StallGuard` has the kernel abort a stalled
+  connection instead, ``stall_timeout_s`` after its bytes were sent (the write fails then),
+  and the progress timeout defaults to twice that, as a backstop.
 - ``nvlink_intra`` (0.3.14, CUDA builds) is installed by ``MC_INTRANODE_NVLINK`` at
   initialize. Registering a GPU buffer calls the CUDA driver (``cuMemGetAddressRange``,
   ``cudaIpcGetMemHandle`` on the buffer's whole ``cudaMalloc`` segment), so the calling
@@ -27,12 +32,14 @@ Engine facts this module relies on (mooncake-transfer-engine 0.3.13):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from typing import TYPE_CHECKING, Any
 
 from dsmesh.runtime.transfer.base import KVTransport, RemotePool, TransferError, pool_segments
 from dsmesh.runtime.transfer.protocol import intranode_env
+from dsmesh.runtime.transfer.stall import StallGuard
 
 if TYPE_CHECKING:
     from engine.kv_cache import MLAKVPool
@@ -90,7 +97,8 @@ class MooncakeTransport(KVTransport):
     :func:`dsmesh.runtime.transfer.protocol.resolve_protocol`); ``device_name`` lists RDMA devices
     ("mlx5_0,mlx5_1"), empty otherwise. Thread-safe: any number of threads may call
     :meth:`write_pages` at once. A registered pool is referenced by the transport until
-    :meth:`close`.
+    :meth:`close`. ``stall_timeout_s``: a TCP write whose bytes stay unacknowledged that long
+    fails, and none of its bytes land later (see the module's notes).
     """
 
     def __init__(
@@ -101,6 +109,7 @@ class MooncakeTransport(KVTransport):
         *,
         max_segments_per_batch: int = 512,
         max_batches_per_peer: int = 2,
+        stall_timeout_s: float = 5.0,
     ) -> None:
         if max_segments_per_batch <= 0 or max_batches_per_peer <= 0:
             raise ValueError(
@@ -110,6 +119,12 @@ class MooncakeTransport(KVTransport):
         engine_cls = _import_transfer_engine()
         if protocol == "nvlink_intra":
             os.environ.update(intranode_env())  # read by initialize, once per process
+        # read by the TCP transport per connection; the environment's value wins
+        os.environ.setdefault(
+            "MC_TCP_PROGRESS_TIMEOUT_SEC", str(max(1, round(2 * stall_timeout_s)))
+        )
+        # TCP only: RDMA and CUDA IPC writes do not go through the kernel's sockets
+        self._stall = StallGuard(stall_timeout_s) if protocol == "tcp" else None
         engine = engine_cls()
         rc = engine.initialize(hostname, P2P_HANDSHAKE, protocol, device_name)
         if rc != 0:
@@ -193,21 +208,23 @@ class MooncakeTransport(KVTransport):
 
         written = 0
         step = self._max_segments_per_batch
+        peer_host = remote.session.rsplit(":", 1)[0]
         for start in range(0, len(segments), step):
             chunk = segments[start : start + step]
             local_ptrs = [s[0] for s in chunk]
             remote_ptrs = [s[1] for s in chunk]
             lengths = [s[2] for s in chunk]
-            with slots:
+            stall = self._stall.writing(peer_host) if self._stall else contextlib.nullcontext()
+            with slots, stall:  # a stalled call that fails quiesces before it raises
                 rc = engine.batch_transfer_sync_write(
                     remote.session, local_ptrs, remote_ptrs, lengths
                 )
-            if rc != 0:
-                raise TransferError(
-                    f"Mooncake batch_transfer_sync_write to {remote.session} failed (rc={rc}) "
-                    f"on segments [{start}, {start + len(chunk)}) of {len(segments)}; "
-                    f"{written} bytes written before it"
-                )
+                if rc != 0:
+                    raise TransferError(
+                        f"Mooncake batch_transfer_sync_write to {remote.session} failed "
+                        f"(rc={rc}) on segments [{start}, {start + len(chunk)}) of "
+                        f"{len(segments)}; {written} bytes written before it"
+                    )
             written += sum(lengths)
         return written
 
@@ -219,6 +236,8 @@ class MooncakeTransport(KVTransport):
             pools, self._pools = self._pools, {}
             for ptr in pools:
                 engine.unregister_memory(ptr)
+        if self._stall is not None:
+            self._stall.close()
         # A write in flight holds its own reference; the engine goes when the last one does.
         del engine
 
