@@ -1,15 +1,24 @@
 """MTP speculative decoding on the DeepSeek-V3 layer shape: decode tokens/s with and without.
 
     python3 -m bench.mtp [--layers 2] [--context 1024] [--batches 1,32,128] [--tiny]
+                         [--acceptance 0.6,0.8] [-k 1] [--eager-spec] [--project-layers 61]
 
 A few V3-shaped MoE layers plus one MTP layer (random bf16 weights, small vocabulary), decode
 requests placed as a decode instance receives them (``reserve`` + ``activate``, random prompt
 KV). Random weights accept no draft, so the speculating engine runs with the benchmark-only
 ``spec_forced_acceptance`` (each draft accepted with that probability, as the seed's blog
 simulated MTP). Measures, per batch size, decode tokens/s of the plain engine (CUDA graphs,
-overlapped decode) and of the MTP engine (K drafts, eager) at acceptance 0.6 and 0.8, and
-prints one JSON line with the figures and each speed-up. ``--tiny`` runs the same code on
-tiny shapes (CPU smoke test; its numbers mean nothing).
+overlapped decode) and of the MTP engine (K drafts; its decode-only steps replay the verify
+and draft graphs, engine/spec_graphs.py, or run eagerly with ``--eager-spec``) at each
+acceptance, and prints one JSON line with the figures and each speed-up.
+
+The target has only ``--layers`` layers beside one MTP layer, so the draft weighs far more
+in a step than beside DeepSeek-V3's 61: each run also reports the speed-up projected to
+``--project-layers`` target layers (each step's target graph replay, timed alone, scaled
+by ``project / layers``; the rest of the step, draft and host work, as measured). Per
+acceptance, ``crossover`` is the largest batch measured (or projected) with a speed-up of
+at least 1: the ``speculative_max_batch`` to set. ``--tiny`` runs the same code on tiny
+shapes (CPU smoke test; its numbers mean nothing).
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from typing import Any
 
 import torch
 
-from bench.gpu import init_random_, random_prompt, sync, v3_layers_config
+from bench.gpu import graph_replay_seconds, init_random_, random_prompt, sync, v3_layers_config
 from engine.config import ModelConfig
 from engine.kv_cache import pages_for
 from engine.llm_engine import EngineConfig, LLMEngine
@@ -60,11 +69,15 @@ def make_engine(model, draft, device, args, batch: int, acceptance: float | None
         speculative_max_batch=1 << 20,  # measure speculation at every batch size
         spec_forced_acceptance=acceptance,
     )
-    return LLMEngine(cfg, model=model, draft=draft if acceptance is not None else None)
+    engine = LLMEngine(cfg, model=model, draft=draft if acceptance is not None else None)
+    if engine.speculator is not None and args.eager_spec:
+        engine.speculator.detach_graphs()
+    return engine
 
 
-def decode_tokens_per_s(engine: LLMEngine, args, batch: int) -> tuple[float, float]:
-    """(generated tokens/s, mean tokens per request-step) over ``args.steps`` steps."""
+def decode_tokens_per_s(engine: LLMEngine, args, batch: int) -> tuple[float, float, float]:
+    """(generated tokens/s, mean tokens per request-step, seconds per step) over
+    ``args.steps`` steps."""
     params = SamplingParams(max_new_tokens=args.steps * (args.k + 1) + 8, ignore_eos=True)
     ids = []
     for i in range(batch):
@@ -86,7 +99,21 @@ def decode_tokens_per_s(engine: LLMEngine, args, batch: int) -> tuple[float, flo
     elapsed = time.perf_counter() - start
     for rid in ids:
         engine.abort(rid)
-    return tokens / elapsed, tokens / max(steps, 1)
+    return tokens / elapsed, tokens / max(steps, 1), elapsed / args.steps
+
+
+def projected(step_s: float, graph_s: float | None, args) -> float | None:
+    """Seconds per step with ``args.project_layers`` target layers: the target graph's
+    replay time ``graph_s`` scaled up, the rest as measured."""
+    if graph_s is None:
+        return None
+    return step_s + (args.project_layers / args.layers - 1.0) * graph_s
+
+
+def crossover(runs: list[dict[str, Any]], key: str) -> int | None:
+    """The largest batch whose ``key`` speed-up is at least 1 (None: none is)."""
+    wins = [r["batch"] for r in runs if r.get(key) is not None and r[key] >= 1.0]
+    return max(wins) if wins else None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -100,6 +127,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--eager-spec", action="store_true", help="speculative steps without CUDA graphs (A/B)"
+    )
+    p.add_argument("--project-layers", type=int, default=61, help="target layers to project to")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     return p.parse_args(argv)
 
@@ -124,24 +155,48 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "layers": args.layers,
         "context": args.context,
         "k": args.k,
+        "spec_graphs": not args.eager_spec,
+        "project_layers": args.project_layers,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "runs": [],
     }
+    accs = [float(a) for a in args.acceptance.split(",")]
     for batch in [int(b) for b in args.batches.split(",")]:
         row: dict[str, Any] = {"batch": batch}
         plain = make_engine(model, draft, device, args, batch, None)
-        row["plain_tok_s"], _ = decode_tokens_per_s(plain, args, batch)
+        row["plain_tok_s"], _, plain_step_s = decode_tokens_per_s(plain, args, batch)
+        row["plain_step_ms"] = plain_step_s * 1e3
+        plain_proj = projected(
+            plain_step_s, graph_replay_seconds(plain.graph_runner, batch, device), args
+        )
         del plain
-        for acc in [float(a) for a in args.acceptance.split(",")]:
+        for acc in accs:
             spec = make_engine(model, draft, device, args, batch, acc)
-            tok_s, per_step = decode_tokens_per_s(spec, args, batch)
-            row[f"mtp_acc{acc}_tok_s"] = tok_s
-            row[f"mtp_acc{acc}_tokens_per_step"] = per_step
-            row[f"mtp_acc{acc}_speedup"] = tok_s / row["plain_tok_s"]
+            tok_s, per_step, step_s = decode_tokens_per_s(spec, args, batch)
+            name = f"mtp_acc{acc}"
+            row[f"{name}_tok_s"] = tok_s
+            row[f"{name}_tokens_per_step"] = per_step
+            row[f"{name}_step_ms"] = step_s * 1e3
+            row[f"{name}_speedup"] = tok_s / row["plain_tok_s"]
+            graphs = spec.speculator.graphs if spec.speculator is not None else None
+            # replays of the model's graphs (verify steps) and the draft's: the captured path ran
+            row[f"{name}_graph_replays"] = 0 if graphs is None else graphs.target.num_replays
+            row[f"{name}_draft_replays"] = 0 if graphs is None else graphs.draft.num_replays
+            rows = batch * (args.k + 1)
+            spec_proj = projected(
+                step_s, graph_replay_seconds(spec.graph_runner, rows, device), args
+            )
+            if plain_proj is not None and spec_proj is not None:
+                row[f"{name}_speedup_projected"] = per_step * plain_proj / spec_proj
             del spec
         if device.type == "cuda":
             torch.cuda.empty_cache()
         results["runs"].append(row)
+    for acc in accs:
+        for suffix in ("speedup", "speedup_projected"):
+            results[f"crossover_acc{acc}_{suffix}"] = crossover(
+                results["runs"], f"mtp_acc{acc}_{suffix}"
+            )
     print(json.dumps(results))
     return results
 

@@ -42,9 +42,12 @@ class MLADecodeBackend(ABC):
     ``meta.seq_lens[d]`` cached tokens of request ``d`` (zeros for an empty context). ``q``
     and ``out`` may be strided views with a dense last dim. ``forward`` never synchronises
     with the host, so a captured forward can call it; the host work, if any, is in
-    ``plan`` / ``prepare_replay``, which the caller runs before the forward."""
+    ``plan`` / ``prepare_replay``, which the caller runs before the forward.
+    ``plans_on_host``: that work reads the step's lengths, so a replay whose positions are
+    computed on the device (a speculative step's chained drafts) cannot use the backend."""
 
     name: str
+    plans_on_host: bool = False
 
     def plan(self, meta: DecodeMeta) -> None:
         """Before an eager forward whose decode rows are ``meta`` (``meta.host`` is set)."""
@@ -95,6 +98,7 @@ class FlashInferMLADecode(MLADecodeBackend):
     a capturable wrapper per graph bucket, re-planned before each replay."""
 
     name = "flashinfer"
+    plans_on_host = True
 
     def __init__(
         self,

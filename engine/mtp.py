@@ -32,7 +32,7 @@ from engine.kv_cache import MLAKVPool
 from engine.mla_decode_backend import MLADecodeBackend, TorchMLADecode
 from engine.model import DecoderLayer, DeepseekForCausalLM
 from engine.moe import DeepseekMoE, DenseMLP, MoEGate
-from engine.moe_dispatch import LocalDispatcher
+from engine.moe_dispatch import LocalDispatcher, MoEDispatcher
 from engine.norm import RMSNorm
 from engine.rope import RotaryEmbedding
 
@@ -61,24 +61,41 @@ class MTPLayer(DecoderLayer):
 class MTPDraft(nn.Module):
     """The MTP layers of a checkpoint, over the main model's embedding and LM head.
 
-    The routed experts of an MTP layer all live on this rank (identity placement, local
-    dispatch): the draft runs where its request runs, like attention.
+    By default the routed experts of an MTP layer all live on this rank (identity placement,
+    local dispatch). In an expert-parallel group they are spread over the ranks as the
+    target's are: ``expert_location`` places the routed experts of the MTP layers that are
+    MoE ([num such layers, num_physical], in layer order), ``dispatcher`` moves tokens to
+    them, and every draft forward is then a collective of the group.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        expert_location: ExpertLocation | None = None,
+        dispatcher: MoEDispatcher | None = None,
+        ep_rank: int = 0,
+    ) -> None:
         super().__init__()
         if cfg.num_nextn_predict_layers <= 0:
             raise ValueError("the checkpoint has no MTP layer (num_nextn_predict_layers is 0)")
         self.config = cfg
+        moe_layers = mtp_moe_layers(cfg)
+        n = cfg.moe.n_routed_experts
+        if expert_location is None and moe_layers:
+            expert_location = ExpertLocation.trivial(len(moe_layers), n)
+        if dispatcher is None:
+            dispatcher = LocalDispatcher(n)
+        self.expert_location = expert_location
+        self.ep_rank = ep_rank
         self.rotary = RotaryEmbedding(cfg.rope, cfg.mla.qk_rope_head_dim)
         layers = []
         for i in range(cfg.num_nextn_predict_layers):
             layer_idx = cfg.num_hidden_layers + i
             mlp: nn.Module
-            if cfg.is_moe_layer(layer_idx):
-                n = cfg.moe.n_routed_experts
-                location = ExpertLocation.trivial(1, n)
-                mlp = DeepseekMoE(cfg, 0, location, LocalDispatcher(n))
+            if i in moe_layers:
+                assert expert_location is not None
+                moe_idx = moe_layers.index(i)
+                mlp = DeepseekMoE(cfg, moe_idx, expert_location, dispatcher, ep_rank)
             else:
                 mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
             layers.append(MTPLayer(cfg, layer_idx, self.rotary, mlp))
@@ -136,11 +153,24 @@ class MTPDraft(nn.Module):
         return g, lm_head(g).to(torch.float32)
 
 
-def build_mtp(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> MTPDraft:
+def mtp_moe_layers(cfg: ModelConfig) -> list[int]:
+    """Indices (0 = the first MTP layer) of the MTP layers whose MLP is MoE."""
+    first = cfg.num_hidden_layers
+    return [i for i in range(cfg.num_nextn_predict_layers) if cfg.is_moe_layer(first + i)]
+
+
+def build_mtp(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    expert_location: ExpertLocation | None = None,
+    dispatcher: MoEDispatcher | None = None,
+    ep_rank: int = 0,
+) -> MTPDraft:
     """An uninitialised draft in ``dtype`` on ``device`` (built on meta first, as the model;
-    router weights stay float32)."""
+    router weights stay float32); the placement arguments as :class:`MTPDraft`'s."""
     with torch.device("meta"):
-        draft = MTPDraft(cfg)
+        draft = MTPDraft(cfg, expert_location, dispatcher, ep_rank)
     draft = draft.to(dtype)
     for module in draft.modules():
         if isinstance(module, MoEGate):

@@ -2,6 +2,8 @@
 
 The main model's loader (:mod:`engine.weights`) skips these tensors; this module reads them
 into an :class:`engine.mtp.MTPDraft`. FP8 block weights are dequantised to the draft's dtype.
+Of the routed experts only those the draft's placement puts on its rank are read (all of
+them on a single rank).
 The checkpoint's copies of the embedding and the LM head (``embed_tokens``,
 ``shared_head.head``) are not read: the draft uses the main model's. A missing or mis-shaped
 tensor raises :class:`engine.weights.WeightError` naming it.
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine.mtp import MTPDraft
+from engine.mtp import MTPDraft, mtp_moe_layers
 from engine.weights import (
     _SCALE_SUFFIX,
     WeightError,
@@ -37,13 +39,10 @@ def load_mtp_weights(draft: MTPDraft, checkpoint_dir: str | Path) -> None:
     params = {n: p for n, p in draft.state_dict(keep_vars=True).items() if n.startswith("layers.")}
     block = cfg.quant.weight_block_size if cfg.quant else (128, 128)
     expected = {n for n in params if ".mlp.experts.w" not in n}
-    for i, layer in enumerate(draft.layers):
-        experts = getattr(layer.mlp, "experts", None)
-        if experts is None:
-            continue
-        for e in range(experts.num_local):
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                expected.add(f"layers.{i}.mlp.experts.{e}.{proj}.weight")
+    slots = _local_expert_slots(draft)
+    for i, e in slots:
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            expected.add(f"layers.{i}.mlp.experts.{e}.{proj}.weight")
     seen: set[str] = set()
     for name in names:
         m = _MTP_RE.match(name)
@@ -56,23 +55,26 @@ def load_mtp_weights(draft: MTPDraft, checkpoint_dir: str | Path) -> None:
         if rest in SHARED_WITH_TARGET:
             continue
         local = f"layers.{index}.{rest}"
+        em = _EXPERT_RE.match(rest)
+        if local not in expected and _held_elsewhere(draft, index, em):
+            continue
         if local not in expected:
             raise WeightError(f"unexpected tensor {name!r} in checkpoint (not in the MTP layer)")
         seen.add(local)
         tensor = _read(names, name, block, draft, keep_fp8=False)  # type: ignore[arg-type]
-        em = _EXPERT_RE.match(rest)
         if em is None:
             _copy(params[local], tensor, name)
             continue
         experts = draft.layers[index].mlp.experts
-        e, proj = int(em.group(1)), em.group(2)
+        proj = em.group(2)
         inter = experts.intermediate_size
-        if proj == "gate_proj":
-            _copy(experts.w13[e, :inter], tensor, name)
-        elif proj == "up_proj":
-            _copy(experts.w13[e, inter:], tensor, name)
-        else:
-            _copy(experts.w2[e], tensor, name)
+        for j in slots[(index, int(em.group(1)))]:  # each local copy of the expert
+            if proj == "gate_proj":
+                _copy(experts.w13[j, :inter], tensor, name)
+            elif proj == "up_proj":
+                _copy(experts.w13[j, inter:], tensor, name)
+            else:
+                _copy(experts.w2[j], tensor, name)
     missing = sorted(expected - seen)
     if missing:
         i, rest = missing[0].split(".", 2)[1:]
@@ -80,6 +82,29 @@ def load_mtp_weights(draft: MTPDraft, checkpoint_dir: str | Path) -> None:
         raise WeightError(
             f"checkpoint is missing MTP tensor 'model.layers.{first + int(i)}.{rest}'{more}"
         )
+
+
+def _held_elsewhere(draft: MTPDraft, index: int, expert: re.Match[str] | None) -> bool:
+    """A routed expert of MTP layer ``index`` that another rank of the group holds."""
+    cfg = draft.config
+    if expert is None or index not in mtp_moe_layers(cfg):
+        return False
+    return int(expert.group(1)) < cfg.moe.n_routed_experts
+
+
+def _local_expert_slots(draft: MTPDraft) -> dict[tuple[int, int], list[int]]:
+    """(MTP layer index, logical expert) -> the local expert slots holding it on this rank
+    (every expert, once each, under the default single-rank placement)."""
+    location = draft.expert_location
+    slots: dict[tuple[int, int], list[int]] = {}
+    if location is None:
+        return slots
+    local = location.local_physical_ids(draft.ep_rank)
+    for moe_idx, i in enumerate(mtp_moe_layers(draft.config)):
+        p2l = location.physical_to_logical[moe_idx]
+        for j, phys in enumerate(local):
+            slots.setdefault((i, int(p2l[phys])), []).append(j)
+    return slots
 
 
 def mtp_state_dict(draft: MTPDraft) -> dict[str, torch.Tensor]:

@@ -79,6 +79,25 @@ def accept_greedy(draft_ids: Sequence[int], target_ids: Sequence[int]) -> int:
     return accepted
 
 
+def accept_greedy_rows(
+    fed_ids: torch.Tensor, target_ids: torch.Tensor, first_rows: torch.Tensor,
+    num_drafts: torch.Tensor, k: int,
+) -> torch.Tensor:  # fmt: skip
+    """:func:`accept_greedy` of many requests at once, on the device (no host sync).
+
+    A verify step lays each request's rows end to end: request ``i`` from row
+    ``first_rows[i]``, its last token then its ``num_drafts[i] <= k`` drafts. ``fed_ids`` [R]
+    are the tokens the rows fed, ``target_ids`` [R] the target's token at each row. Returns
+    the accepted drafts [n] int64: the leading drafts equal to the target's token one row up.
+    """
+    j = torch.arange(k, device=fed_ids.device)
+    rows = first_rows[:, None] + j  # [n, k]: the target's row before draft j + 1
+    last = fed_ids.shape[0] - 1  # indices past a request's rows are masked below
+    same = fed_ids[(rows + 1).clamp(max=last)] == target_ids[rows.clamp(max=last)]
+    same &= j < num_drafts[:, None]
+    return same.to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
 def accept_sampled(
     draft_ids: Sequence[int],
     draft_probs: torch.Tensor,

@@ -22,21 +22,29 @@ the same batch. The draft KV lives in the same pages as the target's, as extra p
 
 from __future__ import annotations
 
+import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from engine.cuda_graph import CudaGraphRunner
+from engine.decode_graphs import GraphCaptureError
 from engine.forward_batch import ForwardBatch, SequenceChunk
 from engine.kv_cache import MLAKVPool
 from engine.model import DeepseekForCausalLM
 from engine.mtp import MTPDraft
+from engine.mtp_graph import MTPGraphRunner
 from engine.request import Request, RequestStatus
 from engine.sampler import GREEDY_BELOW, Sampler, token_logprobs
 from engine.scheduler import ScheduledChunk, Scheduler
+from engine.spec_graphs import GreedyStep, SpecGraphs
 from engine.spec_sampling import accept_greedy, accept_sampled, draw, sampling_probs
 from engine.token_logprobs import TokenLogprobs
+
+log = logging.getLogger(__name__)
 
 SPECULATIVE_METHODS = ("mtp",)
 
@@ -101,6 +109,18 @@ class Verified:
     decoding: bool  # a decode (verify) row, not a prompt chunk
 
 
+def _takes_argmax(req: Request) -> bool:
+    """The request's token is the argmax of the raw logits and nothing else is reported
+    about it: a greedy speculative step can resolve it on the device."""
+    p = req.params
+    return (
+        p.temperature < GREEDY_BELOW
+        and not p.adjusts_logits
+        and p.logprobs is None
+        and getattr(req, "grammar", None) is None
+    )
+
+
 def drafts_allowed(req: Request) -> bool:
     """Whether ``req``'s sampling can be verified against drafts exactly."""
     p = req.params
@@ -134,6 +154,10 @@ class MTPSpeculator:
         self.device = device
         self._hidden: torch.Tensor | None = None
         self._forced = random.Random(0)
+        # CUDA graphs of decode-only steps (attach_graphs); a greedy step's drafts wait in
+        # _greedy between verify and draft
+        self.graphs: SpecGraphs | None = None
+        self._greedy: GreedyStep | None = None
         k = config.num_draft_tokens
         self.num_verifications = 0
         self.num_draft_tokens = 0
@@ -147,6 +171,30 @@ class MTPSpeculator:
             self.num_accepted_tokens,
             tuple(self.accepted_histogram),
         )
+
+    def attach_graphs(self, target: CudaGraphRunner, warmup_tokens: int = 0) -> None:
+        """Run decode-only steps on ``target``'s graphs and the draft's own over the same
+        buffers (engine/spec_graphs.py), capturing the draft's buckets for contexts up to
+        ``warmup_tokens`` now (before any request exists). A capture failure leaves the
+        steps eager. ``target`` must take ``K + 1`` rows per request of a speculative step."""
+        try:
+            draft = MTPGraphRunner(self.draft_model, target)
+            draft.warm_up(warmup_tokens)
+        except (GraphCaptureError, ValueError):
+            log.exception("CUDA graphs off for speculative steps; they run eagerly")
+            return
+        self.graphs = SpecGraphs(target, draft, self.config.num_draft_tokens)
+
+    def detach_graphs(self) -> None:
+        """Run every step eagerly from now on (A/B runs; expert-parallel groups)."""
+        self.graphs = None
+
+    def reset_graphs(self) -> None:
+        """After the target's kernels were switched: the draft takes them too, and its
+        graphs are recaptured on use (the caller resets the target's runner)."""
+        self.draft_model.set_kernels(self.model)
+        if self.graphs is not None:
+            self.graphs.draft.reset()
 
     def runs(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether this step speculates: its decode batch is at most ``max_batch``."""
@@ -181,6 +229,18 @@ class MTPSpeculator:
             v = Verified(req, start, row, len(ids), first_computed, [], None, decoding)
             plan.append((v, drafts))
             row += len(ids)
+        graphs = self.graphs
+        if graphs is not None and all(v.decoding for v, _ in plan) and graphs.fits(len(seqs)):
+            try:
+                if all(_takes_argmax(v.request) for v, _ in plan):
+                    self._verify_greedy(graphs, plan)
+                else:  # every row's logits, in order: the rows _choose wants
+                    logits, self._hidden = graphs.verify(*_rows(seqs))
+                    self._choose(plan, logits, allowed_tokens)
+                return [v for v, _ in plan]
+            except GraphCaptureError:  # nothing booked yet: the eager forward redoes it
+                log.exception("CUDA graphs off for speculative steps; they run eagerly")
+                self.graphs = None
         hidden = self.model.hidden_states(self._batch(seqs), self.kv_pool, self._mode)
         self._hidden = hidden
 
@@ -197,6 +257,41 @@ class MTPSpeculator:
         logits = self.model.compute_logits(hidden.index_select(0, index))
         self._choose(plan, logits, allowed_tokens)
         return [v for v, _ in plan]
+
+    def _verify_greedy(self, graphs: SpecGraphs, plan: list[tuple[Verified, list[int]]]) -> None:
+        """A decode-only step whose every request takes the argmax: verified and drafted on
+        the graphs with one host sync (:meth:`SpecGraphs.greedy_step`); the drafts wait in
+        ``_greedy`` for :meth:`draft`. Chained drafts placed on the device need pages for
+        every position they may write, taken now (from free pages only)."""
+        k = self.config.num_draft_tokens
+        page = self.config.page_size
+        on_device = k > 1 and graphs.chain_on_device
+        limits = []
+        for v, drafts in plan:
+            req = v.request
+            if on_device:  # the chain writes up to position start + len(drafts) + k - 1
+                self.scheduler.try_grow(req, min(v.start + len(drafts) + k, req.max_total_tokens))
+            limits.append(len(req.pages) * page - 1)
+        # clamped chain positions must stay past every position whose draft KV is kept
+        on_device = on_device and all(
+            limit > v.start + len(d) for limit, (v, d) in zip(limits, plan, strict=True)
+        )
+        forced = None
+        if self.config.forced_acceptance is not None:
+            forced = [self._accepted(drafts, []) for _, drafts in plan]
+        step = graphs.greedy_step(
+            [v.request.pending_ids(1) + drafts for v, drafts in plan],
+            [v.start for v, _ in plan],
+            [v.request.pages_array() for v, _ in plan],
+            limits,
+            forced,
+            on_device,
+        )
+        for (v, drafts), tokens, accepted in zip(plan, step.tokens, step.accepted, strict=True):
+            v.tokens = tokens
+            if drafts:
+                self._count(v.request, len(drafts), accepted)
+        self._greedy = step
 
     def _choose(
         self,
@@ -293,8 +388,10 @@ class MTPSpeculator:
 
     def _num_drafts(self, req: Request) -> int:
         """Drafts worth making for ``req`` now: at most K, none past its last token."""
-        if not drafts_allowed(req) or req.prefill_only:
+        if not drafts_allowed(req):
             return 0
+        if req.prefill_only:
+            return self._num_handoff_drafts(req)
         left = min(
             req.params.max_new_tokens - len(req.output_ids), req.max_total_tokens - req.num_tokens
         )
@@ -305,6 +402,10 @@ class MTPSpeculator:
     def draft(self, verified: list[Verified]) -> None:
         """Run the MTP layer over the positions the step computed (after booking) and chain
         the next drafts of every request still decoding."""
+        greedy, self._greedy = self._greedy, None
+        if greedy is not None:
+            self._draft_greedy(verified, greedy)
+            return
         hidden = self._hidden
         self._hidden = None
         assert hidden is not None
@@ -330,14 +431,12 @@ class MTPSpeculator:
             else:
                 seqs.append(SequenceChunk(ids, v.start, req.page_table))
             rows += range(v.row, v.row + m)
-            if running and not req.is_prefilling:
+            if (running and not req.is_prefilling) or prefilled:  # prefilled: handoff drafts
                 last_rows[len(rows) - 1] = req
         if not seqs:
             return
         index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
-        g, logits = self.draft_model(
-            self._batch(seqs), self.kv_pool, hidden.index_select(0, index), 0, self._mode
-        )
+        g, logits = self._draft_forward(seqs, hidden.index_select(0, index), 0)
         chain = []
         for r, req in last_rows.items():
             k = self._room_for_drafts(req)
@@ -346,6 +445,44 @@ class MTPSpeculator:
                 chain.append((req, k, r))
         if chain:
             self._chain(chain, g, logits)
+
+    def _draft_greedy(self, verified: list[Verified], step: GreedyStep) -> None:
+        """:meth:`draft` after :meth:`_verify_greedy`: the drafts it made, cut to each
+        running request's limits and pages, or the chain from its first drafts."""
+        page = self.config.page_size
+        chain = []
+        for i, v in enumerate(verified):
+            req = v.request
+            req.spec_draft = None
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            if step.drafts is None:
+                k = self._room_for_drafts(req)
+                if k > 0:
+                    chain.append((req, k, i))
+                continue
+            # the chain's clamped positions: draft j + 1 came from position num_tokens - 2 + j
+            k = min(self._num_drafts(req), len(req.pages) * page - req.num_tokens + 2)
+            if k > 0:
+                req.spec_draft = DraftProposal(req.num_tokens, step.drafts[i][:k], None)
+        if chain:
+            assert step.g is not None and step.logits is not None
+            self._chain(chain, step.g, step.logits)
+
+    def _draft_forward(
+        self, seqs: list[SequenceChunk], hidden: torch.Tensor, step: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft over ``seqs`` given ``hidden`` -> (g, logits): on the draft's graphs
+        when every chunk is one token (and graphs are attached), else eagerly."""
+        graphs = self.graphs
+        single = all(len(s.token_ids) == 1 for s in seqs)
+        if graphs is not None and single and graphs.fits(len(seqs)):
+            try:
+                return graphs.draft.run(*_rows(seqs), hidden, step)
+            except GraphCaptureError:
+                log.exception("CUDA graphs off for speculative steps; they run eagerly")
+                self.graphs = None
+        return self.draft_model(self._batch(seqs), self.kv_pool, hidden, step, self._mode)
 
     def _room_for_drafts(self, req: Request) -> int:
         """K for ``req``, less what its pages cannot hold: drafting step j >= 2 writes the
@@ -386,9 +523,7 @@ class MTPSpeculator:
                 pos = req.num_tokens - 2 + step
                 seqs.append(SequenceChunk([tokens[i][-1]], pos, req.page_table))
             keep_index = torch.tensor(keep, dtype=torch.int64, device=g.device)
-            g, logits = self.draft_model(
-                self._batch(seqs), self.kv_pool, g.index_select(0, keep_index), step, self._mode
-            )
+            g, logits = self._draft_forward(seqs, g.index_select(0, keep_index), step)
         for i, req in enumerate(reqs):
             q = torch.stack(probs[i]) if probs[i] else None
             req.spec_draft = DraftProposal(req.num_tokens, tokens[i], q)
@@ -407,6 +542,71 @@ class MTPSpeculator:
             out.append((draw(q, req.generator), q))
         return out
 
+    # ---- the PD handoff: prefill's drafts for decode's first step ---------------------------
+
+    def _num_handoff_drafts(self, req: Request) -> int:
+        """Drafts a prefill instance makes for decode's first step: greedy requests only (a
+        sampled draft is verified against the q it was drawn from, [k, vocab] float32, too
+        heavy for the handoff), at most K, none past ``max_new_tokens``; decode trims them
+        to its own limits (:meth:`_valid_drafts`)."""
+        if req.params.temperature >= GREEDY_BELOW:
+            return 0
+        left = req.params.max_new_tokens - len(req.output_ids)
+        return max(0, min(self.config.num_draft_tokens, left - 1))
+
+    @staticmethod
+    def handoff_drafts(req: Request) -> list[int]:
+        """Prefill: the drafts a prefilled request hands to decode with its first token
+        (greedy requests; empty for others)."""
+        proposal = req.spec_draft
+        if proposal is None or proposal.probs is not None or proposal.num_tokens != req.num_tokens:
+            return []
+        return list(proposal.token_ids)
+
+    def take_handoff_drafts(self, req: Request, token_ids: Sequence[int]) -> None:
+        """Decode: ``req`` was just activated, and prefill drafted ``token_ids`` after its
+        first token; its first step verifies them, as the step after the prompt does on a
+        single engine. Ignored for a request that does not draft greedily."""
+        vocab = self.model.config.vocab_size
+        ids = [int(t) for t in token_ids]
+        if not ids or not all(0 <= t < vocab for t in ids):
+            return
+        if drafts_allowed(req) and req.params.temperature < GREEDY_BELOW:
+            req.spec_draft = DraftProposal(req.num_tokens, ids, None)
+
+    # ---- expert-parallel groups -------------------------------------------------------------
+
+    def join_group(self) -> None:
+        """This engine became one rank of an expert-parallel group, whose MTP layer's experts
+        are spread over the ranks like the target's (engine/ep/runtime.py): each draft
+        forward exchanges tokens with every rank. So in a step where any rank speculates,
+        every rank runs the same number of draft forwards: its own, then empty ones
+        (:meth:`pad_group_drafts`). The forwards are counted as they run, eagerly: the
+        steps' graphs would pair up neither their collectives nor the count."""
+        self.detach_graphs()
+        self._num_draft_forwards = 0
+        self.draft_model.register_forward_pre_hook(self._count_draft_forward)
+
+    def _count_draft_forward(self, module: torch.nn.Module, args: tuple) -> None:
+        self._num_draft_forwards += 1
+
+    @property
+    def num_group_draft_forwards(self) -> int:
+        """Draft forwards of a speculative step, the most one rank can need: the pass over
+        the step's positions, then up to K - 1 chain steps."""
+        return self.config.num_draft_tokens
+
+    def pad_group_drafts(self) -> None:
+        """After this rank's step (speculative, plain or idle) in a step where the group
+        speculates: empty draft forwards until it ran :attr:`num_group_draft_forwards`. Each
+        uses the MTP layer a real forward at that place of the chain would use."""
+        empty = ForwardBatch.empty(self.device)
+        hidden = torch.empty(0, self.draft_model.config.hidden_size, device=self.device)
+        while self._num_draft_forwards < self.num_group_draft_forwards:
+            step = self._num_draft_forwards
+            self.draft_model(empty, self.kv_pool, hidden, step, self._mode)
+        self._num_draft_forwards = 0
+
     # ---- helpers --------------------------------------------------------------------------
 
     @property
@@ -416,6 +616,12 @@ class MTPSpeculator:
     def _batch(self, seqs: list[SequenceChunk]) -> ForwardBatch:
         # the model plans its decode attention backend itself (engine/mla_decode_backend.py)
         return ForwardBatch.build(seqs, self.config.page_size, self.device)
+
+
+def _rows(seqs: list[SequenceChunk]) -> tuple[list[int], list[int], list[np.ndarray]]:
+    """Single-token chunks as a graph runner's rows: (token ids, positions, pages)."""
+    pages = [s.page_table.numpy() for s in seqs]
+    return [s.token_ids[0] for s in seqs], [s.prefix_len for s in seqs], pages
 
 
 def _tokens(req: Request, start: int, end: int) -> list[int]:

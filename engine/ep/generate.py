@@ -41,7 +41,8 @@ def _rank_main(
             engine.scheduler.add(reqs[index])
         run_lockstep(engine)
         for index, req in reqs.items():
-            results[index] = (req.prompt_ids, req.output_ids, req.finish_reason or "")
+            spec = (req.num_spec_draft_tokens, req.num_spec_accepted_tokens)
+            results[index] = (req.prompt_ids, req.output_ids, req.finish_reason or "", *spec)
         assert engine.num_pages_in_use == 0
     finally:
         dist.destroy_process_group()
@@ -72,7 +73,7 @@ def generate_ep(
             start_method="spawn",
         )
         out = dict(results)
-    return [GenerationResult(f"p{i}", out[i][0], out[i][1], out[i][2]) for i in range(len(prompts))]
+    return [GenerationResult(f"p{i}", *out[i]) for i in range(len(prompts))]
 
 
 def _check_inputs(config: EngineConfig, ep: EPConfig, prompts: Sequence[Sequence[int]]) -> None:

@@ -25,6 +25,8 @@ from engine.ep.placement import round_robin_placement
 from engine.llm_engine import EngineConfig, LLMEngine, resolve_model_dir
 from engine.loader import load_model
 from engine.moe_dispatch import MoEDispatcher
+from engine.mtp import MTPDraft, build_mtp, mtp_moe_layers
+from engine.mtp_weights import load_mtp_weights
 
 log = logging.getLogger(__name__)
 DISPATCH_BACKENDS = ("auto", "all-to-all", "deepep")
@@ -165,27 +167,54 @@ def build_ep_engine(config: EngineConfig, ep: EPConfig, rank: int) -> LLMEngine:
         len(cfg.moe_layer_ids), cfg.moe.n_routed_experts, ep.ep_size, ep.num_redundant_experts
     )
     device = rank_device(config, rank)
+    # a speculative step verifies K drafts after each request's token: K + 1 rows each
+    rows_per_request = 1 + config.num_draft_tokens if config.speculative else 1
+    dispatcher = make_dispatcher(
+        ep,
+        placement.num_local_physical,
+        placement.num_physical,
+        cfg.hidden_size,
+        device,
+        config.max_running_requests * rows_per_request,
+    )
     model = load_model(
         model_dir,
         config.resolved_dtype(),
         device,
         keep_fp8=config.fp8_experts,
         expert_location=placement,
-        dispatcher=make_dispatcher(
-            ep,
-            placement.num_local_physical,
-            placement.num_physical,
-            cfg.hidden_size,
-            device,
-            config.max_running_requests,
-        ),
+        dispatcher=dispatcher,
         ep_rank=rank,
     )
     if device.type == "cuda":
         config = dataclasses.replace(config, device=str(device))
-    engine = LLMEngine(config, model=model)
-    engine.join_group(GroupVote(engine.device, num_flags=3))
+    draft = None
+    if config.speculative == "mtp" and cfg.num_nextn_predict_layers > 0:
+        draft = build_ep_draft(config, ep, rank, dispatcher)
+    engine = LLMEngine(config, model=model, draft=draft)
+    engine.join_group(GroupVote(engine.device, num_flags=4))
     return engine
+
+
+def build_ep_draft(
+    config: EngineConfig, ep: EPConfig, rank: int, dispatcher: MoEDispatcher
+) -> MTPDraft:
+    """This rank's MTP draft: the routed experts of its MoE layers spread over the group
+    round robin, as the target's are (as many per rank, so the target's ``dispatcher``
+    serves it too). Replicating them instead would cost every rank a whole MoE layer
+    (DeepSeek-V3's: 21 GiB in bfloat16); spread, every draft forward is a collective of
+    the group, which the engine keeps in step (LLMEngine.join_group)."""
+    model_dir = resolve_model_dir(config.model)
+    cfg = load_config(model_dir)
+    num_moe = len(mtp_moe_layers(cfg))
+    placement = None
+    if num_moe:
+        n = cfg.moe.n_routed_experts
+        placement = round_robin_placement(num_moe, n, ep.ep_size, ep.num_redundant_experts)
+    device = rank_device(config, rank)
+    draft = build_mtp(cfg, config.resolved_dtype(), device, placement, dispatcher, rank)
+    load_mtp_weights(draft, model_dir)
+    return draft
 
 
 class GroupVote:
@@ -200,6 +229,8 @@ class GroupVote:
         return self.vote(busy, [0] * (self._flags.numel() - 1))[0]
 
     def vote(self, busy: bool, flags: list[int]) -> tuple[bool, list[int]]:
+        if self._flags.numel() != 1 + len(flags):  # every rank votes the same fields
+            self._flags = self._flags.new_zeros(1 + len(flags))
         self._flags.copy_(torch.tensor([int(busy), *flags], dtype=torch.int64))
         dist.all_reduce(self._flags, op=dist.ReduceOp.MAX)
         values = self._flags.tolist()

@@ -18,14 +18,16 @@ import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from engine.config import load_config
+from engine.cuda_graph import CudaGraphRunner
 from engine.forward_batch import ForwardBatch, SequenceChunk
 from engine.kv_cache import MLAKVPool, pages_for
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.loader import load_model
 from engine.mtp import build_mtp
+from engine.mtp_graph import MTPGraphRunner
 from engine.mtp_weights import load_mtp_weights, mtp_state_dict
 from engine.sampling_params import SamplingParams
-from engine.spec_sampling import sampling_probs
+from engine.spec_sampling import accept_greedy, accept_greedy_rows, sampling_probs
 from engine.weights import WeightError
 from tests.engine.hf_checkpoints import (
     HFCheckpoint,
@@ -345,3 +347,278 @@ def test_prefill_only_requests_write_the_prompts_draft_kv(
         draft_kv.append(pool.read(draft_layer, slots).clone())
     assert bool(draft_kv[0].abs().sum() > 0)
     torch.testing.assert_close(draft_kv[0], draft_kv[1])
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_prefills_drafts_cross_the_handoff_and_decodes_first_step_verifies_them(
+    v3_mtp_small_vocab_ckpt: HFCheckpoint, k: int
+) -> None:
+    """The engine halves of PD in one process: a prefill-only engine drafts after the first
+    token as the offline engine does after a prompt; its pages (the MTP layer's KV among
+    them) and its drafts go to a decode engine, whose first step verifies those drafts.
+    Tokens and each request's (drafted, accepted) counts equal the offline engine's. A
+    sampled request hands over no drafts (their q stays on prefill): it drafts from its
+    first decode step on."""
+    ckpt = v3_mtp_small_vocab_ckpt
+    prompts = random_prompts([1, 6, 19, 40], 4, seed=5)
+    greedy = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    sampled = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.8, seed=1)
+    params = [greedy, greedy, greedy, sampled]
+    offline = _engine(ckpt, k).generate(prompts, params)
+    prefill, decode = _engine(ckpt, k), _engine(ckpt, k)
+    for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+        rid = f"r{i}"
+        reserved = decode.reserve(prompt, sp, rid)
+        prefill.add_request(prompt, sp, request_id=rid, prefill_only=True)
+        first = [o for o in prefill.step() if o.request_id == rid][0]
+        assert first.finish_reason == "prefilled"
+        drafts = prefill.handoff_drafts(rid)
+        assert len(drafts) == (k if sp is greedy else 0)
+        src = prefill.requests[rid]
+        for p in range(pages_for(len(prompt), PAGE)):  # every layer of each prompt page
+            decode.kv_pool.buffer[:, reserved.pages[p]] = prefill.kv_pool.buffer[:, src.pages[p]]
+        prefill.release(rid)
+        tokens = list(decode.activate(rid, first.new_token_ids[0], None, drafts).new_token_ids)
+        step = 0
+        while rid in decode.requests:
+            for out in decode.step():
+                tokens += out.new_token_ids
+                step += 1
+                if step == 1:  # the first step verified prefill's drafts
+                    assert out.spec_counts is not None and out.spec_counts[0] == len(drafts)
+        req = reserved
+        assert tokens == req.output_ids
+        if sp is greedy:
+            assert tokens == offline[i].output_ids
+            counts = (offline[i].spec_draft_tokens, offline[i].spec_accepted_tokens)
+            assert (req.num_spec_draft_tokens, req.num_spec_accepted_tokens) == counts
+    assert prefill.num_pages_in_use == 0 and decode.num_pages_in_use == 0
+
+
+# ---- speculative steps on the graph runners (engine/spec_graphs.py) ------------------------
+#
+# On CPU the runners run their forwards uncaptured over the same fixed buffers, so these tests
+# check the captured path's logic: verify and draft rows padded to buckets, greedy acceptance
+# and the chained drafts' positions on the device, one host sync per step. On a GPU the same
+# scenarios replay real graphs (needs_cuda below).
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _on_runners(engine: LLMEngine, max_rows: int, host_chain: bool = False) -> LLMEngine:
+    """The CUDA path's runners, uncaptured, for a CPU engine (which has none). With
+    ``host_chain`` the decode backend claims to plan on the host, as FlashInfer does: the
+    chained drafts then run after the step's sync, fed from the host."""
+    engine.graph_runner = CudaGraphRunner(
+        engine.model, engine.kv_pool, max_batch=max_rows, max_tokens_per_request=512,
+        use_graphs=False,
+    )  # fmt: skip
+    if host_chain:
+        engine.model.decode_backend.plans_on_host = True  # the draft shares the backend
+    assert engine.speculator is not None
+    engine.speculator.attach_graphs(engine.graph_runner)
+    return engine
+
+
+def test_accept_greedy_rows_equals_accept_greedy() -> None:
+    gen = torch.Generator().manual_seed(0)
+    k = 3
+    for _ in range(50):
+        num_drafts = torch.randint(0, k + 1, (6,), generator=gen)
+        first = torch.cumsum(num_drafts + 1, 0) - (num_drafts + 1)
+        rows = int((num_drafts + 1).sum())
+        fed = torch.randint(0, 3, (rows,), generator=gen)
+        target = torch.randint(0, 3, (rows,), generator=gen)
+        got = accept_greedy_rows(fed, target, first, num_drafts, k).tolist()
+        want = []
+        for f, d in zip(first.tolist(), num_drafts.tolist(), strict=True):
+            want.append(accept_greedy(fed[f + 1 : f + 1 + d].tolist(), target[f : f + d].tolist()))
+        assert got == want
+
+
+def test_draft_runner_equals_the_eager_draft_in_padded_buckets(
+    v3_mtp_small_vocab_ckpt: HFCheckpoint,
+) -> None:
+    """Five draft rows in a bucket of 8 (three padding rows): host-loaded rows, the rows the
+    model's runner loaded (fed ids from the device) and rows placed on the device all give
+    the eager draft's outputs; the padding writes nothing outside the rows' pages."""
+    ckpt = v3_mtp_small_vocab_ckpt
+    model = load_model(ckpt.path)
+    draft = _draft(ckpt)
+    draft.share_with(model)
+    cfg = model.config
+    pool = MLAKVPool(cfg.num_hidden_layers + 1, 32, PAGE, cfg.mla.kv_cache_dim, torch.float32)
+    pool.allocator.allocate(4)  # pages others own: never written
+    prompts = random_prompts([3, 9, 14, 20, 30], 4, seed=3)
+    pages = [pool.allocator.allocate(pages_for(len(p) + 2, PAGE)) for p in prompts]
+    chunks = [SequenceChunk(p, 0, torch.tensor(pg)) for p, pg in zip(prompts, pages, strict=True)]
+    hidden = model.hidden_states(ForwardBatch.build(chunks, PAGE, "cpu"), pool)
+    last = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+    h = hidden.index_select(0, last)  # h[p] of each prompt's last position p
+    ids = [1, 3, 0, 2, 1]
+    positions = [len(p) for p in prompts]  # drafting the position after each prompt
+    rows = zip(ids, positions, pages, strict=True)
+    seqs = [SequenceChunk([t], n, torch.tensor(pg)) for t, n, pg in rows]
+    want_g, want = draft(ForwardBatch.build(seqs, PAGE, "cpu"), pool, h)
+    before = pool.buffer.clone()
+
+    target = CudaGraphRunner(model, pool, max_batch=8, max_tokens_per_request=64, use_graphs=False)
+    runner = MTPGraphRunner(draft, target)
+    arrays = [torch.tensor(pg).numpy() for pg in pages]
+    g, logits = runner.run(ids, positions, arrays, h)
+    assert runner.keys_used == {(8, 4)}  # 5 rows -> bucket 8; 31 tokens -> 4 pages
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(g, want_g, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pool.buffer[:, :4], before[:, :4])
+    target.run([0] * 5, positions, arrays)  # the model's rows; the draft reuses them
+    got = runner.run_loaded(torch.tensor(ids), h)[1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    p = runner.load_pages(arrays, max(positions) + 1)
+    placed = runner.run_placed(p, torch.tensor(positions), torch.tensor(ids), h, 0)[1]
+    torch.testing.assert_close(placed, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pool.buffer[:, :4], before[:, :4])
+    assert runner.num_eager == 3 and runner.num_replays == 0
+
+
+@pytest.mark.parametrize(
+    ("k", "host_chain"), [(1, False), (2, False), (3, False), (3, True)],
+    ids=["k1", "k2", "k3", "k3-host-chain"],
+)  # fmt: skip
+def test_greedy_speculative_on_the_runners_equals_plain_and_transformers(
+    v3_mtp_small_vocab_ckpt: HFCheckpoint, k: int, host_chain: bool
+) -> None:
+    """Greedy steps resolved on the device (the one-sync path) give plain decoding's tokens
+    and transformers', and exactly the eager speculative engine's drafts and acceptance. With
+    the benchmark's forced acceptance (multi-token runs and roll-backs whatever the drafts)
+    the tokens, which then depend on every draft fed, equal the eager engine's too."""
+    ckpt = v3_mtp_small_vocab_ckpt
+    prompts = random_prompts([1, 6, 19, 40], 4, seed=k)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = _engine(ckpt, None).generate(prompts, params)
+    for forced in (None, 0.7):
+        eager = _engine(ckpt, k, spec_forced_acceptance=forced)
+        want = eager.generate(prompts, params)
+        engine = _on_runners(
+            _engine(ckpt, k, spec_forced_acceptance=forced), 4 * (k + 1), host_chain
+        )
+        got = engine.generate(prompts, params)
+        assert [r.output_ids for r in got] == [r.output_ids for r in want]
+        assert engine.spec_stats == eager.spec_stats
+        if forced is None:
+            assert [r.output_ids for r in got] == [r.output_ids for r in plain]
+            for prompt, res in zip(prompts, got, strict=True):
+                ref = _hf_greedy(ckpt, prompt, 24)
+                assert res.output_ids[: len(ref)] == ref
+        else:
+            assert engine.spec_stats is not None
+            assert engine.spec_stats.accepted_histogram[k] > 0  # whole runs accepted
+        graphs = engine.speculator.graphs
+        assert graphs is not None  # no fallback to the eager path
+        assert graphs.target.num_eager > 10 and graphs.draft.num_eager > 10
+        # rows of 4 requests x (1 + drafts): padded buckets
+        assert len({b for b, _ in graphs.target.keys_used}) >= 2
+        assert engine.num_pages_in_use == 0
+
+
+def _tokens_and_logprobs(engine: LLMEngine, prompts, per) -> list[tuple[list[int], list]]:
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, per, strict=True)]
+    out: dict[str, tuple[list[int], list]] = {i: ([], []) for i in ids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id][0].extend(o.new_token_ids)
+            out[o.request_id][1].extend(o.logprobs or [])
+    return [out[i] for i in ids]
+
+
+def test_sampled_and_greedy_requests_on_the_runners_equal_the_eager_engine(
+    v3_mtp_small_vocab_ckpt: HFCheckpoint,
+) -> None:
+    """Steps with sampled requests (rejection sampling) or logprobs replay the same runners
+    and choose on the host: the seeded tokens, the logprobs and the counters equal the eager
+    speculative engine's."""
+    ckpt = v3_mtp_small_vocab_ckpt
+    prompts = random_prompts([1, 6, 19, 40, 3, 12], 4, seed=6)
+    greedy = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    per = [greedy, dataclasses.replace(greedy, logprobs=2)] + [
+        SamplingParams(temperature=0.9, top_k=3, seed=i, max_new_tokens=20, ignore_eos=True)
+        for i in range(4)
+    ]
+    eager = _engine(ckpt, 2)
+    want = _tokens_and_logprobs(eager, prompts, per)
+    engine = _on_runners(_engine(ckpt, 2), 6 * 3)
+    got = _tokens_and_logprobs(engine, prompts, per)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert len(got[1][1]) == 20
+    for (_, lps), (_, ref) in zip(got, want, strict=True):
+        assert [lp.token_id for lp in lps] == [lp.token_id for lp in ref]
+        for lp, r in zip(lps, ref, strict=True):
+            assert lp.logprob == pytest.approx(r.logprob, abs=1e-5)
+    assert engine.spec_stats == eager.spec_stats
+    graphs = engine.speculator.graphs
+    assert graphs is not None and graphs.target.num_eager > 5 and graphs.draft.num_eager > 5
+    assert engine.num_pages_in_use == 0
+
+
+@pytest.mark.parametrize("host_chain", [False, True], ids=["device-chain", "host-chain"])
+def test_runners_with_aborts_and_retractions_leak_no_page(
+    v3_mtp_small_vocab_ckpt: HFCheckpoint, host_chain: bool
+) -> None:
+    """A pool so small that chains get clamped into short pages, steps fall back to the
+    host's chain and requests are retracted; two requests abort mid-run. The survivors'
+    tokens are plain decoding's and every page comes back."""
+    ckpt = v3_mtp_small_vocab_ckpt
+    prompts = random_prompts([5, 12, 21, 30, 7, 16], 4, seed=12)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    engine = _engine(ckpt, 3, max_total_tokens=160, prefix_cache=True)
+    _on_runners(engine, 6 * 4, host_chain)
+    ids = [engine.add_request(p, params) for p in prompts]
+    outputs: dict[str, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        steps += 1
+        if steps == 6:
+            assert engine.abort(ids[1]) and engine.abort(ids[4])
+    assert engine.num_pages_in_use == 0
+    assert engine.stats.num_retractions > 0
+    assert engine.speculator is not None and engine.speculator.graphs is not None
+    want = _engine(ckpt, None).generate([prompts[i] for i in (0, 2, 3, 5)], params)
+    for i, res in zip((0, 2, 3, 5), want, strict=True):
+        assert outputs[ids[i]] == res.output_ids
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("k", "host_chain"), [(1, False), (2, False), (3, False), (3, True)],
+    ids=["k1", "k2", "k3", "k3-host-chain"],
+)  # fmt: skip
+def test_captured_speculative_decoding_equals_eager_speculative_decoding(
+    v3_mtp_small_vocab_ckpt: HFCheckpoint, k: int, host_chain: bool
+) -> None:
+    """Real graphs (float32: torch attention, masked experts): verify and draft replays give
+    the eager speculative engine's greedy tokens, plain decoding's and, under forced
+    acceptance, the eager engine's tokens and counters."""
+    ckpt = v3_mtp_small_vocab_ckpt
+    prompts = random_prompts([1, 6, 19, 40, 9, 27, 3], 4, seed=k)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    cuda = {"device": "cuda", "dtype": "float32"}
+    plain = _engine(ckpt, None, **cuda).generate(prompts, params)
+    for forced in (None, 0.7):
+        eager = _engine(ckpt, k, cuda_graphs=False, spec_forced_acceptance=forced, **cuda)
+        want = eager.generate(prompts, params)
+        engine = _engine(ckpt, k, spec_forced_acceptance=forced, **cuda)
+        graphs = engine.speculator.graphs
+        assert graphs is not None and graphs.target.use_graphs and graphs.draft.use_graphs
+        if host_chain:
+            engine.model.decode_backend.plans_on_host = True
+        got = engine.generate(prompts, params)
+        assert [r.output_ids for r in got] == [r.output_ids for r in want]
+        if forced is None:
+            assert [r.output_ids for r in got] == [r.output_ids for r in plain]
+        else:
+            assert engine.spec_stats == eager.spec_stats
+        assert engine.speculator.graphs is graphs  # no capture failed
+        assert graphs.target.num_replays > 10 and graphs.draft.num_replays > 10
+        assert engine.num_pages_in_use == 0

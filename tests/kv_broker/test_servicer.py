@@ -122,6 +122,28 @@ async def test_the_first_tokens_logprobs_travel_to_decode_unread(broker: Broker)
 
 
 @pytest.mark.asyncio
+async def test_prefills_draft_tokens_travel_to_decode_unread(broker: Broker) -> None:
+    """Speculative decoding: the tokens prefill drafted after the first one reach decode
+    with it, in order; a commit without drafts carries none."""
+    await broker.decode("d1")
+    await broker.prefill("p1")
+    for rid, drafts in (("r1", [3, 0, 3]), ("r2", [])):
+        await broker.stub.Reserve(reserve_request(rid))
+        await broker.stub.Resolve(resolve_request(rid))
+        commit = pb.CommitRequest(request_id=rid, first_token_id=7, draft_token_ids=drafts)
+        done = await broker.stub.Commit(commit)
+        final = await broker.stub.Await(pb.AwaitRequest(request_id=rid, wait_ms=0))
+        for status in (done, final):
+            assert list(status.draft_token_ids) == drafts
+    # a negative draft token is refused, naming the field
+    await broker.stub.Reserve(reserve_request("r3"))
+    await broker.stub.Resolve(resolve_request("r3"))
+    bad = pb.CommitRequest(request_id="r3", first_token_id=1, draft_token_ids=[2, -1])
+    err = await rpc_error(broker.stub.Commit(bad))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "draft_token_ids" in err.details()
+
+
+@pytest.mark.asyncio
 async def test_resolve_gives_up_after_wait_ms(broker: Broker) -> None:
     await broker.prefill("p1")
     loop = asyncio.get_running_loop()
