@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from dsmesh.instance.failures import CallFailed, Code, already_active, handoff_failed
 from dsmesh.v1 import kv_broker_pb2 as kb
+from engine.prefix_hashes import prefix_name
 from engine.token_logprobs import TokenLogprobs
 
 ROOM_POLL_S = 0.05  # a request waiting for pages tries again this often (frees not announced)
@@ -33,7 +34,8 @@ class Phase(enum.Enum):
     RESERVING = "reserving"  # in line for pages and a running slot
     REGISTERING = "registering"  # pages held; Reserve sent to kv_broker
     WAITING = "waiting"  # registered; waiting for prefill's commit
-    DECODING = "decoding"  # the handoff is DONE: the request is in the running batch
+    DECODING = "decoding"  # the handoff is DONE: the request is in the running batch (or
+    # retracted from it for lack of pages, waiting to recompute here)
     ENDED = "ended"  # the call is over; its pages come back as ``release`` says
 
 
@@ -50,6 +52,23 @@ class Release(enum.Enum):
 
 
 @dataclass(frozen=True)
+class Reservation:
+    """The pages the engine gave a request, in token order. The first ``cached_pages`` hold
+    its prompt's KV already: the prefix cache kept them from an earlier request (a previous
+    turn of the conversation), the request shares them by reference, and prefill writes none
+    of them. The engine matches whole pages and leaves at least the last prompt token to
+    compute, so prefill always writes the rest."""
+
+    page_ids: list[int]
+    cached_pages: int = 0
+
+    def cached_prefix(self, prompt: list[int], page_size: int) -> int:
+        """The name kv_broker carries to prefill for the cached pages: the chained page hash
+        of their tokens, which prefill checks against its own prompt."""
+        return prefix_name(prompt, self.cached_pages, page_size)
+
+
+@dataclass(frozen=True)
 class HandoffEnd:
     """What kv_broker says of a handoff: its ``HandoffStatus`` as plain values."""
 
@@ -58,6 +77,7 @@ class HandoffEnd:
     message: str = ""
     first_token_id: int = 0
     first_token_logprobs: TokenLogprobs | None = None  # when the request asks for logprobs
+    draft_token_ids: tuple[int, ...] = ()  # prefill's drafts after the first token (MTP)
     bytes_written: int = 0
     prefill_instance_id: str = ""  # "" while no prefill resolved it
     prefill_released: bool = False

@@ -24,6 +24,7 @@ from dsmesh.runtime.telemetry import tracing
 from dsmesh.v1 import decode_pb2, decode_pb2_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
+from engine.engine_config import EngineConfig
 
 log = logging.getLogger(__name__)
 _SERVICE = decode_pb2.DESCRIPTOR.services_by_name["Decode"]
@@ -32,6 +33,9 @@ SERVICE = _SERVICE.full_name
 
 @dataclass(frozen=True, kw_only=True)
 class DecodeConfig(InstanceConfig):
+    # the prefix cache keeps finished requests' KV, so a follow-up turn receives only the
+    # pages this instance does not hold already
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(prefix_cache=True))
     transfer: TransferConfig = field(default_factory=TransferConfig)
     handoff_timeout_s: float = 30.0
     release_quarantine_s: float = 10.0
@@ -53,8 +57,12 @@ async def _serve(
     parts = await build_instance(config.engine, config.transfer, config.ep_rank)
     instance = parts.member(config.instance_id or new_instance_id("decode"), kb.ROLE_DECODE)
     handoffs = DecodeHandoffs(config.reserve_wait_s, config.release_quarantine_s)
-    metrics = start_metrics(
-        parts.engine, "decode", config.metrics_port, config.host, lambda _: handoffs.num_waiting
+    metrics = start_metrics(  # waiting: for their KV, or retracted to recompute
+        parts.engine,
+        "decode",
+        config.metrics_port,
+        config.host,
+        lambda load: handoffs.num_waiting + load.num_waiting,
     )
     broker_channel = channel(config.broker_address)
     servicer = DecodeServicer(

@@ -21,9 +21,11 @@ from decode_svc.handoff import (
     DecodeHandoffs,
     HandoffEnd,
     Release,
+    Reservation,
     broker_unreachable,
 )
 from dsmesh.instance.metrics import InstanceMetrics
+from dsmesh.instance.prefixes import prefix_digest
 from dsmesh.instance.rpc import parse_request, server_stream, unary
 from dsmesh.instance.worker import EngineWorker, drain_outputs
 from dsmesh.runtime import telemetry
@@ -37,7 +39,6 @@ from engine.kv_cache import OutOfPagesError
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.token_logprobs import TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +94,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             timeout_s = request.handoff_timeout_ms / 1000
         cancelled = False
         try:
-            pages = await self._reserve(handoff, prompt, params)
-            end = await self._handoff(handoff, len(prompt), pages, timeout_s)
+            reservation = await self._reserve(handoff, prompt, params)
+            end = await self._handoff(handoff, prompt, reservation, timeout_s)
             stream = self._generate(handoff, len(prompt), end)
             async with contextlib.aclosing(stream) as messages:  # its span ends with the call
                 async for message in messages:
@@ -111,7 +112,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def _reserve(
         self, handoff: DecodeHandoff, prompt: list[int], params: SamplingParams
-    ) -> list[int]:
+    ) -> Reservation:
         """Pages (and a running slot) for the request, once every request before it has
         them; RESOURCE_EXHAUSTED when none come within the reserve wait."""
         rid = handoff.request_id
@@ -120,7 +121,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 why = None
                 if self.handoffs.first_in_line(handoff):
                     got = await self.worker.call(lambda e: _try_reserve(e, prompt, params, rid))
-                    if isinstance(got, list):
+                    if isinstance(got, Reservation):
                         handoff.reserved()
                         return got
                     why = got
@@ -133,16 +134,26 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self._room_freed.set()  # the next in line tries now
 
     async def _handoff(
-        self, handoff: DecodeHandoff, num_prompt: int, pages: list[int], timeout_s: float
+        self,
+        handoff: DecodeHandoff,
+        prompt: list[int],
+        reservation: Reservation,
+        timeout_s: float,
     ) -> HandoffEnd:
         """Register the reservation with kv_broker and wait for the handoff's end, inside a
         ``decode.wait_kv`` span (the Reserve and Await calls are its children); returns the
         DONE handoff (its first token), or raises the call's failure."""
         rid = handoff.request_id
+        num_prompt = len(prompt)
+        attributes = {
+            "dsmesh.request_id": rid,
+            "dsmesh.kv.pages": len(reservation.page_ids),
+            "dsmesh.kv.cached_pages": reservation.cached_pages,
+        }
         with telemetry.tracer().start_as_current_span(
-            "decode.wait_kv", attributes={"dsmesh.request_id": rid, "dsmesh.kv.pages": len(pages)}
+            "decode.wait_kv", attributes=attributes
         ) as span:
-            await self._register(handoff, num_prompt, pages, timeout_s)
+            await self._register(handoff, prompt, reservation, timeout_s)
             end = await self._await_end(rid)
             state = kb.HandoffState.Name(end.state)
             span.set_attributes(
@@ -159,11 +170,20 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self.metrics.handoffs.labels(state).inc()
             if end.state == kb.HANDOFF_DONE:
                 self.metrics.prompt_tokens.inc(num_prompt)
+                skipped = reservation.cached_pages
+                self.metrics.skipped_pages.inc(skipped)
+                self.metrics.skipped_bytes.inc(
+                    skipped * self.pool.page_bytes * self.pool.num_layers
+                )
         handoff.ended(end)
         return end
 
     async def _register(
-        self, handoff: DecodeHandoff, num_prompt: int, pages: list[int], timeout_s: float
+        self,
+        handoff: DecodeHandoff,
+        prompt: list[int],
+        reservation: Reservation,
+        timeout_s: float,
     ) -> None:
         reserve = kb.ReserveRequest(
             request_id=handoff.request_id,
@@ -175,9 +195,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 num_pages=self.pool.num_pages,
                 page_bytes=self.pool.page_bytes,
             ),
-            page_ids=pages,
-            num_tokens=num_prompt,
+            page_ids=reservation.page_ids,
+            num_tokens=len(prompt),
             timeout_ms=int(timeout_s * 1000),
+            cached_pages=reservation.cached_pages,
+            cached_prefix=reservation.cached_prefix(prompt, self.layout.page_size),
         )
         try:
             await self.broker.Reserve(reserve, timeout=self.limits.broker_rpc_timeout_s)
@@ -214,7 +236,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         finished = False
         spec: tuple[int, int, int] | None = None  # speculation counts so far
         try:
-            async for out in self._outputs(rid, end.first_token_id, end.first_token_logprobs):
+            async for out in self._outputs(rid, end):
+                if not out.new_token_ids and not out.finished:
+                    continue  # a recompute chunk after a retraction: no token yet
                 finished = out.finished
                 spec = out.spec_counts or spec
                 completion += len(out.new_token_ids)
@@ -239,16 +263,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 span.set_status(Status(StatusCode.ERROR, "stream ended before the last token"))
             span.end()
 
-    async def _outputs(
-        self, rid: str, first_token: int, first_logprobs: TokenLogprobs | None
-    ) -> AsyncIterator[StepOutput]:
-        """The request's step outputs from its activation to its last token."""
+    async def _outputs(self, rid: str, end: HandoffEnd) -> AsyncIterator[StepOutput]:
+        """The request's step outputs from its activation (from the first token, its
+        logprobs and the drafts after it, as the handoff ``end`` carries them) to its last
+        token."""
         loop = asyncio.get_running_loop()
         streams: list[asyncio.Queue[StepOutput]] = []
 
         def activate(engine: LLMEngine) -> StepOutput:
             streams.append(self.worker.stream(rid, loop))
-            out = engine.activate(rid, first_token, first_logprobs)
+            out = engine.activate(
+                rid, end.first_token_id, end.first_token_logprobs, end.draft_token_ids
+            )
             if out.finished:
                 self.worker.unlisten(rid)
             return out
@@ -322,8 +348,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         await self._broker_call("Abort", kb.HandoffRequest(request_id=rid))
 
         def stop_running(engine: LLMEngine) -> bool:
-            req = engine.get(rid)
-            if req is None or req.status is not RequestStatus.RUNNING:
+            req = engine.get(rid)  # running, or retracted and waiting to recompute
+            if req is None or req.status not in (RequestStatus.RUNNING, RequestStatus.WAITING):
                 return False
             return self.worker.abort_request(engine, rid)
 
@@ -334,16 +360,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def GetLoad(  # noqa: N802
         self, request: prefill_pb2.LoadRequest, context: grpc.aio.ServicerContext
     ) -> decode_pb2.DecodeLoad:
-        load = await self.worker.call(lambda e: e.load())
+        # with the changes of its prefix cache, so that a follow-up turn comes back here
+        load, prefixes = await self.worker.call(lambda e: (e.load(), prefix_digest(e, request)))
         engine_config = self.worker.engine.config
         return decode_pb2.DecodeLoad(
             instance_id=self.limits.instance_id,
-            free_pages=load.free_pages,
+            free_pages=load.room_pages,  # retracted requests take theirs back first
             total_pages=load.total_pages,
-            running_requests=load.num_running,
+            running_requests=load.num_running + load.num_waiting,  # with the retracted
             waiting_handoffs=self.handoffs.num_waiting + self.handoffs.num_in_line,
             page_size=engine_config.page_size,
             max_running_requests=engine_config.max_running_requests,
+            prefixes=prefixes,
         )
 
 
@@ -358,6 +386,7 @@ def _end_of(status: kb.HandoffStatus) -> HandoffEnd:
             if status.HasField("first_token_logprobs")
             else None
         ),
+        draft_token_ids=tuple(status.draft_token_ids),
         bytes_written=status.bytes_written,
         prefill_instance_id=status.prefill_instance_id,
         prefill_released=status.prefill_released,
@@ -366,14 +395,16 @@ def _end_of(status: kb.HandoffStatus) -> HandoffEnd:
 
 def _try_reserve(
     engine: LLMEngine, prompt: list[int], params: SamplingParams, rid: str
-) -> list[int] | str:
+) -> Reservation | str:
     """Engine thread: the request's pages and a running slot now, or why not. A slot is held
     from the reservation on, so the running batch never outgrows ``max_running_requests``
-    (the largest CUDA graph). Invalid requests raise InvalidRequestError."""
+    (the largest CUDA graph). The leading pages of the prompt that the prefix cache holds
+    are shared, not written again. Invalid requests raise InvalidRequestError."""
     held = len(engine.requests)
     if held >= engine.config.max_running_requests:
         return f"all {held} request slots are taken (--max-running-requests)"
     try:
-        return list(engine.reserve(prompt, params, rid).pages)
+        req = engine.reserve(prompt, params, rid)
+        return Reservation(list(req.pages), req.num_cached_pages)
     except OutOfPagesError as exc:
         return str(exc)

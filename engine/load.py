@@ -19,6 +19,12 @@ class EngineLoad:
     pending_prompt_tokens: int  # prefill tokens not computed yet: queued or mid-prefill
 
     @property
+    def room_pages(self) -> int:
+        """Pages a new request may count on: free pages less what the requests queued here
+        take first (FIFO), so a router does not send work that can only queue."""
+        return max(0, self.free_pages - self.waiting_pages)
+
+    @property
     def used_pages(self) -> int:
         """Pages held by requests."""
         return self.total_pages - self.free_pages

@@ -37,6 +37,18 @@ def page_hashes(token_ids: Sequence[int], page_size: int) -> list[int]:
     return out
 
 
+def prefix_name(token_ids: Sequence[int], num_pages: int, page_size: int) -> int:
+    """The name of the first ``num_pages`` full pages of ``token_ids`` (the last entry of
+    their :func:`page_hashes`; :data:`ROOT_HASH` for none). ValueError when the tokens do not
+    fill that many pages."""
+    if num_pages < 0 or num_pages * page_size > len(token_ids):
+        raise ValueError(
+            f"{len(token_ids)} tokens do not fill {num_pages} pages of {page_size} tokens"
+        )
+    hashes = page_hashes(token_ids[: num_pages * page_size], page_size)
+    return hashes[-1] if hashes else ROOT_HASH
+
+
 @dataclass(frozen=True)
 class PrefixChanges:
     """What a reader applies to its copy of a cache's page names to bring it up to date.

@@ -53,8 +53,8 @@ class Request:
     num_cached_prompt_tokens: int | None = None
     prefill_only: bool = False  # finish after the first token (prefill instance)
     keep_pages: bool = False  # on finish, hold pages until the owner releases them
-    # Take pages for all of max_total_tokens at admission and never be retracted (PD: the
-    # prefill side sends from its pages, the decode side receives into them)
+    # Take pages for all of max_total_tokens at admission and never be retracted (PD
+    # prefill: the KV transfer reads its pages after it finished)
     reserve_all: bool = False
     arrival: int = 0  # order of arrival at the scheduler: the newest is retracted first
     # params.grammar's state over output_ids (structured outputs); None when unconstrained

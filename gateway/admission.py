@@ -43,7 +43,9 @@ class Ticket:
 
     request_id: str
     prompt_tokens: int
-    total_tokens: int  # prompt + max_new_tokens, capped at the model's context
+    # prompt + max_new_tokens, capped at the model's context: it must fit an idle pool, but
+    # is charged only its prompt's pages and one more (DecodeLoad.pages_to_admit)
+    total_tokens: int
     prompt: PromptPages | None = field(default=None, compare=False)  # for KV-aware routing
 
 
@@ -56,7 +58,7 @@ class MeshLoads:
     decodes: tuple[DecodeLoad, ...] = ()
     unifieds: tuple[DecodeLoad, ...] = ()
     asked_at: Mapping[str, float] = field(default_factory=dict)
-    # the prefixes prefill and unified instances hold (a live view); None: not followed
+    # the prefixes each instance's cache holds (a live view); None: not followed
     prefixes: PrefixIndex | None = field(default=None, compare=False)
 
     @property
@@ -69,7 +71,7 @@ class MeshLoads:
         and the prompt's pages known, KV-aware."""
         hits = None
         if prefix_weight > 0 and ticket.prompt is not None and self.prefixes is not None:
-            ids = [x.instance_id for x in (*self.prefills, *self.unifieds)]
+            ids = [x.instance_id for x in (*self.prefills, *self.decodes, *self.unifieds)]
             hits = PrefixHits(self.prefixes.hits(ticket.prompt, ids), prefix_weight)
         return choose_target(
             list(self.prefills),
@@ -81,7 +83,9 @@ class MeshLoads:
         )
 
     def pages_for(self, target: Target, ticket: Ticket) -> int:
-        return self._instance(target.instance_id).pages_for(ticket.total_tokens)
+        """The pages ``ticket`` is charged on ``target``: those it takes when it starts."""
+        instance = self._instance(target.instance_id)
+        return instance.pages_to_admit(ticket.prompt_tokens, ticket.total_tokens)
 
     def charged(self, target: Target, prompt_tokens: int, pages: int) -> MeshLoads:
         """These loads after one more request went to ``target``."""
@@ -137,14 +141,19 @@ class QueueFull(AdmissionError):
 
 
 class TooLarge(AdmissionError):
-    """No instance could ever hold the request, even idle."""
+    """No instance could ever hold the request, even idle: its prompt with its first new
+    token (``field`` "input_ids"), or prompt + max_new_tokens ("sampling.max_new_tokens")."""
 
-    field = "sampling.max_new_tokens"
-
-    def __init__(self, total_tokens: int, largest_tokens: int) -> None:
+    def __init__(self, total_tokens: int, largest_tokens: int, prompt_tokens: int = 0) -> None:
+        if prompt_tokens:
+            self.field = "input_ids"
+            what = f"the prompt has {prompt_tokens} tokens; with its first new token it"
+        else:
+            self.field = "sampling.max_new_tokens"
+            what = "prompt + max_new_tokens"
         super().__init__(
-            f"prompt + max_new_tokens needs KV for {total_tokens} tokens but the largest "
-            f"instance holds {largest_tokens}"
+            f"{what} needs KV for {total_tokens} tokens but the largest instance holds "
+            f"{largest_tokens}"
         )
 
 
@@ -302,18 +311,27 @@ class AdmissionQueue:
     def is_waiting(self, request_id: str) -> bool:
         return request_id in self._waiting
 
-    def submit(self, ticket: Ticket, loads: MeshLoads, now: float) -> Target | None:
+    def submit(
+        self, ticket: Ticket, loads: MeshLoads, now: float, first: bool = False
+    ) -> Target | None:
         """A new request: its target when it can go at once (nobody waits ahead of it and a
         target has room), else None and it waits. Raises :class:`TooLarge` when no instance
-        could ever hold it, :class:`QueueFull` when ``max_queued`` requests wait already."""
+        could ever hold it, :class:`QueueFull` when ``max_queued`` requests wait already.
+
+        ``first``: a request admitted before whose instance refused it for room before doing
+        any work (decode's ``--reserve-wait``); it goes back to the head of the queue, past
+        the ``max_queued`` bound, since it was accepted already."""
         self._check_fits(ticket, loads)
-        if not self._waiting and loads.routable:
+        if (first or not self._waiting) and loads.routable:
             target = self._try_dispatch(ticket, self.ledger.corrected(loads))
             if target is not None:
                 return target
-        if len(self._waiting) >= self.max_queued:
-            raise QueueFull(len(self._waiting))
-        self._waiting[ticket.request_id] = (ticket, now)
+        if first:
+            self._waiting = {ticket.request_id: (ticket, now), **self._waiting}
+        else:
+            if len(self._waiting) >= self.max_queued:
+                raise QueueFull(len(self._waiting))
+            self._waiting[ticket.request_id] = (ticket, now)
         if not loads.routable and self._unroutable_since is None:
             self._unroutable_since = now
         return None
@@ -379,5 +397,8 @@ class AdmissionQueue:
         if not loads.routable:
             return  # nothing to judge by yet
         pools = (list(loads.prefills), list(loads.decodes), list(loads.unifieds))
+        first = ticket.prompt_tokens + 1
+        if not could_ever_fit(*pools, first):
+            raise TooLarge(first, largest_pool_tokens(*pools), ticket.prompt_tokens)
         if not could_ever_fit(*pools, ticket.total_tokens):
             raise TooLarge(ticket.total_tokens, largest_pool_tokens(*pools))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -113,6 +114,10 @@ class Placement:
 
     decode: Instance  # the decode or unified instance: it streams the tokens
     prefill: Instance | None
+    # the request's id at the instances when not the client's: a request put back in the
+    # queue (Gateway._requeues) gets one per attempt, since the refused attempt's id stays
+    # taken there (kv_broker's tombstone) after its handoff ended
+    call_id: str = ""
 
 
 class _AbortedInQueue(Exception):
@@ -234,21 +239,42 @@ class GenerationCore:
         )
         ctx = trace.set_span_in_context(span, trace_parent)
         try:
-            try:
-                placed = await self._admit(inp, ctx)
-            except _AbortedInQueue:
-                state["outcome"] = "abort"
-                yield Delta([], "", "abort", len(inp.prompt_ids), 0)
-                return
-            self.active[inp.request_id] = placed
-            m.prompt_tokens.inc(len(inp.prompt_ids))
-            if placed.prefill is None:
-                span.set_attribute("dsmesh.unified", placed.decode.instance_id)
-            else:
-                span.set_attribute("dsmesh.prefill", placed.prefill.instance_id)
-                span.set_attribute("dsmesh.decode", placed.decode.instance_id)
-            async for delta in self._stream(inp, placed, start, state, ctx):
-                yield delta
+            requeued = 0
+            while True:
+                try:
+                    placed = await self._admit(inp, ctx, first=requeued > 0)
+                except _AbortedInQueue:
+                    state["outcome"] = "abort"
+                    yield Delta([], "", "abort", len(inp.prompt_ids), 0)
+                    return
+                if requeued:
+                    placed = dataclasses.replace(
+                        placed, call_id=f"{inp.request_id}~requeued-{requeued}"
+                    )
+                self.active[inp.request_id] = placed
+                if not requeued:
+                    m.prompt_tokens.inc(len(inp.prompt_ids))
+                if placed.prefill is None:
+                    span.set_attribute("dsmesh.unified", placed.decode.instance_id)
+                else:
+                    span.set_attribute("dsmesh.prefill", placed.prefill.instance_id)
+                    span.set_attribute("dsmesh.decode", placed.decode.instance_id)
+                sent = False
+                try:
+                    async for delta in self._stream(inp, placed, start, state, ctx):
+                        sent = True
+                        yield delta
+                    return
+                except GatewayError as exc:
+                    if sent or not self._requeues(exc, start):
+                        raise
+                    refusal = exc.message
+                # Refused for room before any work: back to the head of the queue.
+                self.active[inp.request_id] = None
+                self.admission.release(inp.request_id, time.monotonic(), held=False)
+                m.requeued.inc()
+                span.add_event("gateway.requeued", {"dsmesh.reason": refusal})
+                requeued += 1
         except GatewayError as exc:
             if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 state["outcome"] = "rejected"  # the queue, or a full prefill or decode
@@ -271,7 +297,17 @@ class GenerationCore:
                 m.running.dec()
             m.requests.labels(state["outcome"]).inc()
 
-    async def _admit(self, inp: GenerationInput, ctx: Context) -> Placement:
+    def _requeues(self, exc: GatewayError, start: float) -> bool:
+        """Whether a request whose instance answered ``exc`` before sending anything waits in
+        the queue again: the instance refused it for room (RESOURCE_EXHAUSTED: nothing ran,
+        no page is held), and its time in the gateway (``--request-timeout``) is not over.
+        A mesh that accepted a request does not refuse it later for a burst."""
+        return (
+            exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and time.monotonic() - start < self.limits.request_timeout_s
+        )
+
+    async def _admit(self, inp: GenerationInput, ctx: Context, first: bool = False) -> Placement:
         """Wait until the admission queue hands this request a target; raises GatewayError
         (RESOURCE_EXHAUSTED when the queue is full, INVALID_ARGUMENT when no instance could
         ever hold it, UNAVAILABLE when no instance can serve for ``route_wait_s``,
@@ -281,7 +317,9 @@ class GenerationCore:
         pages = PromptPages(inp.prompt_ids) if self.limits.kv_routing_weight > 0 else None
         ticket = Ticket(inp.request_id, prompt, total, pages)
         try:
-            target = self.admission.submit(ticket, self.registry.loads(), time.monotonic())
+            target = self.admission.submit(
+                ticket, self.registry.loads(), time.monotonic(), first=first
+            )
         except AdmissionError as exc:
             raise _gateway_error(exc) from None
         if target is not None:
@@ -343,10 +381,11 @@ class GenerationCore:
         scored: list[TokenLogprobs] | None = None  # prompt logprobs, not handed over yet
         last = start
         sampling: generation_pb2.SamplingParams = sampling_to_proto(inp.params)
+        call_id = placed.call_id or inp.request_id
         if placed.prefill is None:
             stream = generate_unified(
                 placed.decode.stub,  # type: ignore[arg-type]
-                inp.request_id,
+                call_id,
                 inp.prompt_ids,
                 sampling,
                 timeout_s=self.limits.request_timeout_s,
@@ -365,7 +404,7 @@ class GenerationCore:
             stream = generate_pd(
                 placed.prefill.stub,  # type: ignore[arg-type]
                 placed.decode.stub,  # type: ignore[arg-type]
-                inp.request_id,
+                call_id,
                 inp.prompt_ids,
                 sampling,
                 timeout_s=self.limits.request_timeout_s,
@@ -486,7 +525,7 @@ class GenerationCore:
             return False
         from dsmesh.v1 import generation_pb2 as g
 
-        req = g.AbortRequest(request_id=request_id)
+        req = g.AbortRequest(request_id=placed.call_id or request_id)
         calls = [placed.decode.stub.Abort(req, timeout=5)]
         if placed.prefill is not None:
             calls.append(placed.prefill.stub.Abort(req, timeout=5))

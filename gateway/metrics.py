@@ -89,6 +89,12 @@ class GatewayMetrics:
         self.requests = Counter(
             "dsmesh_requests", "finished requests by outcome", ["outcome"], registry=r
         )
+        self.requeued = Counter(
+            "dsmesh_requests_requeued",
+            "requests an instance refused for room before doing any work (decode's "
+            "--reserve-wait), put back at the head of the gateway's queue",
+            registry=r,
+        )
         self.handoff_seconds = Histogram(
             "dsmesh_kv_handoff_seconds",
             "what each request's KV handoff added to its TTFT (prefill's last forward to its "

@@ -6,9 +6,10 @@ gateway needs only the broker's address: it lists instances every second and pol
 until it answers again; one that leaves the broker's list is dropped. Listeners
 (``on_update``) run after every poll round and every change of the list.
 
-With ``follow_prefixes`` each poll of a prefill or unified instance also asks for the changes
-of its prefix cache since the last one, kept in ``prefixes`` (gateway/prefix_index.py) for
-KV-aware routing.
+With ``follow_prefixes`` each poll of an instance also asks for the changes of its prefix
+cache since the last one (prefill and unified instances cache prompts, decode instances the
+KV of finished requests), kept in ``prefixes`` (gateway/prefix_index.py) for KV-aware
+routing.
 """
 
 from __future__ import annotations
@@ -188,7 +189,7 @@ class InstanceRegistry:
     async def _poll(self, inst: Instance) -> None:
         asked_at = time.monotonic()
         request = prefill_pb2.LoadRequest()
-        if self.prefixes is not None and inst.role in (kb.ROLE_PREFILL, kb.ROLE_UNIFIED):
+        if self.prefixes is not None:  # every role caches prefixes (decode: earlier turns)
             epoch, seq = self.prefixes.cursor(inst.instance_id)
             request.prefixes.epoch, request.prefixes.seq = epoch, seq
             request.prefixes.SetInParent()  # asked for even from (0, 0)

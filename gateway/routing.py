@@ -1,15 +1,21 @@
 """Where a request runs, from reported load and prefix caches: pure policies.
 
 A request runs either on a (prefill, decode) pair or on a unified instance (prefill and
-decode in one engine). Decode and unified instances report the same load (``DecodeLoad``): the
-KV pages a request holds for its whole life are taken there.
+decode in one engine). Decode and unified instances report the same load (``DecodeLoad``) and
+take a request's KV pages the same way: its prompt's when it starts, then more as its tokens
+need them, retracting their newest requests when short (docs/ENGINE.md). So a request is
+charged its prompt's pages and one to grow into, never its ``max_new_tokens``: clients that
+omit ``max_tokens`` (up to the context) run at the concurrency of their prompts. Its whole
+life must fit an idle pool (``could_ever_fit``).
 
-KV-aware routing: prefill and unified instances hold a prefix cache, and a prompt whose
-leading tokens an instance holds costs that instance fewer tokens to prefill. ``PrefixHits``
-says how many leading tokens of the prompt each instance holds (gateway/prefix_index.py) and
-what a cached token is worth against load, as NVIDIA Dynamo's KV router weighs prefill tokens
-against active KV blocks: a cached token counts as ``weight`` tokens of queued prefill work
-less on a prefill, and as ``weight`` more free KV tokens on a unified instance.
+KV-aware routing: prefill, decode and unified instances hold a prefix cache. A prompt whose
+leading tokens a prefill or unified instance holds costs it fewer tokens to prefill; a decode
+that holds them (it kept an earlier turn of the conversation) receives only the pages after
+them. ``PrefixHits`` says how many leading tokens of the prompt each instance holds
+(gateway/prefix_index.py) and what a cached token is worth against load, as NVIDIA Dynamo's KV
+router weighs prefill tokens against active KV blocks: a cached token counts as ``weight``
+tokens of queued prefill work less on a prefill, and as ``weight`` more free KV tokens on a
+decode or unified instance.
 """
 
 from __future__ import annotations
@@ -58,16 +64,21 @@ class DecodeLoad:
         """KV pages a request of ``tokens`` takes here (at least 1 when unknown)."""
         return -(-tokens // self.page_size) if self.page_size else 1
 
+    def pages_to_admit(self, prompt_tokens: int, total_tokens: int) -> int:
+        """KV pages a request takes here when it starts: its prompt's and one to grow into,
+        at most those of its whole life (``total_tokens``, prompt + new tokens)."""
+        return min(self.pages_for(prompt_tokens) + 1, self.pages_for(total_tokens))
+
     @property
     def free_tokens(self) -> int:
         """Free room in tokens, comparable across page sizes."""
         return self.free_pages * max(self.page_size, 1)
 
-    def has_room(self, total_tokens: int) -> bool:
-        """A free slot, and free pages for ``total_tokens``."""
+    def has_room(self, prompt_tokens: int, total_tokens: int) -> bool:
+        """A free slot, and free pages to start the request (``pages_to_admit``)."""
         if self.max_running_requests and self.running_requests >= self.max_running_requests:
             return False
-        return self.pages_for(total_tokens) <= self.free_pages
+        return self.pages_to_admit(prompt_tokens, total_tokens) <= self.free_pages
 
     def could_hold(self, total_tokens: int) -> bool:
         """Whether the whole pool, idle, holds a request of ``total_tokens``."""
@@ -135,16 +146,19 @@ def choose_target(
     """A target with room for a request of ``prompt_tokens`` prompt and ``total_tokens``
     prompt + new tokens (capped at the model's context), or None when none has room now.
 
-    Among decode and unified instances with a free slot and free pages for ``total_tokens``,
-    the one with the most free tokens (a unified instance's plus ``hits.weight`` per cached
-    token of the prompt), then the fewest running requests, then the smallest id. A decode
-    counts only when some prefill has room for the prompt, and gets the one with the least
-    queued work (``choose_prefill``). Without ``hits`` (KV-aware routing off), load alone.
+    Among decode and unified instances with a free slot and free pages to start it (its
+    prompt's and one more: ``DecodeLoad.pages_to_admit``), the one with the most free tokens
+    (plus ``hits.weight`` per cached token of the prompt), then the fewest running requests,
+    then the smallest id. A decode counts only when some prefill has room for the prompt,
+    and gets the one with the least queued work (``choose_prefill``). Without ``hits``
+    (KV-aware routing off), load alone.
     """
     roomy_prefills = [p for p in prefills if p.has_room(prompt_tokens)]
     prefill = choose_prefill(roomy_prefills, hits)
-    roomy_unifieds = [u for u in unifieds if u.has_room(total_tokens)]
-    roomy_decodes = [d for d in decodes if d.has_room(total_tokens)] if prefill else []
+    roomy_unifieds = [u for u in unifieds if u.has_room(prompt_tokens, total_tokens)]
+    roomy_decodes = (
+        [d for d in decodes if d.has_room(prompt_tokens, total_tokens)] if prefill else []
+    )
     if not roomy_unifieds and not roomy_decodes:
         return None
 
@@ -156,11 +170,9 @@ def choose_target(
     best = min(
         roomy_unifieds + roomy_decodes,
         key=lambda x: (
-            # a decode holds no prefix for its request: its prefill does
-            -(
-                x.free_tokens
-                + (weight * held(x.instance_id) if x.instance_id in unified_ids else 0)
-            ),
+            # a unified instance's cached tokens are prefill work and pages saved; a decode's
+            # (its cache kept an earlier turn) are pages it neither takes nor receives
+            -(x.free_tokens + weight * held(x.instance_id)),
             x.running_requests,
             x.instance_id,
         ),

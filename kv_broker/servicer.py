@@ -115,6 +115,7 @@ def _status(h: Handoff) -> pb.HandoffStatus:
         bytes_written=h.bytes_written,
         prefill_released=h.prefill_released,
         cause=int(h.cause),
+        draft_token_ids=h.draft_token_ids,
     )
     if h.first_token_logprobs is not None:
         status.first_token_logprobs.ParseFromString(h.first_token_logprobs)
@@ -180,6 +181,7 @@ class _HandoffSpans:
                 "dsmesh.request_id": h.request_id,
                 "dsmesh.decode_instance_id": h.decode_instance_id,
                 "dsmesh.kv.pages": len(h.page_ids),
+                "dsmesh.kv.cached_pages": h.cached_pages,
                 "dsmesh.prompt_tokens": h.num_tokens,
             },
         )
@@ -435,6 +437,8 @@ class KVBrokerServicer(kv_broker_pb2_grpc.KVBrokerServicer):
             page_ids=list(request.page_ids),
             num_tokens=request.num_tokens,
             timeout_s=request.timeout_ms / 1000.0 if request.timeout_ms else None,
+            cached_pages=request.cached_pages,
+            cached_prefix=request.cached_prefix,
         )
         HandoffTable.validate_reservation(**args)  # bad input before state checks
         self._require_attached(request.decode_instance_id, pb.ROLE_DECODE, "decode_instance_id")
@@ -486,6 +490,8 @@ class KVBrokerServicer(kv_broker_pb2_grpc.KVBrokerServicer):
             pool=_pool_proto(h.pool),
             page_ids=h.page_ids,
             num_tokens=h.num_tokens,
+            cached_pages=h.cached_pages,
+            cached_prefix=h.cached_prefix,
         )
 
     @_unary
@@ -514,6 +520,7 @@ class KVBrokerServicer(kv_broker_pb2_grpc.KVBrokerServicer):
             request.bytes_written,
             self._clock(),
             first_token_logprobs=logprobs,
+            draft_token_ids=list(request.draft_token_ids),
         )
         self._publish([t])
         return _status(t.handoff)

@@ -8,6 +8,10 @@ Beside the state, each record tracks ``prefill_released``: whether prefill can s
 into decode's pages. Decode must not reuse its pages before that is true, whatever the state:
 a handoff can be ABORTED while prefill's writes are still in flight.
 
+A reservation may say that decode holds the first pages of the prompt already
+(``cached_pages``: its prefix cache kept them from an earlier turn); the table carries that,
+with the name of those pages' tokens, to prefill, which writes only the pages after them.
+
 Deadlines follow the work: a reservation must be picked up by a prefill within the handoff's
 timeout; from then on, each Resolve and Progress moves the deadline to at least the timeout
 plus twice what prefill expects the rest to take (its queue, the compute, the KV bytes over
@@ -159,6 +163,11 @@ class Handoff:
     num_tokens: int
     timeout_s: float
     deadline: float
+    # Leading ``page_ids`` whose KV decode holds already (its prefix cache): prefill writes
+    # none of them. ``cached_prefix`` names their tokens (a chained page hash, opaque here)
+    # so that prefill can check its prompt starts with them.
+    cached_pages: int = 0
+    cached_prefix: int = 0
     prefill_instance_id: str = ""
     allowed_s: float = 0.0  # deadline minus the last report that set it
     expected_s: float = 0.0  # prefill's last estimate of the time to its commit
@@ -166,6 +175,9 @@ class Handoff:
     # The first token's logprobs as prefill committed them (a serialised message), carried
     # to decode unread; None when the request asked for none.
     first_token_logprobs: bytes | None = None
+    # Speculative decoding: the tokens prefill drafted after the first one, carried to
+    # decode unread (its first step verifies them); empty when it drafted none.
+    draft_token_ids: tuple[int, ...] = ()
     bytes_written: int = 0
     tokens_written: int = 0
     message: str = ""
@@ -257,6 +269,8 @@ class HandoffTable:
         page_ids: Sequence[int],
         num_tokens: int,
         timeout_s: float | None = None,
+        cached_pages: int = 0,
+        cached_prefix: int = 0,
     ) -> None:
         """INVALID_ARGUMENT naming the first bad field of a reservation, else nothing."""
         _require_id(request_id, "request_id")
@@ -283,6 +297,15 @@ class HandoffTable:
             )
         if timeout_s is not None and timeout_s <= 0:
             raise _invalid(f"timeout must be positive, got {timeout_s}")
+        # Prefill always writes the page of the last prompt token (it samples the first
+        # token there), so decode can hold fewer pages than the prompt fills, never all.
+        if not 0 <= cached_pages * layout.page_size < num_tokens:
+            raise _invalid(
+                f"cached_pages={cached_pages} of {layout.page_size} tokens must be >= 0 and "
+                f"leave some of num_tokens={num_tokens} to write"
+            )
+        if cached_prefix and not cached_pages:
+            raise _invalid(f"cached_prefix={cached_prefix} names pages, but cached_pages is 0")
 
     def reserve(
         self,
@@ -294,12 +317,23 @@ class HandoffTable:
         num_tokens: int,
         now: float,
         timeout_s: float | None = None,
+        cached_pages: int = 0,
+        cached_prefix: int = 0,
     ) -> Transition:
-        """Decode registered ``page_ids`` (in token order) for ``num_tokens`` prompt tokens.
+        """Decode registered ``page_ids`` (in token order) for ``num_tokens`` prompt tokens,
+        the first ``cached_pages`` of which it holds already (named by ``cached_prefix``).
 
         ``timeout_s`` bounds the whole handoff (None: the table default)."""
         self.validate_reservation(
-            request_id, decode_instance_id, layout, pool, page_ids, num_tokens, timeout_s
+            request_id,
+            decode_instance_id,
+            layout,
+            pool,
+            page_ids,
+            num_tokens,
+            timeout_s,
+            cached_pages,
+            cached_prefix,
         )
         existing = self._handoffs.get(request_id)
         if existing is not None:
@@ -320,6 +354,8 @@ class HandoffTable:
             num_tokens=num_tokens,
             timeout_s=timeout,
             deadline=now + timeout,
+            cached_pages=cached_pages,
+            cached_prefix=cached_prefix,
             allowed_s=timeout,
         )
         self._handoffs[request_id] = h
@@ -394,10 +430,14 @@ class HandoffTable:
         bytes_written: int,
         now: float,
         first_token_logprobs: bytes | None = None,
+        draft_token_ids: Sequence[int] = (),
     ) -> Transition:
-        """All KV is written and the first token sampled: TRANSFERRING -> DONE."""
+        """All KV is written and the first token sampled (and, when speculating, the tokens
+        drafted after it): TRANSFERRING -> DONE."""
         if first_token_id < 0:
             raise _invalid(f"first_token_id must not be negative, got {first_token_id}")
+        if any(t < 0 for t in draft_token_ids):
+            raise _invalid(f"draft_token_ids must not be negative, got {list(draft_token_ids)}")
         if bytes_written < 0:
             raise _invalid(f"bytes_written must not be negative, got {bytes_written}")
         h = self._lookup(request_id)
@@ -407,6 +447,7 @@ class HandoffTable:
             )
         h.first_token_id = first_token_id
         h.first_token_logprobs = first_token_logprobs
+        h.draft_token_ids = tuple(draft_token_ids)
         h.tokens_written = h.num_tokens
         h.bytes_written = max(h.bytes_written, bytes_written)
         return self._finish(h, HandoffState.DONE, "", now, HandoffCause.UNSPECIFIED, True)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from dsmesh.instance.failures import CallFailed, Code, already_active, handoff_failed
 from dsmesh.v1 import kv_broker_pb2 as kb
 from engine.kv_cache import pages_for
+from engine.prefix_hashes import prefix_name
 
 _ENDED = (kb.HANDOFF_FAILED, kb.HANDOFF_ABORTED, kb.HANDOFF_TIMED_OUT)
 
@@ -98,6 +99,17 @@ def resolve_failed(code: str, details: str, taken: bool = False) -> CallFailed:
     return CallFailed(Code[code], message)
 
 
+def same_prefix(
+    prompt: Sequence[int], cached_pages: int, cached_prefix: int, page_size: int
+) -> bool:
+    """Whether ``cached_prefix``, decode's name for the ``cached_pages`` leading pages it
+    holds, names this prompt's first pages (engine/prefix_hashes.py)."""
+    try:
+        return prefix_name(prompt, cached_pages, page_size) == cached_prefix
+    except ValueError:  # the prompt has not that many pages
+        return False
+
+
 def commit_failed(code: str, details: str) -> CallFailed:
     """kv_broker refused the commit with the gRPC status named ``code``: ABORTED when the
     handoff had ended already, UNAVAILABLE when the broker could not be reached."""
@@ -115,6 +127,7 @@ class PrefillHandoff:
         self.phase = Phase.RESOLVING
         self.remote_pages: list[int] = []  # decode's pages for the prompt, in token order
         self.next_page = 0  # first prompt page not yet (fully) sent; engine thread
+        self.cached_pages = 0  # leading pages decode holds already: never sent
         self.stop: Stop | None = None  # how it stopped, once STOPPED
         self._prefilled_at: float | None = None
 
@@ -124,23 +137,43 @@ class PrefillHandoff:
 
     # ---- the way to a commit --------------------------------------------------------------
 
-    def resolved(self, num_tokens: int, page_ids: Sequence[int]) -> Stop | None:
-        """Decode's reservation: ``page_ids`` for ``num_tokens`` prompt tokens. None when it
-        fits this prompt; a Stop (FAILED_PRECONDITION) when decode reserved for another. A
-        request stopped while it resolved gets a Stop that gives the reservation back."""
+    def resolved(
+        self,
+        num_tokens: int,
+        page_ids: Sequence[int],
+        cached_pages: int = 0,
+        prefix_matches: bool = True,
+    ) -> Stop | None:
+        """Decode's reservation: ``page_ids`` for ``num_tokens`` prompt tokens, the first
+        ``cached_pages`` of which decode holds already (they are never written), and
+        ``prefix_matches``: whether the name decode gave those pages is this prompt's. None when
+        it fits this prompt; a Stop (FAILED_PRECONDITION) when decode reserved for another,
+        or holds pages of another prefix. A request stopped while it resolved gets a Stop that
+        gives the reservation back."""
         if self.stop is not None:  # the reservation is ours all the same: give it back
             return Stop(Notice.NONE, kb.CAUSE_UNSPECIFIED, "", Free.RELEASE, False, self.stop.error)
         self._expect(Phase.RESOLVING)
         self.phase = Phase.RESOLVED
         needed = pages_for(self.prompt_len, self.page_size)
+        message = ""
         if num_tokens != self.prompt_len or len(page_ids) < needed:
             message = (
                 f"decode reserved {len(page_ids)} pages for {num_tokens} tokens; "
                 f"this prompt has {self.prompt_len} tokens"
             )
+        elif not 0 <= cached_pages * self.page_size < self.prompt_len:
+            message = (
+                f"decode holds {cached_pages} pages of this {self.prompt_len}-token prompt; "
+                "it must leave the last one to write"
+            )
+        elif not prefix_matches:
+            message = f"the {cached_pages} pages decode holds are not this prompt's prefix"
+        if message:
             failure = CallFailed(Code.FAILED_PRECONDITION, message)
             return self._stop(Notice.FAIL, kb.CAUSE_PROMPT_MISMATCH, message, failure)
         self.remote_pages = list(page_ids[:needed])
+        self.cached_pages = cached_pages
+        self.next_page = cached_pages  # decode's copy of those pages stays as it is
         return None
 
     def submit(self) -> None:
@@ -153,7 +186,8 @@ class PrefillHandoff:
     def pages_to_send(self, end: int) -> range:
         """Engine thread, after a forward computed the prompt up to token ``end``: the
         indexes of the request's pages to write now, each into ``remote_pages`` at the same
-        index. A page the forward left half-filled is sent again with the next chunk."""
+        index; none of the ``cached_pages`` that decode holds. A page the forward left
+        half-filled is sent again with the next chunk."""
         last = pages_for(end, self.page_size)
         if last <= self.next_page:
             return range(0)

@@ -46,6 +46,7 @@ from prefill_svc.handoff import (
     commit_failed,
     may_be_duplicate,
     resolve_failed,
+    same_prefix,
 )
 from prefill_svc.transfer_queue import ChunkJob, FinalJob, TransferCallbacks, TransferQueue
 
@@ -72,6 +73,9 @@ class _Job:
     write_s: float = 0.0  # time the transfer lane spent writing this request's KV
     # the first token's logprobs, when the request asks for them (set when prefilled)
     first_logprobs: TokenLogprobs | None = None
+    # speculative decoding: the tokens drafted after the first one, for decode's first step
+    # (set when prefilled)
+    draft_token_ids: list[int] = field(default_factory=list)
     # engine thread: the prompt logprobs so far, when the request asks for them
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # Engine thread only: when the request was queued, the end of its last traced interval
@@ -182,7 +186,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         job = _Job(handoff, self.loop.create_future(), telemetry.current_context())
         self.jobs[rid] = job
         try:
-            await self._resolve(job)
+            await self._resolve(job, prompt)
             await self._transfer_room(job)
             await self._submit(job, prompt, params)
             first_token, nbytes = await job.done
@@ -212,8 +216,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         finally:
             self.jobs.pop(rid, None)
 
-    async def _resolve(self, job: _Job) -> None:
-        """Decode's pages for the prompt, through kv_broker (waiting for the reservation)."""
+    async def _resolve(self, job: _Job, prompt: list[int]) -> None:
+        """Decode's pages for the prompt, through kv_broker (waiting for the reservation),
+        less the leading ones decode holds already."""
         req = kb.ResolveRequest(
             request_id=job.request_id,
             prefill_instance_id=self.limits.instance_id,
@@ -229,7 +234,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             code = exc.code().name
             taken = may_be_duplicate(code) and await self._resolved_before(job.request_id)
             raise resolve_failed(code, exc.details() or "", taken) from exc
-        stop = job.handoff.resolved(res.num_tokens, list(res.page_ids))
+        same = same_prefix(prompt, res.cached_pages, res.cached_prefix, self.page_size)
+        stop = job.handoff.resolved(res.num_tokens, list(res.page_ids), res.cached_pages, same)
         if stop is not None:
             await self._stop(job, stop)
             raise stop.error
@@ -253,7 +259,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         still to write (an over-estimate: kv_broker's deadline keeps ahead of it)."""
         queued = sum(j.handoff.prompt_len for j in self.jobs.values())
         pool = self.transfers.pool
-        own = pages_for(job.handoff.prompt_len, self.page_size) * pool.page_bytes * pool.num_layers
+        own_pages = pages_for(job.handoff.prompt_len, self.page_size) - job.handoff.cached_pages
+        own = own_pages * pool.page_bytes * pool.num_layers
         pending, rate = self.transfers.pending_bytes, self.transfers.write_rate.rate
         backlog = Backlog(queued, self._token_rate.rate, pending + own, rate)
         return int(backlog.seconds() * 1000)
@@ -305,6 +312,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if out.finished:
             handoff.prefilled(time.monotonic())
             job.first_logprobs = out.logprobs[0] if out.logprobs else None
+            job.draft_token_ids = engine.handoff_drafts(job.request_id)
             job.cached_tokens = req.num_cached_prompt_tokens or 0
         pages = handoff.pages_to_send(end)
         if pages:
@@ -390,6 +398,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         )
         if job.first_logprobs is not None:  # set on the engine thread before the final write
             req.first_token_logprobs.CopyFrom(logprobs_to_proto(job.first_logprobs))
+        req.draft_token_ids.extend(job.draft_token_ids)  # set with first_logprobs
         try:
             await self.broker.Commit(req, timeout=self.limits.broker_rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:

@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=10.0,
         help="longest wait for prefill to release a failed handoff before its pages are reused",
     )
-    add_instance_args(p)
+    add_instance_args(p, prefix_cache_default=True)  # a follow-up turn skips held pages
     p.set_defaults(func=run)
 
 

@@ -25,19 +25,19 @@ _sym_db = _symbol_database.Default()
 from dsmesh.v1 import generation_pb2 as dsmesh_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64smesh/v1/kv_broker.proto\x12\tdsmesh.v1\x1a\x1a\x64smesh/v1/generation.proto\"r\n\x08KVLayout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x0e\n\x06kv_dim\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\r\n\x05model\x18\x05 \x01(\t\x12\x11\n\ttransport\x18\x06 \x01(\t\"_\n\nRemotePool\x12\x18\n\x10transfer_session\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_ptr\x18\x02 \x01(\x04\x12\x11\n\tnum_pages\x18\x03 \x01(\x05\x12\x12\n\npage_bytes\x18\x04 \x01(\x03\"n\n\x08Instance\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1d\n\x04role\x18\x02 \x01(\x0e\x32\x0f.dsmesh.v1.Role\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x18\n\x10transfer_session\x18\x04 \x01(\t\"6\n\rAttachRequest\x12%\n\x08instance\x18\x01 \x01(\x0b\x32\x13.dsmesh.v1.Instance\"\xc7\x01\n\x0b\x42rokerEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.dsmesh.v1.HandoffState\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x11\n\theartbeat\x18\x05 \x01(\x08\x12\x18\n\x10prefill_released\x18\x06 \x01(\x08\x12&\n\x05\x63\x61use\x18\x07 \x01(\x0e\x32\x17.dsmesh.v1.HandoffCause\"\xc4\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x02 \x01(\t\x12#\n\x06layout\x18\x03 \x01(\x0b\x32\x13.dsmesh.v1.KVLayout\x12#\n\x04pool\x18\x04 \x01(\x0b\x32\x15.dsmesh.v1.RemotePool\x12\x10\n\x08page_ids\x18\x05 \x03(\x05\x12\x12\n\nnum_tokens\x18\x06 \x01(\x05\x12\x12\n\ntimeout_ms\x18\x07 \x01(\x05\"\x11\n\x0fReserveResponse\"\x8c\x01\n\x0eResolveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x13prefill_instance_id\x18\x02 \x01(\t\x12#\n\x06layout\x18\x03 \x01(\x0b\x32\x13.dsmesh.v1.KVLayout\x12\x0f\n\x07wait_ms\x18\x04 \x01(\x05\x12\x13\n\x0b\x65xpected_ms\x18\x05 \x01(\x05\"x\n\x0fResolveResponse\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x01 \x01(\t\x12#\n\x04pool\x18\x02 \x01(\x0b\x32\x15.dsmesh.v1.RemotePool\x12\x10\n\x08page_ids\x18\x03 \x03(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\"i\n\x0fProgressRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etokens_written\x18\x02 \x01(\x05\x12\x15\n\rbytes_written\x18\x03 \x01(\x03\x12\x13\n\x0b\x65xpected_ms\x18\x04 \x01(\x05\"\x8a\x01\n\rCommitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x15\n\rbytes_written\x18\x03 \x01(\x03\x12\x36\n\x14\x66irst_token_logprobs\x18\x04 \x01(\x0b\x32\x18.dsmesh.v1.TokenLogprobs\"Y\n\x0b\x46\x61ilRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12&\n\x05\x63\x61use\x18\x03 \x01(\x0e\x32\x17.dsmesh.v1.HandoffCause\"$\n\x0eHandoffRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"3\n\x0c\x41waitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07wait_ms\x18\x02 \x01(\x05\"\xbe\x02\n\rHandoffStatus\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.dsmesh.v1.HandoffState\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x05 \x01(\t\x12\x1b\n\x13prefill_instance_id\x18\x06 \x01(\t\x12\x15\n\rbytes_written\x18\x07 \x01(\x03\x12\x18\n\x10prefill_released\x18\x08 \x01(\x08\x12&\n\x05\x63\x61use\x18\t \x01(\x0e\x32\x17.dsmesh.v1.HandoffCause\x12\x36\n\x14\x66irst_token_logprobs\x18\n \x01(\x0b\x32\x18.dsmesh.v1.TokenLogprobs\"\x16\n\x14ListInstancesRequest\"?\n\x15ListInstancesResponse\x12&\n\tinstances\x18\x01 \x03(\x0b\x32\x13.dsmesh.v1.Instance*Q\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\x10\n\x0cROLE_UNIFIED\x10\x03*\xaf\x01\n\x0cHandoffState\x12\x1d\n\x19HANDOFF_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10HANDOFF_RESERVED\x10\x01\x12\x18\n\x14HANDOFF_TRANSFERRING\x10\x02\x12\x10\n\x0cHANDOFF_DONE\x10\x03\x12\x12\n\x0eHANDOFF_FAILED\x10\x04\x12\x13\n\x0fHANDOFF_ABORTED\x10\x05\x12\x15\n\x11HANDOFF_TIMED_OUT\x10\x06*\xc6\x02\n\x0cHandoffCause\x12\x15\n\x11\x43\x41USE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x43\x41USE_LAYOUT_MISMATCH\x10\x01\x12\x19\n\x15\x43\x41USE_PROMPT_MISMATCH\x10\x02\x12\x13\n\x0f\x43\x41USE_TIMED_OUT\x10\x03\x12\x18\n\x14\x43\x41USE_CLIENT_ABORTED\x10\x04\x12\x16\n\x12\x43\x41USE_PREFILL_LOST\x10\x05\x12\x15\n\x11\x43\x41USE_DECODE_LOST\x10\x06\x12\x1d\n\x19\x43\x41USE_PREFILL_UNREACHABLE\x10\x07\x12\x18\n\x14\x43\x41USE_PREFILL_FAILED\x10\x08\x12\x19\n\x15\x43\x41USE_TRANSFER_FAILED\x10\t\x12\x19\n\x15\x43\x41USE_INVALID_REQUEST\x10\n\x12\x1c\n\x18\x43\x41USE_BROKER_UNREACHABLE\x10\x0b\x32\xd0\x05\n\x08KVBroker\x12<\n\x06\x41ttach\x12\x18.dsmesh.v1.AttachRequest\x1a\x16.dsmesh.v1.BrokerEvent0\x01\x12@\n\x07Reserve\x12\x19.dsmesh.v1.ReserveRequest\x1a\x1a.dsmesh.v1.ReserveResponse\x12@\n\x07Resolve\x12\x19.dsmesh.v1.ResolveRequest\x1a\x1a.dsmesh.v1.ResolveResponse\x12@\n\x08Progress\x12\x1a.dsmesh.v1.ProgressRequest\x1a\x18.dsmesh.v1.HandoffStatus\x12<\n\x06\x43ommit\x12\x18.dsmesh.v1.CommitRequest\x1a\x18.dsmesh.v1.HandoffStatus\x12\x38\n\x04\x46\x61il\x12\x16.dsmesh.v1.FailRequest\x1a\x18.dsmesh.v1.HandoffStatus\x12<\n\x05\x41\x62ort\x12\x19.dsmesh.v1.HandoffRequest\x1a\x18.dsmesh.v1.HandoffStatus\x12>\n\x07Release\x12\x19.dsmesh.v1.HandoffRequest\x1a\x18.dsmesh.v1.HandoffStatus\x12:\n\x03Get\x12\x19.dsmesh.v1.HandoffRequest\x1a\x18.dsmesh.v1.HandoffStatus\x12:\n\x05\x41wait\x12\x17.dsmesh.v1.AwaitRequest\x1a\x18.dsmesh.v1.HandoffStatus\x12R\n\rListInstances\x12\x1f.dsmesh.v1.ListInstancesRequest\x1a .dsmesh.v1.ListInstancesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64smesh/v1/kv_broker.proto\x12\tdsmesh.v1\x1a\x1a\x64smesh/v1/generation.proto\"r\n\x08KVLayout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x0e\n\x06kv_dim\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\r\n\x05model\x18\x05 \x01(\t\x12\x11\n\ttransport\x18\x06 \x01(\t\"_\n\nRemotePool\x12\x18\n\x10transfer_session\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_ptr\x18\x02 \x01(\x04\x12\x11\n\tnum_pages\x18\x03 \x01(\x05\x12\x12\n\npage_bytes\x18\x04 \x01(\x03\"n\n\x08Instance\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1d\n\x04role\x18\x02 \x01(\x0e\x32\x0f.dsmesh.v1.Role\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x18\n\x10transfer_session\x18\x04 \x01(\t\"6\n\rAttachRequest\x12%\n\x08instance\x18\x01 \x01(\x0b\x32\x13.dsmesh.v1.Instance\"\xc7\x01\n\x0b\x42rokerEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.dsmesh.v1.HandoffState\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x11\n\theartbeat\x18\x05 \x01(\x08\x12\x18\n\x10prefill_released\x18\x06 \x01(\x08\x12&\n\x05\x63\x61use\x18\x07 \x01(\x0e\x32\x17.dsmesh.v1.HandoffCause\"\xf1\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x02 \x01(\t\x12#\n\x06layout\x18\x03 \x01(\x0b\x32\x13.dsmesh.v1.KVLayout\x12#\n\x04pool\x18\x04 \x01(\x0b\x32\x15.dsmesh.v1.RemotePool\x12\x10\n\x08page_ids\x18\x05 \x03(\x05\x12\x12\n\nnum_tokens\x18\x06 \x01(\x05\x12\x12\n\ntimeout_ms\x18\x07 \x01(\x05\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x08 \x01(\x05\x12\x15\n\rcached_prefix\x18\t \x01(\x10\"\x11\n\x0fReserveResponse\"\x8c\x01\n\x0eResolveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x13prefill_instance_id\x18\x02 \x01(\t\x12#\n\x06layout\x18\x03 \x01(\x0b\x32\x13.dsmesh.v1.KVLayout\x12\x0f\n\x07wait_ms\x18\x04 \x01(\x05\x12\x13\n\x0b\x65xpected_ms\x18\x05 \x01(\x05\"\xa5\x01\n\x0fResolveResponse\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x01 \x01(\t\x12#\n\x04pool\x18\x02 \x01(\x0b\x32\x15.dsmesh.v1.RemotePool\x12\x10\n\x08page_ids\x18\x03 \x03(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x05 \x01(\x05\x12\x15\n\rcached_prefix\x18\x06 \x01(\x10\"i\n\x0fProgressRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etokens_written\x18\x02 \x01(\x05\x12\x15\n\rbytes_written\x18\x03 \x01(\x03\x12\x13\n\x0b\x65xpected_ms\x18\x04 \x01(\x05\"\xa3\x01\n\rCommitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x15\n\rbytes_written\x18\x03 \x01(\x03\x12\x36\n\x14\x66irst_token_logprobs\x18\x04 \x01(\x0b\x32\x18.dsmesh.v1.TokenLogprobs\x12\x17\n\x0f\x64raft_token_ids\x18\x05 \x03(\x05\"Y\n\x0b\x46\x61ilRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12&\n\x05\x63\x61use\x18\x03 \x01(\x0e\x32\x17.dsmesh.v1.HandoffCause\"$\n\x0eHandoffRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"3\n\x0c\x41waitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07wait_ms\x18\x02 \x01(\x05\"\xd7\x02\n\rHandoffStatus\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.dsmesh.v1.HandoffState\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x05 \x01(\t\x12\x1b\n\x13prefill_instance_id\x18\x06 \x01(\t\x12\x15\n\rbytes_written\x18\x07 \x01(\x03\x12\x18\n\x10prefill_released\x18\x08 \x01(\x08\x12&\n\x05\x63\x61use\x18\t \x01(\x0e\x32\x17.dsmesh.v1.HandoffCause\x12\x36\n\x14\x66irst_token_logprobs\x18\n \x01(\x0b\x32\x18.dsmesh.v1.TokenLogprobs\x12\x17\n\x0f\x64raft_token_ids\x18\x0b \x03(\x05\"\x16\n\x14ListInstancesRequest\"?\n\x15ListInstancesResponse\x12&\n\tinstances\x18\x01 \x03(\x0b\x32\x13.dsmesh.v1.Instance*Q\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\x10\n\x0cROLE_UNIFIED\x10\x03*\xaf\x01\n\x0cHandoffState\x12\x1d\n\x19HANDOFF_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10HANDOFF_RESERVED\x10\x01\x12\x18\n\x14HANDOFF_TRANSFERRING\x10\x02\x12\x10\n\x0cHANDOFF_DONE\x10\x03\x12\x12\n\x0eHANDOFF_FAILED\x10\x04\x12\x13\n\x0fHANDOFF_ABORTED\x10\x05\x12\x15\n\x11HANDOFF_TIMED_OUT\x10\x06*\xc6\x02\n\x0cHandoffCause\x12\x15\n\x11\x43\x41USE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x43\x41USE_LAYOUT_MISMATCH\x10\x01\x12\x19\n\x15\x43\x41USE_PROMPT_MISMATCH\x10\x02\x12\x13\n\x0f\x43\x41USE_TIMED_OUT\x10\x03\x12\x18\n\x14\x43\x41USE_CLIENT_ABORTED\x10\x04\x12\x16\n\x12\x43\x41USE_PREFILL_LOST\x10\x05\x12\x15\n\x11\x43\x41USE_DECODE_LOST\x10\x06\x12\x1d\n\x19\x43\x41USE_PREFILL_UNREACHABLE\x10\x07\x12\x18\n\x14\x43\x41USE_PREFILL_FAILED\x10\x08\x12\x19\n\x15\x43\x41USE_TRANSFER_FAILED\x10\t\x12\x19\n\x15\x43\x41USE_INVALID_REQUEST\x10\n\x12\x1c\n\x18\x43\x41USE_BROKER_UNREACHABLE\x10\x0b\x32\xd0\x05\n\x08KVBroker\x12<\n\x06\x41ttach\x12\x18.dsmesh.v1.AttachRequest\x1a\x16.dsmesh.v1.BrokerEvent0\x01\x12@\n\x07Reserve\x12\x19.dsmesh.v1.ReserveRequest\x1a\x1a.dsmesh.v1.ReserveResponse\x12@\n\x07Resolve\x12\x19.dsmesh.v1.ResolveRequest\x1a\x1a.dsmesh.v1.ResolveResponse\x12@\n\x08Progress\x12\x1a.dsmesh.v1.ProgressRequest\x1a\x18.dsmesh.v1.HandoffStatus\x12<\n\x06\x43ommit\x12\x18.dsmesh.v1.CommitRequest\x1a\x18.dsmesh.v1.HandoffStatus\x12\x38\n\x04\x46\x61il\x12\x16.dsmesh.v1.FailRequest\x1a\x18.dsmesh.v1.HandoffStatus\x12<\n\x05\x41\x62ort\x12\x19.dsmesh.v1.HandoffRequest\x1a\x18.dsmesh.v1.HandoffStatus\x12>\n\x07Release\x12\x19.dsmesh.v1.HandoffRequest\x1a\x18.dsmesh.v1.HandoffStatus\x12:\n\x03Get\x12\x19.dsmesh.v1.HandoffRequest\x1a\x18.dsmesh.v1.HandoffStatus\x12:\n\x05\x41wait\x12\x17.dsmesh.v1.AwaitRequest\x1a\x18.dsmesh.v1.HandoffStatus\x12R\n\rListInstances\x12\x1f.dsmesh.v1.ListInstancesRequest\x1a .dsmesh.v1.ListInstancesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dsmesh.v1.kv_broker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=1974
-  _globals['_ROLE']._serialized_end=2055
-  _globals['_HANDOFFSTATE']._serialized_start=2058
-  _globals['_HANDOFFSTATE']._serialized_end=2233
-  _globals['_HANDOFFCAUSE']._serialized_start=2236
-  _globals['_HANDOFFCAUSE']._serialized_end=2562
+  _globals['_ROLE']._serialized_start=2115
+  _globals['_ROLE']._serialized_end=2196
+  _globals['_HANDOFFSTATE']._serialized_start=2199
+  _globals['_HANDOFFSTATE']._serialized_end=2374
+  _globals['_HANDOFFCAUSE']._serialized_start=2377
+  _globals['_HANDOFFCAUSE']._serialized_end=2703
   _globals['_KVLAYOUT']._serialized_start=68
   _globals['_KVLAYOUT']._serialized_end=182
   _globals['_REMOTEPOOL']._serialized_start=184
@@ -49,29 +49,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BROKEREVENT']._serialized_start=450
   _globals['_BROKEREVENT']._serialized_end=649
   _globals['_RESERVEREQUEST']._serialized_start=652
-  _globals['_RESERVEREQUEST']._serialized_end=848
-  _globals['_RESERVERESPONSE']._serialized_start=850
-  _globals['_RESERVERESPONSE']._serialized_end=867
-  _globals['_RESOLVEREQUEST']._serialized_start=870
-  _globals['_RESOLVEREQUEST']._serialized_end=1010
-  _globals['_RESOLVERESPONSE']._serialized_start=1012
-  _globals['_RESOLVERESPONSE']._serialized_end=1132
-  _globals['_PROGRESSREQUEST']._serialized_start=1134
-  _globals['_PROGRESSREQUEST']._serialized_end=1239
-  _globals['_COMMITREQUEST']._serialized_start=1242
-  _globals['_COMMITREQUEST']._serialized_end=1380
-  _globals['_FAILREQUEST']._serialized_start=1382
-  _globals['_FAILREQUEST']._serialized_end=1471
-  _globals['_HANDOFFREQUEST']._serialized_start=1473
-  _globals['_HANDOFFREQUEST']._serialized_end=1509
-  _globals['_AWAITREQUEST']._serialized_start=1511
-  _globals['_AWAITREQUEST']._serialized_end=1562
-  _globals['_HANDOFFSTATUS']._serialized_start=1565
-  _globals['_HANDOFFSTATUS']._serialized_end=1883
-  _globals['_LISTINSTANCESREQUEST']._serialized_start=1885
-  _globals['_LISTINSTANCESREQUEST']._serialized_end=1907
-  _globals['_LISTINSTANCESRESPONSE']._serialized_start=1909
-  _globals['_LISTINSTANCESRESPONSE']._serialized_end=1972
-  _globals['_KVBROKER']._serialized_start=2565
-  _globals['_KVBROKER']._serialized_end=3285
+  _globals['_RESERVEREQUEST']._serialized_end=893
+  _globals['_RESERVERESPONSE']._serialized_start=895
+  _globals['_RESERVERESPONSE']._serialized_end=912
+  _globals['_RESOLVEREQUEST']._serialized_start=915
+  _globals['_RESOLVEREQUEST']._serialized_end=1055
+  _globals['_RESOLVERESPONSE']._serialized_start=1058
+  _globals['_RESOLVERESPONSE']._serialized_end=1223
+  _globals['_PROGRESSREQUEST']._serialized_start=1225
+  _globals['_PROGRESSREQUEST']._serialized_end=1330
+  _globals['_COMMITREQUEST']._serialized_start=1333
+  _globals['_COMMITREQUEST']._serialized_end=1496
+  _globals['_FAILREQUEST']._serialized_start=1498
+  _globals['_FAILREQUEST']._serialized_end=1587
+  _globals['_HANDOFFREQUEST']._serialized_start=1589
+  _globals['_HANDOFFREQUEST']._serialized_end=1625
+  _globals['_AWAITREQUEST']._serialized_start=1627
+  _globals['_AWAITREQUEST']._serialized_end=1678
+  _globals['_HANDOFFSTATUS']._serialized_start=1681
+  _globals['_HANDOFFSTATUS']._serialized_end=2024
+  _globals['_LISTINSTANCESREQUEST']._serialized_start=2026
+  _globals['_LISTINSTANCESREQUEST']._serialized_end=2048
+  _globals['_LISTINSTANCESRESPONSE']._serialized_start=2050
+  _globals['_LISTINSTANCESRESPONSE']._serialized_end=2113
+  _globals['_KVBROKER']._serialized_start=2706
+  _globals['_KVBROKER']._serialized_end=3426
 # @@protoc_insertion_point(module_scope)

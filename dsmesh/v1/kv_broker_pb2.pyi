@@ -128,7 +128,7 @@ class BrokerEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[HandoffState, str]] = ..., first_token_id: _Optional[int] = ..., message: _Optional[str] = ..., heartbeat: _Optional[bool] = ..., prefill_released: _Optional[bool] = ..., cause: _Optional[_Union[HandoffCause, str]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "decode_instance_id", "layout", "pool", "page_ids", "num_tokens", "timeout_ms")
+    __slots__ = ("request_id", "decode_instance_id", "layout", "pool", "page_ids", "num_tokens", "timeout_ms", "cached_pages", "cached_prefix")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,8 @@ class ReserveRequest(_message.Message):
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PREFIX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     decode_instance_id: str
     layout: KVLayout
@@ -143,7 +145,9 @@ class ReserveRequest(_message.Message):
     page_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     timeout_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., decode_instance_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., pool: _Optional[_Union[RemotePool, _Mapping]] = ..., page_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    cached_pages: int
+    cached_prefix: int
+    def __init__(self, request_id: _Optional[str] = ..., decode_instance_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., pool: _Optional[_Union[RemotePool, _Mapping]] = ..., page_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., cached_pages: _Optional[int] = ..., cached_prefix: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ()
@@ -164,16 +168,20 @@ class ResolveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., wait_ms: _Optional[int] = ..., expected_ms: _Optional[int] = ...) -> None: ...
 
 class ResolveResponse(_message.Message):
-    __slots__ = ("decode_instance_id", "pool", "page_ids", "num_tokens")
+    __slots__ = ("decode_instance_id", "pool", "page_ids", "num_tokens", "cached_pages", "cached_prefix")
     DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PREFIX_FIELD_NUMBER: _ClassVar[int]
     decode_instance_id: str
     pool: RemotePool
     page_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
-    def __init__(self, decode_instance_id: _Optional[str] = ..., pool: _Optional[_Union[RemotePool, _Mapping]] = ..., page_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    cached_pages: int
+    cached_prefix: int
+    def __init__(self, decode_instance_id: _Optional[str] = ..., pool: _Optional[_Union[RemotePool, _Mapping]] = ..., page_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., cached_pages: _Optional[int] = ..., cached_prefix: _Optional[int] = ...) -> None: ...
 
 class ProgressRequest(_message.Message):
     __slots__ = ("request_id", "tokens_written", "bytes_written", "expected_ms")
@@ -188,16 +196,18 @@ class ProgressRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tokens_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., expected_ms: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "bytes_written", "first_token_logprobs")
+    __slots__ = ("request_id", "first_token_id", "bytes_written", "first_token_logprobs", "draft_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     bytes_written: int
     first_token_logprobs: _generation_pb2.TokenLogprobs
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., bytes_written: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., bytes_written: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FailRequest(_message.Message):
     __slots__ = ("request_id", "reason", "cause")
@@ -224,7 +234,7 @@ class AwaitRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class HandoffStatus(_message.Message):
-    __slots__ = ("request_id", "state", "first_token_id", "message", "decode_instance_id", "prefill_instance_id", "bytes_written", "prefill_released", "cause", "first_token_logprobs")
+    __slots__ = ("request_id", "state", "first_token_id", "message", "decode_instance_id", "prefill_instance_id", "bytes_written", "prefill_released", "cause", "first_token_logprobs", "draft_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +245,7 @@ class HandoffStatus(_message.Message):
     PREFILL_RELEASED_FIELD_NUMBER: _ClassVar[int]
     CAUSE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     state: HandoffState
     first_token_id: int
@@ -245,7 +256,8 @@ class HandoffStatus(_message.Message):
     prefill_released: bool
     cause: HandoffCause
     first_token_logprobs: _generation_pb2.TokenLogprobs
-    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[HandoffState, str]] = ..., first_token_id: _Optional[int] = ..., message: _Optional[str] = ..., decode_instance_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., bytes_written: _Optional[int] = ..., prefill_released: _Optional[bool] = ..., cause: _Optional[_Union[HandoffCause, str]] = ..., first_token_logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[HandoffState, str]] = ..., first_token_id: _Optional[int] = ..., message: _Optional[str] = ..., decode_instance_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., bytes_written: _Optional[int] = ..., prefill_released: _Optional[bool] = ..., cause: _Optional[_Union[HandoffCause, str]] = ..., first_token_logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListInstancesRequest(_message.Message):
     __slots__ = ()

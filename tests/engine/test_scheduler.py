@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.kv_cache import PageAllocator
+from engine.kv_cache import OutOfPagesError, PageAllocator
 from engine.llm_engine import EngineConfig, GenerationResult, LLMEngine
 from engine.loader import load_model
 from engine.request import Request, RequestStatus
@@ -97,6 +97,81 @@ def test_a_reserve_all_request_is_never_retracted() -> None:
     assert list(sched.waiting) == [grows]
     with pytest.raises(ValueError, match="cannot be retracted"):
         sched.retract(held)
+
+
+# ---- decode: requests reserved for KV that prefill writes ---------------------------------------
+
+
+def handed_off(sched: Scheduler, rid: str, prompt: list[int], first_token: int = 7) -> Request:
+    """What a decode instance does with a request: reserve its pages; once prefill's KV has
+    landed, book prefill's first token and start it (as LLMEngine.activate)."""
+    req = Request(rid, prompt, GREEDY, max_total_tokens=20)
+    sched.reserve(req)
+    req.num_computed = len(prompt)
+    req.output_ids.append(first_token)
+    sched.start_reserved(req)
+    return req
+
+
+def test_a_reservation_takes_its_prompt_pages_and_keeps_them_until_it_runs() -> None:
+    alloc = PageAllocator(8)
+    sched = Scheduler(SchedulerConfig(page_size=1, max_batch_tokens=64), alloc)
+    grows = Request("grows", [1, 2], GREEDY, max_total_tokens=10)
+    sched.add(grows)
+    run_step(sched)
+    reserved = Request("reserved", [1, 2, 3], GREEDY, max_total_tokens=20)
+    sched.reserve(reserved)  # its prompt's 3 pages, not 20
+    assert (len(reserved.pages), reserved.status, alloc.num_free_pages) == (
+        3,
+        RequestStatus.RESERVED,
+        3,
+    )
+    for _ in range(3):
+        run_step(sched)  # grows takes its 3rd, 4th, 5th pages
+    assert alloc.num_free_pages == 0
+    # Short again: prefill may be writing the reserved pages, so the only request that can
+    # give pages back is the one asking for them.
+    assert run_step(sched) == []
+    assert grows.status is RequestStatus.WAITING and grows.pages == []
+    assert reserved.status is RequestStatus.RESERVED and len(reserved.pages) == 3
+    # A new reservation waits behind the retracted request, which came first.
+    with pytest.raises(OutOfPagesError, match="1 retracted requests wait to recompute first"):
+        sched.reserve(Request("later", [1], GREEDY, max_total_tokens=4))
+    sched.finish(reserved, "abort")  # e.g. its handoff failed: nothing reserved any more
+    assert sched.reserved == {} and alloc.num_free_pages == 8
+    assert run_step(sched) == [("grows", 6)]  # its prompt and 4 tokens, as one chunk
+
+
+def test_a_reservation_leaves_a_page_per_growing_request() -> None:
+    sched = Scheduler(SchedulerConfig(page_size=1, max_batch_tokens=64), PageAllocator(6))
+    handed_off(sched, "a", [1, 2])  # 2 pages
+    with pytest.raises(OutOfPagesError, match=r"need 4 KV pages \(\+1 kept free"):
+        sched.reserve(Request("b", [1, 2, 3, 4], GREEDY, max_total_tokens=8))
+    assert sched.num_pages_available == 4 and sched.reserved == {}
+    sched.reserve(Request("c", [1, 2, 3], GREEDY, max_total_tokens=8))  # 3 + 1 of 4
+
+
+def test_a_handed_off_request_is_retracted_and_recomputes_here() -> None:
+    alloc = PageAllocator(8)
+    sched = Scheduler(SchedulerConfig(page_size=1, max_batch_tokens=64), alloc)
+    a = handed_off(sched, "a", [1, 2])
+    b = handed_off(sched, "b", [3, 4])
+    assert alloc.num_free_pages == 4  # prompt pages only
+    run_step(sched)
+    run_step(sched)  # each grew to 4 pages (2 prompt + 2 tokens): the pool is full
+    assert alloc.num_free_pages == 0
+    assert run_step(sched) == [("a", 1)]  # a needs a 5th page: b, the newer, gives its back
+    assert sched.stats().num_retractions == 1
+    assert (b.status, b.pages, b.num_computed, b.output_ids) == (
+        RequestStatus.WAITING,
+        [],
+        0,
+        [7, 7, 7],  # prefill's first token and its own two are kept
+    )
+    sched.finish(a, "length")
+    # b recomputes its prompt, prefill's token and its own as one chunk, then samples.
+    assert run_step(sched) == [("b", 5)]
+    assert (b.num_computed, b.output_ids) == (5, [7, 7, 7, 7])
 
 
 # ---- through the engine ------------------------------------------------------------------------

@@ -105,9 +105,10 @@ def ticket(n: int, pages: int = 4, prompt: int = 10) -> Ticket:
 def test_requests_go_at_once_while_pages_last_then_wait_in_order() -> None:
     q = AdmissionQueue(max_inflight=100, max_queued=10)
     mesh = loads(unified(10))  # one report; nothing polled again in between
-    assert q.submit(ticket(0), mesh, 1.0) == Target("u0")
-    assert q.submit(ticket(1), mesh, 1.0) == Target("u0")  # 8 of 10 pages charged
-    assert q.submit(ticket(2), mesh, 1.0) is None  # 2 pages left: waits
+    prompt = 3 * PAGE  # charged its 3 prompt pages and one to grow into
+    assert q.submit(ticket(0, prompt=prompt), mesh, 1.0) == Target("u0")
+    assert q.submit(ticket(1, prompt=prompt), mesh, 1.0) == Target("u0")  # 8 of 10 charged
+    assert q.submit(ticket(2, prompt=prompt), mesh, 1.0) is None  # 2 pages left: waits
     assert q.submit(ticket(3, pages=1), mesh, 1.0) is None  # fits, but nobody passes r2
     assert (q.num_dispatched, q.num_waiting) == (2, 2)
     assert q.pump(mesh, 1.1, route_wait_s=5).dispatched == []
@@ -136,6 +137,27 @@ def test_max_inflight_bounds_dispatched_requests_and_max_queued_the_waiting() ->
     assert none.submit(ticket(0), mesh, 0.0) == Target("u0")
     with pytest.raises(QueueFull):
         none.submit(ticket(1), mesh, 0.0)
+
+
+def test_a_request_an_instance_turned_away_goes_back_to_the_head_of_the_queue() -> None:
+    """An instance refused a dispatched request for room (nothing ran): submitted again with
+    ``first``, it goes ahead of the requests that came after it, even with the queue full."""
+    q = AdmissionQueue(max_inflight=1, max_queued=2)
+    mesh = loads(unified(1000, 1000))
+    assert [q.submit(ticket(n), mesh, 0.0) for n in range(3)] == [Target("u0"), None, None]
+    q.release("r0", 1.0, held=False)  # refused before it took pages
+    assert q.submit(ticket(0), mesh, 1.0, first=True) == Target("u0")  # ahead of r1, r2
+    assert q.num_waiting == 2
+    # Refused again, and r1 took the slot meanwhile: r0 waits at the head, past max_queued.
+    q.release("r0", 2.0, held=False)
+    assert [t.request_id for t, _ in q.pump(mesh, 2.0, 5).dispatched] == ["r1"]
+    assert q.submit(ticket(3), mesh, 2.0) is None  # the queue is full again: r2, r3
+    assert q.submit(ticket(0), mesh, 2.0, first=True) is None
+    assert q.num_waiting == 3
+    with pytest.raises(QueueFull):
+        q.submit(ticket(4), mesh, 2.0)  # a new request still meets the bound
+    q.release("r1", 3.0)
+    assert [t.request_id for t, _ in q.pump(mesh, 3.0, 5).dispatched] == ["r0"]
 
 
 def test_a_request_no_instance_could_hold_is_refused_at_once() -> None:
@@ -294,3 +316,49 @@ def test_a_decode_counts_its_reserved_and_waiting_requests_as_slots_held() -> No
     assert requests_held(kb.ROLE_DECODE, load) == 64  # reserved, awaiting KV: no slot left
     # a unified instance's running_requests counts its engine's queue already
     assert requests_held(kb.ROLE_UNIFIED, load) == 60
+
+
+# ---- pages on demand ---------------------------------------------------------------------------
+
+
+def test_a_request_is_charged_its_prompt_pages_and_one_more() -> None:
+    d = DecodeLoad("d0", 100, 100, 0, PAGE)
+    assert d.pages_to_admit(40, 4096) == 3 + 1  # not the 256 pages of its whole life
+    assert d.pages_to_admit(40, 48) == 3  # never more than its whole life
+    assert DecodeLoad("old", 100, 100, 0).pages_to_admit(40, 4096) == 1  # page size unknown
+
+
+@pytest.mark.parametrize("pair", [False, True])
+def test_omitted_max_tokens_runs_at_the_concurrency_of_the_prompts(pair: bool) -> None:
+    """OpenAI's omitted max_tokens asks for the whole pool (gateway.core.room_to_generate):
+    each such request is charged its prompt's pages, not the pool, so many go at once."""
+    pool = DecodeLoad("d0", 64, 64, 0, PAGE)  # 1024 tokens
+    if pair:
+        mesh = MeshLoads(
+            prefills=(PrefillLoad("p0", 0, 0),),
+            decodes=(pool,),
+            asked_at={"p0": 0.0, "d0": 0.0},
+        )
+    else:
+        mesh = loads(pool)
+    q = AdmissionQueue(max_inflight=100, max_queued=100)
+    targets = [q.submit(Ticket(f"r{n}", 40, 1024), mesh, 0.0) for n in range(20)]
+    went = [t for t in targets if t is not None]
+    assert len(went) == 16  # 4 pages each of 64, where charging the whole pool lets 1 go
+    assert all(t.instance_id == "d0" and (t.prefill_id == "p0") == pair for t in went)
+
+
+def test_a_request_that_can_never_fit_names_the_field() -> None:
+    q = AdmissionQueue(max_inflight=8, max_queued=8)
+    mesh = loads(unified(0, 4))  # 64 tokens
+    with pytest.raises(TooLarge) as info:
+        q.submit(Ticket("prompt", 64, 64), mesh, 0.0)  # with its first new token: 65
+    assert info.value.field == "input_ids"
+    assert str(info.value) == (
+        "the prompt has 64 tokens; with its first new token it needs KV for 65 tokens but "
+        "the largest instance holds 64"
+    )
+    with pytest.raises(TooLarge) as info:
+        q.submit(Ticket("long", 10, 65), mesh, 0.0)
+    assert info.value.field == "sampling.max_new_tokens"
+    assert q.submit(Ticket("fits", 63, 64), mesh, 0.0) is None  # waits for room

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from decode_svc.handoff import Reservation
 from decode_svc.servicer import _try_reserve
 from engine.errors import InvalidRequestError
 from engine.llm_engine import EngineConfig, LLMEngine
@@ -21,12 +22,12 @@ def test_a_request_holds_a_slot_from_its_reservation(engine: LLMEngine) -> None:
     params = SamplingParams(max_new_tokens=8)
     first = _try_reserve(engine, [1, 2, 3], params, "a")
     second = _try_reserve(engine, [1, 2, 3], params, "b")
-    assert first == [0] and second == [1]  # one page each (3 + 8 tokens)
+    assert first == Reservation([0]) and second == Reservation([1])  # the prompt's one page
     third = _try_reserve(engine, [1, 2, 3], params, "c")
     assert third == "all 2 request slots are taken (--max-running-requests)"
     assert engine.scheduler.num_pages_available == 14  # the third took nothing
     engine.abort("a")
-    assert _try_reserve(engine, [1, 2, 3], params, "c") == [0]
+    assert _try_reserve(engine, [1, 2, 3], params, "c") == Reservation([0])
     for rid in ("b", "c"):
         engine.abort(rid)
 
@@ -34,7 +35,8 @@ def test_a_request_holds_a_slot_from_its_reservation(engine: LLMEngine) -> None:
 def test_short_of_pages_says_how_many(engine: LLMEngine) -> None:
     _try_reserve(engine, [1] * 100, SamplingParams(max_new_tokens=10), "hold")  # 7 pages
     why = _try_reserve(engine, [1] * 200, SamplingParams(max_new_tokens=50), "big")
-    assert why == "need 16 KV pages, 9 available"
+    # the prompt's 13 pages, and one kept free for "hold" to grow into once it runs
+    assert why == "need 13 KV pages (+1 kept free for requests to grow), 9 available"
     engine.abort("hold")
 
 

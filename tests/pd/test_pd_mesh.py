@@ -330,15 +330,16 @@ def test_decode_abort_rpc_ends_the_stream(mesh) -> None:
 
 
 def test_decode_queues_for_pages_then_refuses(mesh) -> None:
-    """Decode admits only what its pool can hold: 8 requests of 4096 tokens fill the 32768-token
-    pool. A 9th waits for pages instead of being refused: when one of the 8 is cancelled it
-    takes the freed pages. A 10th that finds none within --reserve-wait (2 s here) gets
-    RESOURCE_EXHAUSTED naming the wait. Cancelling frees all."""
+    """Decode admits only what its pool can hold: 8 requests whose prompts take 255 pages each
+    fill the 2048-page pool, but for a page per request kept free to grow into. A 9th waits
+    for pages instead of being refused: when one of the 8 is cancelled it takes the freed
+    pages. A 10th that finds none within --reserve-wait (2 s here) gets RESOURCE_EXHAUSTED
+    naming the wait. Cancelling frees all."""
     from dsmesh.v1 import decode_pb2
 
-    def request(rid: str, max_new: int) -> decode_pb2.DecodeRequest:
+    def request(rid: str, num_prompt: int) -> decode_pb2.DecodeRequest:
         return decode_pb2.DecodeRequest(
-            request_id=rid, input_ids=[1, 2, 3], sampling=sampling(max_new, ignore_eos=True)
+            request_id=rid, input_ids=[1] * num_prompt, sampling=sampling(16, ignore_eos=True)
         )
 
     async def main() -> None:
@@ -356,23 +357,23 @@ def test_decode_queues_for_pages_then_refuses(mesh) -> None:
             return True
 
         try:
-            calls = [client.decode.Decode(request(f"fill-{i}", 4093), timeout=60) for i in range(8)]
+            calls = [client.decode.Decode(request(f"fill-{i}", 4080), timeout=60) for i in range(8)]
             deadline = time.monotonic() + 20
-            while await free_pages() > 0:
+            while await free_pages() > 8:  # 8 x 255 pages of 2048
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.02)
-            waiting = client.decode.Decode(request("fill-wait", 4093), timeout=60)
+            waiting = client.decode.Decode(request("fill-wait", 4080), timeout=60)
             waiting_task = asyncio.ensure_future(waiting.initial_metadata())
             await asyncio.sleep(0.5)
             load = await client.decode.GetLoad(prefill_pb2.LoadRequest())
-            assert load.free_pages == 0 and load.waiting_handoffs >= 1
+            assert load.free_pages == 8 and load.waiting_handoffs >= 1
             calls[0].cancel()  # its pages go to the waiting request, not back to the pool
             deadline = time.monotonic() + 5
             while not await reserved("fill-wait"):
                 assert time.monotonic() < deadline, "the waiting request never got pages"
                 await asyncio.sleep(0.05)
-            assert await free_pages() == 0
-            over = client.decode.Decode(request("fill-over", 10), timeout=30)
+            assert await free_pages() == 8  # one for each request to grow into
+            over = client.decode.Decode(request("fill-over", 3), timeout=30)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 async for _ in over:
                     pass
