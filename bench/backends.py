@@ -1,9 +1,10 @@
-"""The servers ``dsmesh bench`` drives: the gateway over gRPC or REST, and the offline
-engine in-process (``bench/offline.py``). One interface, :class:`Backend`."""
+"""The servers ``dsmesh bench`` drives: the gateway over gRPC, REST or its OpenAI route, and
+the offline engine in-process (``bench/offline.py``). One interface, :class:`Backend`."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
@@ -14,7 +15,13 @@ from google.protobuf import json_format
 from dsmesh.v1 import generation_pb2 as pb
 from dsmesh.v1 import generation_pb2_grpc
 
-BACKENDS = ("grpc", "rest", "offline")
+BACKENDS = ("grpc", "rest", "openai", "offline")
+
+# A failed request's outcome, apart from plain failures: refused for lack of room (gRPC
+# RESOURCE_EXHAUSTED, HTTP 429), or past a deadline (the client's, or the server's).
+FAILED, REFUSED, TIMED_OUT = "failed", "refused", "timed_out"
+_STATUS_OUTCOMES = {"RESOURCE_EXHAUSTED": REFUSED, "DEADLINE_EXCEEDED": TIMED_OUT}
+_HTTP_OUTCOMES = {429: REFUSED, 408: TIMED_OUT, 504: TIMED_OUT}
 
 
 class BenchError(Exception):
@@ -22,12 +29,40 @@ class BenchError(Exception):
 
 
 class RequestError(Exception):
-    """One request failed; the message goes into its record and the report."""
+    """One request failed; the message goes into its record and the report, ``outcome``
+    (FAILED, REFUSED or TIMED_OUT) into its record's outcome."""
+
+    def __init__(self, message: str, outcome: str = FAILED) -> None:
+        super().__init__(message)
+        self.outcome = outcome
+
+
+def status_outcome(status_name: str) -> str:
+    """The outcome of a request that ended with the gRPC status ``status_name``."""
+    return _STATUS_OUTCOMES.get(status_name, FAILED)
+
+
+def http_outcome(status: int) -> str:
+    """The outcome of a request answered with HTTP ``status`` (not 2xx)."""
+    return _HTTP_OUTCOMES.get(status, FAILED)
+
+
+def _error_event_outcome(data: str) -> str:
+    """The outcome of an SSE ``error`` event: its ``error.status`` (a gRPC status name)."""
+    try:
+        error = json.loads(data).get("error", {})
+    except (ValueError, AttributeError):
+        return FAILED
+    return status_outcome(error.get("status", "")) if isinstance(error, dict) else FAILED
 
 
 class Backend(ABC):
     """A connection to one server. ``connect`` once, then ``generate`` from many tasks at
     once, then ``close`` once."""
+
+    # Whether each message carries its token ids. False (OpenAI's chunks carry text): a
+    # message with text counts as one token, and the last message's usage gives the total.
+    sends_token_ids: bool = True
 
     @abstractmethod
     async def connect(self, timeout_s: float) -> None:
@@ -69,7 +104,8 @@ class GrpcBackend(Backend):
             async for response in call:
                 yield response
         except grpc.aio.AioRpcError as exc:
-            raise RequestError(f"{exc.code().name}: {exc.details()}") from exc
+            name = exc.code().name
+            raise RequestError(f"{name}: {exc.details()}", status_outcome(name)) from exc
 
     async def close(self) -> None:
         await self._channel.close()
@@ -99,6 +135,19 @@ async def sse_events(lines: AsyncIterable[bytes]) -> AsyncIterator[tuple[str, st
             event = value
     if data:
         yield event, "\n".join(data)
+
+
+async def _check_status(resp: Any) -> None:
+    """Raise RequestError for an HTTP answer other than 2xx (an aiohttp response)."""
+    if resp.status // 100 != 2:
+        text = (await resp.text()).strip()
+        raise RequestError(f"HTTP {resp.status}: {text[:500]}", http_outcome(resp.status))
+
+
+def _check_event(event: str, data: str) -> None:
+    """Raise RequestError for an SSE ``error`` event (a failure after the stream began)."""
+    if event == "error":
+        raise RequestError(f"error event: {data[:500]}", _error_event_outcome(data))
 
 
 def request_json(request: pb.GenerateRequest) -> str:
@@ -139,18 +188,105 @@ class RestBackend(Backend):
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as resp:
-                if resp.status // 100 != 2:
-                    text = (await resp.text()).strip()
-                    raise RequestError(f"HTTP {resp.status}: {text[:500]}")
+                await _check_status(resp)
                 async for event, data in sse_events(resp.content):
-                    if event == "error":
-                        raise RequestError(f"error event: {data[:500]}")
+                    _check_event(event, data)
                     if data.strip() == "[DONE]":
                         continue
                     yield json_format.Parse(data, pb.GenerateResponse(), ignore_unknown_fields=True)
-        except (aiohttp.ClientError, TimeoutError, json_format.ParseError) as exc:
+        except TimeoutError as exc:
+            raise RequestError(f"TimeoutError: no answer in {timeout_s:g} s", TIMED_OUT) from exc
+        except (aiohttp.ClientError, json_format.ParseError) as exc:
             raise RequestError(f"{type(exc).__name__}: {exc}") from exc
 
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+def completions_body(request: pb.GenerateRequest, model: str) -> dict[str, Any]:
+    """The ``/v1/completions`` body of ``request``, as an OpenAI client sends it: the prompt
+    as token ids (or text), streamed with the usage at the end; ``max_tokens`` only when
+    ``sampling.max_new_tokens`` is set (unset: the server's default, up to the context
+    limit); ``ignore_eos`` (vLLM's extension, which dsmesh takes) only when set."""
+    s = request.sampling
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": list(request.input_ids) or request.text,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if s.HasField("max_new_tokens"):
+        body["max_tokens"] = s.max_new_tokens
+    if s.HasField("temperature"):
+        body["temperature"] = s.temperature
+    if s.HasField("seed"):
+        body["seed"] = s.seed
+    if s.ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+def completions_chunk(chunk: dict[str, Any]) -> pb.GenerateResponse:
+    """One streamed ``text_completion`` chunk as a message: its text, finish reason and (on
+    the last chunk, which has no choices) the usage."""
+    msg = pb.GenerateResponse(request_id=chunk.get("id", ""))
+    for choice in chunk.get("choices") or []:
+        msg.text += choice.get("text") or ""
+        msg.finish_reason = choice.get("finish_reason") or msg.finish_reason
+    usage = chunk.get("usage")
+    if usage:
+        msg.usage.prompt_tokens = usage.get("prompt_tokens", 0)
+        msg.usage.completion_tokens = usage.get("completion_tokens", 0)
+        details = usage.get("prompt_tokens_details") or {}
+        msg.usage.cached_tokens = details.get("cached_tokens") or 0
+    return msg
+
+
+class OpenAIBackend(RestBackend):
+    """``POST /v1/completions`` streamed as SSE (:func:`completions_body`), the route OpenAI
+    clients use; the model is the first ``/v1/models`` lists. Chunks carry text, not token
+    ids: each chunk with text counts as one token, and the usage gives the total."""
+
+    sends_token_ids = False
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self._model = ""
+
+    async def connect(self, timeout_s: float) -> None:
+        import aiohttp
+
+        await super().connect(timeout_s)
+        try:
+            timeout = aiohttp.ClientTimeout(total=timeout_s)
+            async with self._session.get(f"{self._url}/v1/models", timeout=timeout) as resp:
+                models = (await resp.json())["data"]
+            self._model = models[0]["id"]
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError) as exc:
+            raise BenchError(f"no model listed at {self._url}/v1/models: {exc!r}") from None
+
+    async def generate(
+        self, request: pb.GenerateRequest, timeout_s: float
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        import aiohttp
+
+        body = json.dumps(completions_body(request, self._model))
+        headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        try:
+            async with self._session.post(
+                f"{self._url}/v1/completions",
+                data=body,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as resp:
+                await _check_status(resp)
+                async for event, data in sse_events(resp.content):
+                    _check_event(event, data)
+                    if data.strip() == "[DONE]":
+                        continue
+                    yield completions_chunk(json.loads(data))
+        except TimeoutError as exc:
+            raise RequestError(f"TimeoutError: no answer in {timeout_s:g} s", TIMED_OUT) from exc
+        except (aiohttp.ClientError, ValueError) as exc:
+            raise RequestError(f"{type(exc).__name__}: {exc}") from exc

@@ -1,6 +1,7 @@
 """Random-weight checkpoints of real DeepSeek shapes, written in the official format.
 
     python -m bench.checkpoint v2-lite /models/v2-lite-random [--device cuda]
+        [--max-position-embeddings 2048]
 
 Shapes: ``v2-lite`` (DeepSeek-V2-Lite's released config, bf16, 15.7B parameters, about
 31 GB), ``v3-layers`` (DeepSeek-V3's layer shape, a few MoE layers, routed experts in
@@ -8,8 +9,9 @@ block-scaled FP8 as DeepSeek-V3 ships them), and ``tiny`` / ``tiny-v3`` (the sam
 structures at toy sizes: CPU smoke tests). Weights are drawn on ``device`` (fast for
 billions of parameters) and written shard by shard; the byte-level tokenizer goes beside
 them, so every dsmesh command (``up``, ``generate``, ``bench``) takes the folder as
-``--model``. A folder written before
-with the same shape and seed is reused.
+``--model``. ``--max-position-embeddings N`` writes a shorter context into the config (the
+weights and RoPE are unchanged), so that requests which run "up to the context limit" end in
+reasonable time. A folder written before with the same shape, seed and context is reused.
 """
 
 from __future__ import annotations
@@ -33,15 +35,24 @@ SHARD_BYTES = 4 << 30
 MARKER = ".dsmesh-random-checkpoint.json"
 
 
-def shape_config(shape: str, v3_layers: int = 4) -> dict[str, Any]:
-    """The official config.json of ``shape``."""
+def shape_config(
+    shape: str, v3_layers: int = 4, max_position_embeddings: int | None = None
+) -> dict[str, Any]:
+    """The official config.json of ``shape``; ``max_position_embeddings`` (None: the
+    shape's own) is the context length it declares."""
     if shape == "v2-lite":
-        return v2_lite_config()
-    if shape == "tiny":
-        return v2_lite_config(tiny=True)
-    if shape in ("v3-layers", "tiny-v3"):
-        return v3_layers_config(v3_layers, tiny=shape == "tiny-v3", fp8=True)
-    raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
+        cfg = v2_lite_config()
+    elif shape == "tiny":
+        cfg = v2_lite_config(tiny=True)
+    elif shape in ("v3-layers", "tiny-v3"):
+        cfg = v3_layers_config(v3_layers, tiny=shape == "tiny-v3", fp8=True)
+    else:
+        raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
+    if max_position_embeddings is not None:
+        if max_position_embeddings < 2:
+            raise ValueError(f"max_position_embeddings must be >= 2, got {max_position_embeddings}")
+        cfg["max_position_embeddings"] = max_position_embeddings
+    return cfg
 
 
 def _is_routed_expert(name: str) -> bool:
@@ -86,15 +97,20 @@ def write_random_checkpoint(
     device: str = "cuda",
     seed: int = 0,
     v3_layers: int = 4,
+    max_position_embeddings: int | None = None,
 ) -> Path:
-    """Write (or reuse) the random checkpoint of ``shape`` in ``out_dir``; returns it."""
+    """Write (or reuse) the random checkpoint of ``shape`` in ``out_dir``; returns it.
+    ``max_position_embeddings``: the context length its config declares (None: the
+    shape's own)."""
     out = Path(out_dir)
-    recipe = {"shape": shape, "seed": seed, "v3_layers": v3_layers}
+    recipe: dict[str, Any] = {"shape": shape, "seed": seed, "v3_layers": v3_layers}
+    if max_position_embeddings is not None:  # absent otherwise: older folders stay valid
+        recipe["max_position_embeddings"] = max_position_embeddings
     marker = out / MARKER
     if marker.exists() and json.loads(marker.read_text()) == recipe:
         return out
     out.mkdir(parents=True, exist_ok=True)
-    raw = shape_config(shape, v3_layers)
+    raw = shape_config(shape, v3_layers, max_position_embeddings)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     start = time.perf_counter()
     model = build_dsmesh(raw, torch.device(device), dtype, seed)
@@ -128,8 +144,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--v3-layers", type=int, default=4)
+    ap.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        default=None,
+        metavar="N",
+        help="context length the config declares (default: the shape's own)",
+    )
     args = ap.parse_args(argv)
-    write_random_checkpoint(args.shape, args.out_dir, args.device, args.seed, args.v3_layers)
+    write_random_checkpoint(
+        args.shape,
+        args.out_dir,
+        args.device,
+        args.seed,
+        args.v3_layers,
+        args.max_position_embeddings,
+    )
 
 
 if __name__ == "__main__":

@@ -1,10 +1,14 @@
-"""Serving benchmark client for the gateway's ``dsmesh.v1.Generation`` API (gRPC or REST/SSE).
+"""Serving benchmark client for the gateway's ``dsmesh.v1.Generation`` API (gRPC or REST/SSE)
+and its OpenAI ``/v1/completions`` route.
 
 In the spirit of ``sglang.bench_serving``: requests arrive as a Poisson process (or all at
 once), optionally capped by a client-side concurrency limit; per request we record time to
 first token (TTFT), inter-token latencies (ITL), end-to-end latency (E2E) and the prompt
 tokens a prefix cache served (as the server reports them). The turns of a conversation
-(bench/workloads.py, multi-turn) go one after another, each resending the history.
+(bench/workloads.py, multi-turn) go one after another, each resending the history. A request
+with no ``max_new_tokens`` (``--output-len context``, OpenAI backend only) sends no
+``max_tokens`` and honours EOS, as OpenAI clients do: the server's default, up to the context
+limit, applies. Failures are counted by outcome: refused (429), timed out, or other.
 
 Layout: prompt generation, arrival schedule, latency split and statistics are pure functions;
 :class:`Backend` implementations only move messages; :func:`run_benchmark` times requests.
@@ -19,7 +23,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +31,13 @@ import numpy as np
 
 from bench.backends import (
     BACKENDS,
+    FAILED,
+    REFUSED,
+    TIMED_OUT,
     Backend,
     BenchError,
     GrpcBackend,
+    OpenAIBackend,
     RequestError,
     RestBackend,
 )
@@ -63,6 +71,8 @@ class BenchConfig:
         if self.backend == "offline":
             model = getattr(self.engine, "model", None)
             return f"offline engine ({model or 'tiny default model'})"
+        if self.backend == "openai":
+            return f"{self.url}/v1/completions"
         return self.grpc_addr if self.backend == "grpc" else self.url
 
 
@@ -75,19 +85,21 @@ class BenchRequest:
 
     A turn of a conversation (``conversation`` >= 0) holds only its new tokens: it is sent
     after the conversation's previous turn ended, prefixed with that turn's prompt and the
-    tokens the server answered."""
+    tokens the server answered. ``max_new_tokens`` None: no limit sent, EOS honoured (the
+    OpenAI backend omits ``max_tokens``); else exactly that many tokens, EOS ignored."""
 
     input_ids: tuple[int, ...] = ()
     text: str = ""
-    max_new_tokens: int = 16
+    max_new_tokens: int | None = 16
     conversation: int = -1  # -1: a request on its own
     turn: int = 0
 
     def to_proto(self) -> pb.GenerateRequest:
         # temperature is optional in the proto: set it explicitly so that 0 means greedy.
-        sampling = pb.SamplingParams(
-            max_new_tokens=self.max_new_tokens, ignore_eos=True, temperature=0.0
-        )
+        sampling = pb.SamplingParams(temperature=0.0)
+        if self.max_new_tokens is not None:
+            sampling.max_new_tokens = self.max_new_tokens
+            sampling.ignore_eos = True
         return pb.GenerateRequest(
             input_ids=self.input_ids, text=self.text, sampling=sampling, stream=True
         )
@@ -101,21 +113,26 @@ def _uniform_lengths(rng: np.random.Generator, bounds: tuple[int, int], num: int
 def sample_random_requests(
     num_prompts: int,
     input_len: tuple[int, int],
-    output_len: tuple[int, int],
+    output_len: tuple[int, int] | None,
     token_id_range: tuple[int, int] = (3, 500),
     seed: int = 0,
 ) -> list[BenchRequest]:
     """Synthetic prompts of random token ids.
 
-    Lengths are uniform integers in the inclusive ranges ``input_len`` and ``output_len``;
-    token ids are uniform in the half-open ``token_id_range``. Same seed, same prompts.
+    Lengths are uniform integers in the inclusive ranges ``input_len`` and ``output_len``
+    (None: no limit, up to the context); token ids are uniform in the half-open
+    ``token_id_range``. Same seed, same prompts.
     """
     low_id, high_id = token_id_range
     if not 0 <= low_id < high_id:
         raise ValueError(f"token id range [{low_id}, {high_id}) is empty or negative")
     rng = np.random.default_rng(seed)
     input_lens = _uniform_lengths(rng, input_len, num_prompts)
-    output_lens = _uniform_lengths(rng, output_len, num_prompts)
+    output_lens: list[int | None] = (
+        [None] * num_prompts
+        if output_len is None
+        else list(_uniform_lengths(rng, output_len, num_prompts))
+    )
     return [
         BenchRequest(
             input_ids=tuple(int(t) for t in rng.integers(low_id, high_id, size=n_in)),
@@ -126,14 +143,17 @@ def sample_random_requests(
 
 
 def load_dataset(
-    path: str | Path, num_prompts: int | None, output_len: tuple[int, int], seed: int = 0
+    path: str | Path,
+    num_prompts: int | None,
+    output_len: tuple[int, int] | None,
+    seed: int = 0,
 ) -> list[BenchRequest]:
     """Prompts from a JSON Lines file, one object per line.
 
     Each line has ``prompt`` (text) or ``input_ids`` (list of ints), and optionally
     ``output_len`` or ``max_new_tokens``; lines without one draw it uniformly from
-    ``output_len``. ``num_prompts`` takes the first N lines, repeating the file if it is
-    shorter; None takes every line.
+    ``output_len`` (None: no limit). ``num_prompts`` takes the first N lines, repeating the
+    file if it is shorter; None takes every line.
     """
     items: list[tuple[tuple[int, ...], str, int | None]] = []
     with open(path, encoding="utf-8") as f:
@@ -159,7 +179,11 @@ def load_dataset(
     if not items:
         raise ValueError(f"{path}: no prompts")
     num = len(items) if num_prompts is None else num_prompts
-    drawn = _uniform_lengths(np.random.default_rng(seed), output_len, num)
+    drawn: list[int | None] = (
+        [None] * num
+        if output_len is None
+        else list(_uniform_lengths(np.random.default_rng(seed), output_len, num))
+    )
     requests = []
     for i in range(num):
         ids, text, n_out = items[i % len(items)]
@@ -259,7 +283,7 @@ class RequestRecord:
     """One timed request. Times in seconds, relative to the start of the timed run."""
 
     index: int
-    max_new_tokens: int
+    max_new_tokens: int | None  # None: no limit was sent
     prompt_tokens: int  # len(input_ids), or the server's usage for text prompts (0 if unknown)
     output_tokens: int
     success: bool
@@ -275,6 +299,7 @@ class RequestRecord:
     cached_tokens: int = 0  # prompt tokens a prefix cache served, as the server reported
     # speculative decoding, as the server reported it: (drafted, accepted, verifications)
     spec: tuple[int, int, int] = (0, 0, 0)
+    outcome: str = "ok"  # "ok", or FAILED, REFUSED (429) or TIMED_OUT (bench/backends.py)
 
 
 @dataclass(frozen=True)
@@ -302,6 +327,12 @@ class BenchSummary:
     # (accepted drafts + the target's own); nan when the server did not speculate
     spec_acceptance_rate: float = math.nan
     spec_mean_acceptance_length: float = math.nan
+    # of ``failed``: refused for lack of room (429 / RESOURCE_EXHAUSTED), and past a deadline
+    refused: int = 0
+    timed_out: int = 0
+    # output tokens of each successful request, and how many ended for each finish reason
+    output_tokens: Distribution = field(default_factory=lambda: Distribution.of([]))
+    finish_reasons: dict[str, int] = field(default_factory=dict)
 
 
 def summarize(records: Sequence[RequestRecord], duration_s: float) -> BenchSummary:
@@ -337,6 +368,13 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> BenchSumma
         cache_hit_rate=total_cached / total_in if total_in else math.nan,
         spec_acceptance_rate=accepted / drafted if drafted else math.nan,
         spec_mean_acceptance_length=1 + accepted / verifications if verifications else math.nan,
+        refused=sum(1 for r in records if r.outcome == REFUSED),
+        timed_out=sum(1 for r in records if r.outcome == TIMED_OUT),
+        output_tokens=Distribution.of([r.output_tokens for r in ok]),
+        finish_reasons={
+            reason: sum(1 for r in ok if r.finish_reason == reason)
+            for reason in sorted({r.finish_reason for r in ok})
+        },
     )
 
 
@@ -351,6 +389,8 @@ def make_backend(
         return GrpcBackend(grpc_addr)
     if kind == "rest":
         return RestBackend(url)
+    if kind == "openai":
+        return OpenAIBackend(url)
     if kind == "offline":
         return OfflineBackend(engine)
     raise ValueError(f"unknown backend {kind!r}; choose from {', '.join(BACKENDS)}")
@@ -368,25 +408,29 @@ async def send_request(
     output_ids: list[int] | None = None,
 ) -> RequestRecord:
     """Send one request and time its messages against ``t0`` (a ``perf_counter`` value);
-    the tokens received are appended to ``output_ids`` when given."""
+    the tokens received are appended to ``output_ids`` when given (backends that send token
+    ids). From a backend that sends text (OpenAI), a message with text counts as one token
+    and the last one takes the rest of the usage's completion tokens."""
     chunk_times: list[float] = []
     chunk_tokens: list[int] = []
-    finish_reason, request_id, error = "", "", ""
+    finish_reason, request_id, error, outcome = "", "", "", "ok"
     prompt_tokens = len(request.input_ids)
-    cached_tokens = 0
+    cached_tokens = completion_tokens = 0
     spec = (0, 0, 0)
     send = time.perf_counter()
     try:
         async for resp in backend.generate(request.to_proto(), timeout_s):
             now = time.perf_counter()
-            if resp.token_ids:
+            num_tokens = len(resp.token_ids) if backend.sends_token_ids else int(bool(resp.text))
+            if num_tokens:
                 chunk_times.append(now - t0)
-                chunk_tokens.append(len(resp.token_ids))
+                chunk_tokens.append(num_tokens)
                 if output_ids is not None:
                     output_ids.extend(resp.token_ids)
             request_id = resp.request_id or request_id
             finish_reason = resp.finish_reason or finish_reason
             if resp.HasField("usage"):
+                completion_tokens = resp.usage.completion_tokens or completion_tokens
                 cached_tokens = resp.usage.cached_tokens or cached_tokens
                 if resp.usage.HasField("spec"):
                     u = resp.usage.spec
@@ -394,12 +438,15 @@ async def send_request(
                 if resp.usage.prompt_tokens and not request.input_ids:
                     prompt_tokens = resp.usage.prompt_tokens
     except RequestError as exc:
-        error = str(exc)
+        error, outcome = str(exc), exc.outcome
     except Exception as exc:  # a record per failure; one bad request must not end the run
-        error = f"{type(exc).__name__}: {exc}"
+        error, outcome = f"{type(exc).__name__}: {exc}", FAILED
     end = time.perf_counter()
     if not error and finish_reason not in ("stop", "length"):
         error = f"finish_reason {finish_reason!r}" if finish_reason else "stream ended early"
+        outcome = FAILED
+    if not backend.sends_token_ids and chunk_tokens and completion_tokens > sum(chunk_tokens):
+        chunk_tokens[-1] += completion_tokens - sum(chunk_tokens)  # chunks that held several
     ttft, itls = token_latencies(send - t0, chunk_times, chunk_tokens)
     return RequestRecord(
         index=index,
@@ -418,6 +465,7 @@ async def send_request(
         chunk_tokens=tuple(chunk_tokens),
         cached_tokens=cached_tokens,
         spec=spec,
+        outcome=outcome,
     )
 
 
@@ -438,6 +486,7 @@ def skipped_record(request: BenchRequest, index: int, error: str) -> RequestReco
         itl_s=(),
         chunk_times_s=(),
         chunk_tokens=(),
+        outcome=FAILED,
     )
 
 
@@ -578,9 +627,17 @@ def format_summary(config: BenchConfig, summary: BenchSummary) -> str:
         _row("Max request concurrency:", config.max_concurrency or "not set"),
         _row("Successful requests:", s.completed),
         _row("Failed requests:", s.failed),
+        _row("  of which refused (429):", s.refused),
+        _row("  of which timed out:", s.timed_out),
         _row("Benchmark duration (s):", s.duration_s),
         _row("Total input tokens:", s.total_input_tokens),
         _row("Total generated tokens:", s.total_output_tokens),
+        _row("Output tokens per request (mean):", s.output_tokens.mean),
+        _row("Output tokens per request (max):", s.output_tokens.max),
+        _row(
+            "Finish reasons:",
+            ", ".join(f"{k or 'none'} {v}" for k, v in s.finish_reasons.items()) or "n/a",
+        ),
         _row("Total cached prompt tokens:", s.total_cached_tokens),
         _row("Mean cached tokens per request:", s.mean_cached_tokens),
         _row("Prompt cache hit rate (%):", s.cache_hit_rate * 100),

@@ -1,4 +1,4 @@
-"""``dsmesh bench``: a serving benchmark against the gateway (gRPC or REST/SSE).
+"""``dsmesh bench``: a serving benchmark against the gateway (gRPC, REST/SSE or OpenAI).
 
 Prints an sglang-style table (to stdout, or to stderr when ``--json -`` takes stdout).
 Exit status: 0 when every request succeeded, 1 when any failed or the server could not be
@@ -53,6 +53,11 @@ def parse_range(text: str) -> tuple[int, int]:
     return parts[0], parts[1]
 
 
+def parse_output_len(text: str) -> tuple[int, int] | None:
+    """``--output-len``: a range (:func:`parse_range`), or ``context`` (None: no limit)."""
+    return None if text == "context" else parse_range(text)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     d = BenchConfig()
     p = sub.add_parser(
@@ -67,7 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--grpc-addr", default=d.grpc_addr, metavar="HOST:PORT", help="(default: %(default)s)"
     )
-    g.add_argument("--url", default=d.url, help="REST base URL (default: %(default)s)")
+    g.add_argument("--url", default=d.url, help="REST and OpenAI base URL (default: %(default)s)")
     g.add_argument(
         "--connect-timeout",
         type=float,
@@ -109,11 +114,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument(
         "--output-len",
-        type=parse_range,
+        type=parse_output_len,
         default=(64, 64),
-        metavar="A[,B]",
+        metavar="A[,B]|context",
         help="new tokens, uniform in [A, B], EOS ignored; also for --dataset lines without "
-        "a length (default: 64)",
+        "a length. 'context' (--backend openai): no max_tokens sent and EOS honoured, as "
+        "OpenAI clients that omit it: the server generates up to the context limit or EOS "
+        "(default: 64)",
     )
     g.add_argument("--min-token-id", type=int, default=3, help="(default: %(default)s)")
     g.add_argument("--max-token-id", type=int, default=500, help="exclusive (default: %(default)s)")
@@ -211,6 +218,11 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         raise ValueError("--warmup must not be negative")
     if args.warmup_concurrency < 1:
         raise ValueError("--warmup-concurrency must be at least 1")
+    if args.output_len is None and args.backend != "openai":
+        # the Generation API has no "no limit": an unset max_new_tokens means 16 there
+        raise ValueError("--output-len context needs --backend openai")
+    if args.backend == "openai" and args.workload == "multi-turn":
+        raise ValueError("--workload multi-turn needs token ids back: not --backend openai")
     return BenchConfig(
         backend=args.backend,
         grpc_addr=args.grpc_addr,

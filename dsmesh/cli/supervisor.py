@@ -138,6 +138,9 @@ class MeshConfig:
     eplb: bool = False  # run eplb_svc; prefill and decode report to it (needs an EP group)
     eplb_args: tuple[str, ...] = ()  # flags for ``dsmesh eplb serve``
     log_dir: Path | None = None  # None = a fresh folder under the cache folder
+    # each engine instance's Prometheus /metrics on consecutive ports from this one
+    # (instance_metrics_ports); 0 = off
+    instance_metrics_port: int = 0
     start_timeout_s: float = 180.0  # per service: ready line, then healthy
     # SIGTERM drains each service (dsmesh.runtime.lifecycle): requests in flight get
     # ``drain_timeout_s``; SIGKILL follows ``stop_timeout_s`` later (None: the drain + 10 s)
@@ -199,6 +202,20 @@ def engine_instances(config: MeshConfig) -> list[EngineInstance]:
         ("unified", config.num_unified, 1),
     )
     return [EngineInstance(role, i, n) for role, count, n in counts for i in range(count)]
+
+
+def instance_metrics_ports(config: MeshConfig) -> dict[str, int]:
+    """Each engine instance's /metrics port, by name: consecutive from
+    ``instance_metrics_port`` in start order, an EP instance's ranks on ports of their own
+    (rank r of an instance on its port + r); empty when off."""
+    base = config.instance_metrics_port
+    if not base:
+        return {}
+    ports: dict[str, int] = {}
+    for inst in engine_instances(config):
+        ports[inst.name] = base
+        base += inst.num_ranks
+    return ports
 
 
 def mesh_placement(config: MeshConfig) -> Placement | None:
@@ -305,9 +322,12 @@ def instance_stage(config: MeshConfig, addresses: dict[str, str]) -> list[Servic
     ep += ("--eplb", addresses["eplb"]) if "eplb" in addresses else ()
     own = {"prefill": (*ep, *config.prefill_args), "decode": (*ep, *config.decode_args)}
     specs = []
+    metrics_ports = instance_metrics_ports(config)
     for inst in engine_instances(config):
         args = (inst.role, "--broker", addresses["kv-broker"], "--host", LOOPBACK, "--port", "0")
         args += (*security_flags(config), *model, *config.engine_args)
+        if inst.name in metrics_ports:
+            args += ("--metrics-port", str(metrics_ports[inst.name]))
         env: dict[str, str] = {}
         if placement is not None:
             fraction = placement.mem_fraction(inst.name, config.mem_fraction)
@@ -670,6 +690,9 @@ class Supervisor:
                 f"  metrics  {base}/metrics",
             ]
         lines += [f"  broker   {broker}", *placement_lines(c)]
+        for i, (name, port) in enumerate(instance_metrics_ports(c).items()):
+            label = "metrics" if i == 0 else ""
+            lines.append(f"  {label:<8} {name:<12} http://{LOOPBACK}:{port}/metrics")
         lines += [f"  logs     {self.log_dir}", "Ctrl-C to stop."]
         return "\n".join(lines)
 

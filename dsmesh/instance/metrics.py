@@ -82,6 +82,13 @@ class _CacheCounters(Collector):
                 "computed tokens the retracted requests gave up (recomputed, less cache hits)",
                 stats.num_retracted_tokens,
             ),
+            (
+                CounterMetricFamily,
+                "dsmesh_kv_reserved_ahead_tokens",
+                "tokens whose KV pages admission took before the request had them (PD "
+                "prefill: its first new token; 0 where pages follow the tokens)",
+                stats.num_reserved_ahead_tokens,
+            ),
         ]
         cache = self.engine.scheduler.prefix_cache
         if cache is not None:
@@ -195,6 +202,16 @@ class InstanceMetrics:
         )
         self.handoffs = Counter(
             "dsmesh_kv_handoffs_seen", "KV handoffs ended, by final state", ["state"], registry=r
+        )
+        self.skipped_pages = Counter(
+            "dsmesh_kv_handoff_skipped_pages",
+            "prompt pages of DONE handoffs that decode's prefix cache held: not written",
+            registry=r,
+        )
+        self.skipped_bytes = Counter(
+            "dsmesh_kv_handoff_skipped_bytes",
+            "KV bytes of those pages (all layers): what the transfer did not move",
+            registry=r,
         )
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.backends import request_json, sse_events
+from bench.backends import completions_body, completions_chunk, request_json, sse_events
 from bench.serving import (
     BenchConfig,
     BenchRequest,
@@ -68,6 +68,36 @@ def test_request_proto_and_rest_body() -> None:
     }
     text = json.loads(request_json(BenchRequest(text="hello", max_new_tokens=2).to_proto()))
     assert text["text"] == "hello" and "input_ids" not in text
+
+
+def test_openai_body_omits_max_tokens_only_without_a_limit() -> None:
+    """No limit: no max_tokens and EOS honoured (what an OpenAI client sends); a limit:
+    max_tokens with vLLM's ignore_eos, as the Generation API's requests ignore EOS."""
+    free = completions_body(BenchRequest((7, 8), max_new_tokens=None).to_proto(), "m")
+    assert free == {
+        "model": "m",
+        "prompt": [7, 8],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0.0,
+    }
+    capped = completions_body(BenchRequest(text="hi", max_new_tokens=3).to_proto(), "m")
+    assert (capped["prompt"], capped["max_tokens"], capped["ignore_eos"]) == ("hi", 3, True)
+    assert sample_random_requests(2, (3, 3), None)[0].max_new_tokens is None
+
+
+def test_openai_chunks_become_messages() -> None:
+    part = {"id": "c1", "choices": [{"index": 0, "text": "ab", "finish_reason": None}]}
+    msg = completions_chunk(part)
+    assert (msg.request_id, msg.text, msg.finish_reason, msg.HasField("usage")) == (
+        "c1",
+        "ab",
+        "",
+        False,
+    )
+    usage = {"prompt_tokens": 5, "completion_tokens": 9, "prompt_tokens_details": None}
+    last = completions_chunk({"id": "c1", "choices": [], "usage": usage})
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.text) == (5, 9, "")
 
 
 def test_load_dataset(tmp_path: Path) -> None:

@@ -13,7 +13,15 @@ import pytest
 
 from bench.serving import arrival_offsets, sample_random_requests
 from dsmesh.cli.main import main
-from tests.bench.fake_gateway import TOKENS_PER_MESSAGE, FakeGateway, running_fake_gateway
+from tests.bench.fake_gateway import (
+    CONTEXT,
+    DEADLINE_TOKEN,
+    MODEL,
+    REFUSE_TOKEN,
+    TOKENS_PER_MESSAGE,
+    FakeGateway,
+    running_fake_gateway,
+)
 
 BACKENDS = ("grpc", "rest")
 
@@ -188,6 +196,8 @@ def test_plot_and_progress_bar(
 def test_bad_flags_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--json-details"]) == 2
     assert "--json-details needs --json" in capsys.readouterr().err
+    assert main(["bench", "--output-len", "context"]) == 2  # the Generation API has no "no limit"
+    assert "--output-len context needs --backend openai" in capsys.readouterr().err
     assert main(["bench", "--request-rate", "0"]) == 2
     with pytest.raises(SystemExit):
         main(["bench", "--input-len", "9,3"])
@@ -219,3 +229,55 @@ def test_offline_backend_reports_the_mean_acceptance_length(
     assert 0 < summary["spec_acceptance_rate"] <= 1
     assert 1 < summary["spec_mean_acceptance_length"] <= 3
     assert "Mean acceptance length:" in capsys.readouterr().out
+
+
+def test_openai_backend_without_max_tokens_runs_to_the_context_limit(
+    gateway: FakeGateway, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--output-len context``: no max_tokens in any body, EOS not ignored; each request's
+    output tokens come from the usage (a chunk carries text of several tokens)."""
+    out = tmp_path / "result.json"
+    sent = len(gateway.completions_bodies)
+    rc = bench(
+        *("--backend", "openai", "--url", gateway.url, "--output-len", "context"),
+        *("--num-prompts", "5", "--input-len", "4,12", "--seed", "2", "--warmup", "0"),
+        *("--json", str(out), "--json-details"),
+    )
+    assert rc == 0
+    bodies = gateway.completions_bodies[sent:]
+    expected = sample_random_requests(5, (4, 12), None, (3, 500), seed=2)
+    assert sorted(b["prompt"] for b in bodies) == sorted(list(r.input_ids) for r in expected)
+    for body in bodies:
+        assert body["model"] == MODEL and body["stream"] and body["temperature"] == 0.0
+        assert "max_tokens" not in body and "ignore_eos" not in body
+    result = json.loads(out.read_text())
+    for rec in result["requests"]:
+        assert rec["max_new_tokens"] is None and rec["finish_reason"] == "length"
+        assert rec["prompt_tokens"] + rec["output_tokens"] == CONTEXT
+        assert sum(rec["chunk_tokens"]) == rec["output_tokens"]
+    s = result["summary"]
+    assert s["output_tokens"]["max"] == CONTEXT - 4 and s["finish_reasons"] == {"length": 5}
+    assert "Output tokens per request (max):         36" in capsys.readouterr().out
+
+
+def test_openai_backend_counts_refusals_and_timeouts_apart(
+    gateway: FakeGateway, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text(
+        '{"input_ids": [5, 6, 7], "output_len": 4}\n'
+        f'{{"input_ids": [{REFUSE_TOKEN}, 6], "output_len": 4}}\n'
+        f'{{"input_ids": [{DEADLINE_TOKEN}, 6], "output_len": 6}}\n'
+    )
+    out = tmp_path / "result.json"
+    args = ["--backend", "openai", "--url", gateway.url, "--dataset", str(dataset)]
+    assert bench(*args, "--warmup", "0", "--json", str(out), "--json-details") == 1
+    assert gateway.completions_bodies[-1]["max_tokens"] in (4, 6)
+    result = json.loads(out.read_text())
+    assert [r["outcome"] for r in result["requests"]] == ["ok", "refused", "timed_out"]
+    s = result["summary"]
+    assert (s["completed"], s["failed"], s["refused"], s["timed_out"]) == (1, 2, 1, 1)
+    assert result["requests"][0]["output_tokens"] == 4
+    table = capsys.readouterr().out
+    assert "  of which refused (429):                1" in table
+    assert "  of which timed out:                    1" in table

@@ -249,3 +249,15 @@ def test_mem_fraction_is_each_engine_commands_own_share() -> None:
     for bad in ("0", "1.5", "x"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["generate", "--mem-fraction", bad])
+
+
+def test_instance_metrics_ports_are_consecutive_and_off_by_default() -> None:
+    assert all("--metrics-port" not in s.args for s in instances(config()).values())
+    c = config("--instance-metrics-port", "9100", "--unified", "1", "--ep-size", "2")
+    specs = instances(c)
+    # prefill and decode take a port per EP rank; unified instances run one process
+    assert {name: flag(s, "--metrics-port") for name, s in specs.items()} == {
+        "prefill-0": "9100",
+        "decode-0": "9102",
+        "unified-0": "9104",
+    }
