@@ -32,6 +32,9 @@ class EngineConfig:
     mem_fraction: float | None = None
     max_running_requests: int = 64
     max_batch_tokens: int = 2048
+    # While requests decode, new requests join the batch at most every admit_interval steps
+    # (their prompt chunks then share one forward); 1 = every step (engine/scheduler.py).
+    admit_interval: int = 1
     attention_mode: str = "auto"  # "auto" (naive prefill, absorbed decode) | "naive" | "absorbed"
     prefix_cache: bool = False  # share full prompt pages between requests with equal prefixes
     tbo: bool = False  # two-batch overlap: two micro-batches per forward (MoE comm overlap)
@@ -59,6 +62,10 @@ class EngineConfig:
     # on the device) before its own bookkeeping, so host work overlaps the GPU. Only when
     # the next batch is certain to be the same requests (docs/GPU.md).
     overlap_decode: bool = True
+    # A step that mixes decode rows with prompt chunks runs the decode rows as a CUDA graph
+    # replay and only the prompt chunks eagerly (two forwards, the eager one launched while
+    # the graph runs), instead of one eager forward over everything (docs/GPU.md).
+    split_mixed_steps: bool = True
     # FP8 checkpoints: keep the routed experts in FP8 and run the FP8 grouped GEMM (CUDA);
     # off = dequantise every weight to ``dtype`` at load
     fp8_experts: bool = False
@@ -106,6 +113,7 @@ class EngineConfig:
             "page_size",
             "max_running_requests",
             "max_batch_tokens",
+            "admit_interval",
             "cuda_graph_max_batch",
             "cuda_graph_min_tokens",
         )

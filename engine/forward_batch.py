@@ -8,7 +8,8 @@ tokens; a decode step is ``extend_len == 1``. One call may mix all three.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,6 +57,8 @@ class ForwardBatch:
     decode: the paged context of those requests' rows, as every decode attention backend
         reads it (engine/mla_decode_backend.py); None when there are none.
     last_rows may be None: every row is a request's last (decode-only batches).
+    plans: what attention backends derive from the batch once per forward and reuse in
+        every layer (engine/mla_prefill_backend.py), by the backend's key.
     """
 
     input_ids: torch.Tensor
@@ -67,6 +70,7 @@ class ForwardBatch:
     last_rows: torch.Tensor | None
     decode_ids: list[int]
     decode: DecodeMeta | None = None
+    plans: dict[Any, Any] = field(default_factory=dict)
 
     @property
     def num_requests(self) -> int:
@@ -128,7 +132,7 @@ class ForwardBatch:
         new_pos = _ranges(extend) + np.repeat(prefix, extend)
         new_index = np.repeat(ctx_start, extend) + new_pos
         ids = [t for c in chunks for t in c.token_ids]
-        flat_dev = _to(flat, device)
+        flat_dev = host_to_device(flat, device)
         kv_slots = list(torch.split(flat_dev, total.tolist()))
         extend_lens, prefix_lens = extend.tolist(), prefix.tolist()
         decode_ids = np.nonzero(extend == 1)[0]
@@ -139,16 +143,18 @@ class ForwardBatch:
             host_pages = _padded(all_pages, page_start[decode_ids], used, 0, np.int32)
             host = (host_pages, lens.astype(np.int32))
             every = len(decode_ids) == len(chunks)
-            rows = None if every else _to((np.cumsum(extend) - 1)[decode_ids], device)
-            decode = DecodeMeta(rows, _to(host_pages, device), _to(host[1], device), host)
+            rows = None if every else host_to_device((np.cumsum(extend) - 1)[decode_ids], device)
+            decode = DecodeMeta(
+                rows, host_to_device(host_pages, device), host_to_device(host[1], device), host
+            )
         return cls(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-            positions=_to(new_pos, device),
-            out_slots=_to(flat[new_index], device),
+            input_ids=host_to_device(np.array(ids, dtype=np.int64), device),
+            positions=host_to_device(new_pos, device),
+            out_slots=host_to_device(flat[new_index], device),
             kv_slots=kv_slots,
             extend_lens=extend_lens,
             prefix_lens=prefix_lens,
-            last_rows=_to(np.cumsum(extend) - 1, device),
+            last_rows=host_to_device(np.cumsum(extend) - 1, device),
             decode_ids=decode_ids.tolist(),
             decode=decode,
         )
@@ -181,7 +187,7 @@ class ForwardBatch:
             pages, lens = self.decode.host
             host = (pages[keep], lens[keep])
             every = len(decode_ids) == len(extend)
-            rows = None if every else _to(last[decode_ids], device)
+            rows = None if every else host_to_device(last[decode_ids], device)
             table = self.decode.page_table.index_select(0, index)
             decode = DecodeMeta(rows, table, self.decode.seq_lens.index_select(0, index), host)
         return ForwardBatch(
@@ -191,7 +197,7 @@ class ForwardBatch:
             kv_slots=self.kv_slots[lo:hi],
             extend_lens=extend,
             prefix_lens=self.prefix_lens[lo:hi],
-            last_rows=_to(last, device),
+            last_rows=host_to_device(last, device),
             decode_ids=decode_ids,
             decode=decode,
         )
@@ -212,5 +218,11 @@ def _padded(flat: np.ndarray, starts: np.ndarray, lens: np.ndarray, fill: int, d
     return out
 
 
-def _to(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+def host_to_device(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """``array`` on ``device``. To a GPU through pinned memory, asynchronously: a copy from
+    pageable memory would wait for the work already queued on the stream (in a split mixed
+    step, the decode graph), so the host could not launch ahead."""
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

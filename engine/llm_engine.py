@@ -108,6 +108,15 @@ def _plain_argmax(params: SamplingParams) -> bool:
     )
 
 
+def _leading_decode_rows(chunks: list[ScheduledChunk]) -> int:
+    """How many chunks at the front of a mixed step are decode rows (one token of a request
+    past its prompt; the scheduler puts them first), 0 unless prompt chunks follow them."""
+    n = 0
+    while n < len(chunks) and chunks[n].num_tokens == 1 and not chunks[n].request.is_prefilling:
+        n += 1
+    return n if n < len(chunks) else 0
+
+
 def _scores_prompt(chunk: ScheduledChunk) -> bool:
     """The chunk computes prompt positions whose logprobs its request asks for and has not
     been told yet."""
@@ -166,6 +175,7 @@ class LLMEngine:
                 max_batch_tokens=config.max_batch_tokens,
                 prefix_cache=config.prefix_cache,
                 num_lookahead_tokens=config.num_draft_tokens if config.speculative else 0,
+                admit_interval=config.admit_interval,
             ),
             self.kv_pool.allocator,
         )
@@ -178,8 +188,10 @@ class LLMEngine:
         self.speculator = self._make_speculator(draft)
         self._inflight: _Inflight | None = None  # a decode step launched ahead (overlap)
         self._group: GroupVote | None = None  # expert parallelism: see join_group
+        self._group_drafts = False  # in a group: this step speculates on some rank
         self._idle_page: list[int] = []
         self.num_launched_ahead = 0  # decode steps launched before the previous one's end
+        self.num_split_steps = 0  # mixed steps run as a decode graph + an eager forward
         # structured outputs (engine/grammar.py): the vocabulary indexed on the first
         # constrained request; the allowed-token bitmask rows of a step, reused (pinned on
         # CUDA: the sampler's copy to the device is asynchronous)
@@ -254,7 +266,7 @@ class LLMEngine:
             attention_mode=cfg.attention_mode,
             page_size=cfg.page_size,
         )
-        return MTPSpeculator(
+        speculator = MTPSpeculator(
             spec_config,
             self.model,
             draft,
@@ -263,6 +275,9 @@ class LLMEngine:
             self.sampler,
             self.device,
         )
+        if self.graph_runner is not None:  # decode-only speculative steps replay graphs
+            speculator.attach_graphs(self.graph_runner, cfg.cuda_graph_warmup_tokens)
+        return speculator
 
     @property
     def spec_stats(self) -> SpecStats | None:
@@ -279,10 +294,14 @@ class LLMEngine:
         if problem is not None:
             log.info("CUDA graphs off: %s", problem)
             return None
+        max_batch = min(cfg.cuda_graph_max_batch, cfg.max_running_requests)
+        if cfg.speculative is not None:  # a speculative step's verify: K + 1 rows a request
+            spec_batch = min(cfg.speculative_max_batch, max_batch)
+            max_batch = max(max_batch, spec_batch * (cfg.num_draft_tokens + 1))
         return CudaGraphRunner(
             self.model,
             self.kv_pool,
-            max_batch=min(cfg.cuda_graph_max_batch, cfg.max_running_requests),
+            max_batch=max_batch,
             max_tokens_per_request=min(self.max_context, self.kv_pool.num_pages * cfg.page_size),
             min_page_bucket=pages_for(cfg.cuda_graph_min_tokens, cfg.page_size),
         )
@@ -345,13 +364,21 @@ class LLMEngine:
         (agreed through ``vote`` each step), every rank at the group's largest (rows, pages)
         bucket, so all ranks capture and replay the same graphs together; a rank with
         nothing to run replays one row over a page of its own. No launching ahead
-        (overlap_decode): each step is agreed before it starts."""
+        (overlap_decode): each step is agreed before it starts.
+
+        Speculative decoding: the draft's MoE is spread over the group too
+        (engine/ep/runtime.py), so in a step where any rank speculates every rank runs the
+        same number of draft forwards after its target forward, empty ones where it has
+        fewer or none (MTPSpeculator.pad_group_drafts)."""
         self._group = vote
         self._idle_page = self.kv_pool.allocator.allocate(1)
+        if self.speculator is not None:
+            self.speculator.join_group()
 
     def _agree_on_graphs(self, chunks: list[ScheduledChunk]) -> tuple[int, int] | None:
         """One all-reduce: (rows, pages) of this step's graph when every rank of the group
-        can replay one (decode-only or idle, within the buckets), else None."""
+        can replay one (decode-only or idle, within the buckets), else None. The same vote
+        sets ``_group_drafts``: whether any rank speculates in this step."""
         runner = self.graph_runner
         rows = len(chunks)
         mine = runner is not None and (
@@ -367,7 +394,9 @@ class LLMEngine:
         if chunks and runner is not None:
             pages = pages_for(max(c.request.num_computed for c in chunks) + 1, runner.page_size)
         assert self._group is not None
-        _, (refuse, max_rows, max_pages) = self._group.vote(False, [int(not mine), rows, pages])
+        flags = [int(not mine), rows, pages, int(self._speculates(chunks))]
+        _, (refuse, max_rows, max_pages, drafts) = self._group.vote(False, flags)
+        self._group_drafts = bool(drafts)
         if refuse or runner is None:
             return None
         return max(max_rows, 1), max_pages
@@ -392,6 +421,8 @@ class LLMEngine:
         self._set_kernels()
         if self.graph_runner is not None:
             self.graph_runner.reset()
+        if self.speculator is not None:
+            self.speculator.reset_graphs()
 
     @property
     def max_context(self) -> int:
@@ -493,11 +524,11 @@ class LLMEngine:
         self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str
     ) -> Request:
         """Validate and take pages now for a request whose prompt KV will be written into
-        them by someone else (decode instance): pages for its whole life (prompt +
-        ``max_new_tokens``, capped at the context), and it is never retracted, since its
-        prompt KV exists only where it was sent. Raises OutOfPagesError when short."""
+        them by someone else (decode instance): its prompt's pages (``Scheduler.reserve``).
+        Until :meth:`activate` it is not running, so never retracted while the KV arrives;
+        then it takes pages as its tokens need them, and a retraction recomputes prompt and
+        output here. Raises OutOfPagesError when short."""
         req = self.make_request(prompt_ids, params, request_id)
-        req.reserve_all = True
         self._settle_launched_ahead()
         self.scheduler.reserve(req)
         self.requests[req.request_id] = req
@@ -512,11 +543,17 @@ class LLMEngine:
             self._inflight.event.synchronize()
 
     def activate(
-        self, request_id: str, first_token: int, first_logprobs: TokenLogprobs | None = None
+        self,
+        request_id: str,
+        first_token: int,
+        first_logprobs: TokenLogprobs | None = None,
+        draft_token_ids: Sequence[int] = (),
     ) -> StepOutput:
         """The prompt KV of a reserved request is in its pages and ``first_token`` was sampled
         elsewhere (with ``first_logprobs``, when the request asks for logprobs): continue
-        decoding from there (or finish if that token ends it)."""
+        decoding from there (or finish if that token ends it). ``draft_token_ids``: the
+        tokens the prefill instance drafted after ``first_token`` (:meth:`handoff_drafts`),
+        which the first speculative step verifies."""
         req = self.requests[request_id]
         req.num_computed = len(req.prompt_ids)
         if req.generator is not None and req.params.temperature > 0:
@@ -526,6 +563,8 @@ class LLMEngine:
         # at reserve(), replays it so the grammar state continues here.
         self._advance_grammar(req, int(first_token))
         self.scheduler.start_reserved(req)
+        if self.speculator is not None:
+            self.speculator.take_handoff_drafts(req, draft_token_ids)
         reason = self._stop_reason(req, int(first_token))
         if reason is not None:
             self.scheduler.finish(req, reason)
@@ -534,6 +573,15 @@ class LLMEngine:
         return StepOutput(
             request_id, [int(first_token)], reason is not None, reason, logprobs=logprobs
         )
+
+    def handoff_drafts(self, request_id: str) -> list[int]:
+        """The tokens a speculating engine drafted after a ``prefill_only`` request's first
+        token, for the decode instance to verify in its first step (greedy requests; empty
+        for others and without speculation). Read before :meth:`release`."""
+        req = self.requests.get(request_id)
+        if self.speculator is None or req is None:
+            return []
+        return self.speculator.handoff_drafts(req)
 
     def release(self, request_id: str) -> None:
         """Give back the pages a finished ``prefill_only`` request kept."""
@@ -601,9 +649,10 @@ class LLMEngine:
                 self._idle_graph_step(group_bucket)
             elif idle_forward:
                 self.model(ForwardBatch.empty(self.device), self.kv_pool, tbo=self.config.tbo)
+            self._pad_group_drafts()
             return []
         spec = self.speculator
-        if spec is not None and spec.runs(chunks) and not any(_scores_prompt(c) for c in chunks):
+        if spec is not None and self._speculates(chunks):
             return self._step_speculative(spec, chunks)
         if self._overlappable(chunks):
             return self._decode_overlapped([c.request for c in chunks])
@@ -654,7 +703,22 @@ class LLMEngine:
                 else o
                 for o in outputs
             ]
+        self._pad_group_drafts()
         return outputs
+
+    def _speculates(self, chunks: list[ScheduledChunk]) -> bool:
+        """This step of ``chunks`` (not empty) runs speculatively: verify, then draft."""
+        spec = self.speculator
+        if spec is None or not chunks:
+            return False
+        return spec.runs(chunks) and not any(_scores_prompt(c) for c in chunks)
+
+    def _pad_group_drafts(self) -> None:
+        """In a group whose step speculates somewhere: this rank's draft forwards up to the
+        group's count (join_group)."""
+        if self._group_drafts:
+            assert self.speculator is not None
+            self.speculator.pad_group_drafts()
 
     def _step_speculative(
         self, spec: MTPSpeculator, chunks: list[ScheduledChunk]
@@ -680,6 +744,7 @@ class LLMEngine:
             )
             outputs.append(dataclasses.replace(out, spec_counts=counts))
         spec.draft(verified)
+        self._pad_group_drafts()
         return outputs
 
     def _book_run(
@@ -739,6 +804,14 @@ class LLMEngine:
         )
         if self._group is not None:
             graphs = group_bucket is not None
+        elif not graphs and runner is not None and self.config.split_mixed_steps:
+            decoding = _leading_decode_rows(chunks)
+            if decoding and runner.can_run(decoding):
+                try:
+                    return self._forward_split(chunks, decoding)
+                except GraphCaptureError:
+                    log.exception("CUDA graphs off for this engine; decode continues eagerly")
+                    self.graph_runner = None
         if graphs:
             assert runner is not None
             reqs = [c.request for c in chunks]
@@ -757,6 +830,24 @@ class LLMEngine:
                 self.graph_runner = None
         batch = self._eager_batch(chunks)
         return self.model(batch, self.kv_pool, self.config.attention_mode, tbo=self.config.tbo)
+
+    def _forward_split(self, chunks: list[ScheduledChunk], decoding: int) -> torch.Tensor:
+        """:meth:`_forward` of a mixed step as two forwards: the first ``decoding`` chunks
+        (one token each) replay a decode graph, the prompt chunks after them run eagerly. The
+        eager forward's kernels are launched while the graph runs on the GPU, and the rows
+        belong to different requests, so neither forward reads the other's KV."""
+        runner = self.graph_runner
+        assert runner is not None
+        reqs = [c.request for c in chunks[:decoding]]
+        decoded = runner.run(
+            [r.pending_ids(1)[0] for r in reqs],
+            [r.num_computed for r in reqs],
+            [r.pages_array() for r in reqs],
+        )
+        self.num_split_steps += 1
+        batch = self._eager_batch(chunks[decoding:])
+        prompts = self.model(batch, self.kv_pool, self.config.attention_mode, tbo=self.config.tbo)
+        return torch.cat([decoded, prompts.to(decoded.dtype)])
 
     def _eager_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
         seqs = []

@@ -10,11 +10,13 @@ MLA). Chosen once at engine start, beside the decode backend (engine/mla_decode_
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch, host_to_device
 from engine.kv_cache import MLAKVPool
 
 if TYPE_CHECKING:
@@ -78,39 +80,60 @@ class TritonMLAPrefill(MLAPrefillBackend):
         if absorbed:
             self._reference.forward(attn, q_nope, q_pe, kv_pool, batch, requests, out, True)
             return
-        rows, q_lens, k_lens = [], [], []
-        start = 0
-        chosen = set(requests)
-        for i, n in enumerate(batch.extend_lens):
-            if i in chosen:
-                rows.append(torch.arange(start, start + n))
-                q_lens.append(n)
-                k_lens.append(batch.prefix_lens[i] + n)
-            start += n
-        device = q_nope.device
-        every_row = len(requests) == batch.num_requests
-        index = None if every_row else torch.cat(rows).to(device)
-        ctx = kv_pool.read(attn.layer_idx, torch.cat([batch.kv_slots[i] for i in requests]))
+        key = ("triton_mla_prefill", tuple(requests))
+        plan = batch.plans.get(key)
+        if plan is None:  # the first layer plans; the others reuse it
+            plan = batch.plans[key] = _RaggedPlan.of(batch, requests, q_nope.device)
+        index = plan.rows
+        ctx = kv_pool.read(attn.layer_idx, plan.slots)
         latent, k_pe = ctx.to(q_nope.dtype).split([attn.kv_lora_rank, attn.rope_dim], dim=-1)
         kv = attn.kv_b_proj(latent).view(-1, attn.num_heads, attn.nope_dim + attn.v_dim)
         k_nope, v = kv.split([attn.nope_dim, attn.v_dim], dim=-1)
-        cu = torch.tensor([[0, 0], *zip(q_lens, k_lens, strict=True)]).cumsum(0)
-        cu = cu.to(device=device, dtype=torch.int32)
         res = self._kernel(
             q_nope if index is None else q_nope.index_select(0, index),
             q_pe if index is None else q_pe.index_select(0, index),
             k_nope,
             k_pe,
             v,
-            cu[:, 0].contiguous(),
-            cu[:, 1].contiguous(),
+            plan.cu_q,
+            plan.cu_k,
             attn.scale,
-            max(q_lens),
+            plan.max_q,
         )
         if index is None:
             out.copy_(res)
         else:
             out.index_copy_(0, index, res)
+
+
+@dataclass(frozen=True)
+class _RaggedPlan:
+    """The chosen requests of one forward as the ragged kernel reads them, the same in
+    every layer: their rows (None: every row of the batch), context slots and cumulative
+    query / key lengths [n + 1] int32, all on the device."""
+
+    rows: torch.Tensor | None
+    slots: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+
+    @classmethod
+    def of(cls, batch: ForwardBatch, requests: list[int], device: torch.device) -> _RaggedPlan:
+        extend = np.asarray(batch.extend_lens, dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(extend)[:-1]])
+        chosen = np.asarray(requests, dtype=np.int64)
+        q_lens = extend[chosen]
+        k_lens = np.asarray(batch.prefix_lens, dtype=np.int64)[chosen] + q_lens
+        cu = np.zeros((2, len(chosen) + 1), dtype=np.int32)
+        cu[0, 1:], cu[1, 1:] = np.cumsum(q_lens), np.cumsum(k_lens)
+        rows = None
+        if len(requests) != batch.num_requests:
+            index = np.repeat(starts[chosen] - np.cumsum(q_lens) + q_lens, q_lens)
+            rows = host_to_device(index + np.arange(int(q_lens.sum())), device)
+        cu_dev = host_to_device(cu, device)
+        slots = torch.cat([batch.kv_slots[i] for i in requests])
+        return cls(rows, slots, cu_dev[0], cu_dev[1], int(q_lens.max()))
 
 
 def make_prefill_backend(triton: bool) -> MLAPrefillBackend:

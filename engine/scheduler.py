@@ -12,8 +12,14 @@ when there is one, so the recompute is cheap) and they wait at the front of the 
 recompute prompt and output as one prefill when pages are free again. The oldest request is
 never retracted for a newer one, so every request finishes.
 
-A ``reserve_all`` request (PD: prefill-only, or reserved on a decode instance for KV that
-another process writes) takes pages for its whole life at admission and is never retracted.
+A ``reserve_all`` request (PD prefill: the KV transfer reads its pages after it finished)
+takes pages for its whole life at admission and is never retracted.
+
+A request reserved on a decode instance (:meth:`Scheduler.reserve`, KV that another process
+writes) takes the pages of its prompt only, in its turn: never while a retracted request waits,
+and leaving a page per growing request free. It holds them outside the running batch while
+prefill writes them, so it is never retracted then; from :meth:`Scheduler.start_reserved` on it
+grows and is retracted like any other, and recomputes prompt and output here.
 """
 
 from __future__ import annotations
@@ -37,6 +43,10 @@ class SchedulerConfig:
     # Slots a decoding request may write past its next token in a step: the drafts that
     # speculative decoding verifies (engine/speculative.py); its pages are taken with it.
     num_lookahead_tokens: int = 0
+    # While requests decode, waiting requests join at most every ``admit_interval`` steps,
+    # so the prompt chunks of several arrivals share one forward (a step with prompt chunks
+    # runs them eagerly) instead of each arrival costing one; 1 = every step.
+    admit_interval: int = 1
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,9 @@ class SchedulerStats:
 
     num_retractions: int  # requests taken out of the running batch for lack of pages
     num_retracted_tokens: int  # computed tokens those gave up (recomputed, less cache hits)
+    # tokens whose pages admission took before the request had them (reserve_all's
+    # max_total_tokens beyond its prompt); 0 while every request's pages follow its tokens
+    num_reserved_ahead_tokens: int = 0
 
 
 def _arrival(request: Request) -> int:
@@ -69,12 +82,18 @@ class Scheduler:
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # decode: holding pages for KV that another process writes, not yet running
+        self.reserved: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.num_retractions = 0
         self.num_retracted_tokens = 0
+        self.num_reserved_ahead_tokens = 0
+        self._steps_since_admission = 0
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(self.num_retractions, self.num_retracted_tokens)
+        return SchedulerStats(
+            self.num_retractions, self.num_retracted_tokens, self.num_reserved_ahead_tokens
+        )
 
     def pages_to_admit(self, request: Request) -> int:
         """Pages ``request`` takes when admitted (before prefix-cache hits): its whole life
@@ -123,9 +142,9 @@ class Scheduler:
         return True
 
     def _headroom(self) -> int:
-        """Pages kept free at admission: one per running request that grows on demand, so
-        admitting never makes the next decode step retract."""
-        return sum(1 for r in self.running if not r.reserve_all)
+        """Pages kept free at admission: one per running or reserved request that grows on
+        demand, so admitting never makes the next decode step retract."""
+        return sum(1 for r in (*self.running, *self.reserved.values()) if not r.reserve_all)
 
     def assign_pages(self, request: Request, headroom: int = 0) -> bool:
         """Give ``request`` its admission pages (cached prefix first) if ``headroom`` pages
@@ -147,22 +166,33 @@ class Scheduler:
         request.num_computed = len(matched) * self.config.page_size
         if request.num_cached_prompt_tokens is None:  # first admission: not a recompute
             request.num_cached_prompt_tokens = request.num_computed
+        if request.reserve_all:
+            self.num_reserved_ahead_tokens += request.max_total_tokens - request.num_tokens
         return True
 
     def reserve(self, request: Request) -> None:
-        """Pages now, scheduling later (decode instance waiting for prefill's KV)."""
-        if not self.assign_pages(request):
+        """Pages now, scheduling later (decode instance waiting for prefill's KV): those of
+        its known tokens (the prompt; all of ``max_total_tokens`` for ``reserve_all``), if a
+        page per growing request stays free after and no retracted request waits (it came
+        first). Raises OutOfPagesError, holding nothing, otherwise."""
+        if self.waiting:
+            raise OutOfPagesError(f"{len(self.waiting)} retracted requests wait to recompute first")
+        headroom = self._headroom()
+        if not self.assign_pages(request, headroom):
+            kept = f" (+{headroom} kept free for requests to grow)" if headroom else ""
             raise OutOfPagesError(
-                f"need {self.pages_to_admit(request)} KV pages, "
+                f"need {self.pages_to_admit(request)} KV pages{kept}, "
                 f"{self.num_pages_available} available"
             )
         request.arrival = next(self._arrivals)
         request.status = RequestStatus.RESERVED
+        self.reserved[request.request_id] = request
 
     def start_reserved(self, request: Request) -> None:
         """A reserved request whose prompt KV has arrived joins the running batch."""
         if request.status is not RequestStatus.RESERVED:
             raise ValueError(f"request {request.request_id} is not reserved")
+        del self.reserved[request.request_id]
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=_arrival)
 
@@ -217,6 +247,9 @@ class Scheduler:
                 budget -= n
         if self.num_retractions != retractions:
             return chunks  # short of pages: admit nothing this step
+        self._steps_since_admission += 1
+        if self._defer_admission(chunks):
+            return chunks
         while (
             self.waiting
             and budget > 0
@@ -229,7 +262,19 @@ class Scheduler:
             n = min(req.num_pending, budget)
             chunks.append(ScheduledChunk(req, n))
             budget -= n
+            self._steps_since_admission = 0
         return chunks
+
+    def _defer_admission(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether waiting requests wait one more step: a pure decode step (no prompt chunk
+        scheduled) within ``admit_interval`` steps of the last admission."""
+        return (
+            self.config.admit_interval > 1
+            and bool(self.waiting)
+            and bool(chunks)
+            and all(not c.request.is_prefilling for c in chunks)
+            and self._steps_since_admission < self.config.admit_interval
+        )
 
     def finish(self, request: Request, reason: str) -> None:
         """Mark finished and return its pages (unless it keeps them); idempotent."""
@@ -239,6 +284,8 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
+        elif request.status is RequestStatus.RESERVED:
+            del self.reserved[request.request_id]
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         if not request.keep_pages:

@@ -77,6 +77,13 @@ def add_engine_args(
         help="new tokens per forward (also the prefill chunk size)",
     )
     g.add_argument(
+        "--admit-interval",
+        type=int,
+        default=d.admit_interval,
+        help="while requests decode, new requests join the batch at most every N steps, so "
+        "their prompt chunks share one forward (1 = every step)",
+    )
+    g.add_argument(
         "--attention-mode",
         default=d.attention_mode,
         choices=("auto", "naive", "absorbed"),
@@ -122,6 +129,13 @@ def add_engine_args(
         default=d.overlap_decode,
         help="with CUDA graphs, launch a greedy decode step before the previous one's "
         "bookkeeping, so host work overlaps the GPU",
+    )
+    g.add_argument(
+        "--split-mixed-steps",
+        action=argparse.BooleanOptionalAction,
+        default=d.split_mixed_steps,
+        help="with CUDA graphs, a step mixing decode rows and prompt chunks replays a decode "
+        "graph for the decode rows and runs only the prompt chunks eagerly",
     )
     g.add_argument(
         "--fp8-experts",
@@ -182,11 +196,13 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         mem_fraction=args.mem_fraction,
         max_running_requests=args.max_running_requests,
         max_batch_tokens=args.max_batch_tokens,
+        admit_interval=getattr(args, "admit_interval", 1),
         attention_mode=args.attention_mode,
         prefix_cache=args.prefix_cache,
         tbo=getattr(args, "tbo", False),
         cuda_graphs=getattr(args, "cuda_graphs", True),
         overlap_decode=getattr(args, "overlap_decode", True),
+        split_mixed_steps=getattr(args, "split_mixed_steps", True),
         decode_attention=getattr(args, "decode_attention", "auto"),
         kernels=getattr(args, "kernels", "auto"),
         moe_backend=getattr(args, "moe_backend", "auto"),

@@ -18,14 +18,16 @@ if TYPE_CHECKING:
 
 # Engine flags ``up`` forwards to every engine instance (``--model`` goes to every service).
 # Only flags given on the command line are forwarded, so that each service keeps its own
-# defaults (prefill caches prefixes by default, decode does not). ``--device``, ``--ep-size``
-# and ``--mem-fraction`` go through the supervisor, which places instances on GPUs.
+# defaults (a given --no-prefix-cache reaches prefill, decode and unified alike). ``--device``,
+# ``--ep-size`` and ``--mem-fraction`` go through the supervisor, which places instances on
+# GPUs.
 FORWARDED_ENGINE_FLAGS = (
     "dtype",
     "page_size",
     "max_total_tokens",
     "max_running_requests",
     "max_batch_tokens",
+    "admit_interval",
     "attention_mode",
     "decode_attention",
     "kernels",
@@ -36,7 +38,13 @@ FORWARDED_ENGINE_FLAGS = (
     "gil_switch_ms",
 )
 # --x / --no-x
-FORWARDED_ENGINE_SWITCHES = ("prefix_cache", "cuda_graphs", "overlap_decode", "fp8_experts")
+FORWARDED_ENGINE_SWITCHES = (
+    "prefix_cache",
+    "cuda_graphs",
+    "overlap_decode",
+    "split_mixed_steps",
+    "fp8_experts",
+)
 
 
 def _gpu_list(text: str):
@@ -102,6 +110,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="one log file per service instance here (default: a new folder under the "
         "dsmesh cache folder)",
+    )
+    p.add_argument(
+        "--instance-metrics-port",
+        type=argtypes.port,
+        default=d.instance_metrics_port,
+        metavar="PORT",
+        help="serve each engine instance's Prometheus /metrics on loopback, on consecutive "
+        "ports from PORT in start order (prefill, decode, unified; an EP instance takes a "
+        "port per rank); listed when the mesh is ready (default: 0 = off)",
     )
     p.add_argument(
         "--start-timeout",
@@ -305,6 +322,7 @@ def mesh_config_from(args: argparse.Namespace) -> MeshConfig:
         eplb=args.eplb,
         eplb_args=eplb_flags(args),
         log_dir=args.log_dir,
+        instance_metrics_port=args.instance_metrics_port,
         start_timeout_s=args.start_timeout,
         drain_timeout_s=args.drain_timeout,
         stop_timeout_s=args.stop_timeout,

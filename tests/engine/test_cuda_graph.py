@@ -277,16 +277,18 @@ def _assert_matches_transformers(ckpt: HFCheckpoint, out: dict[int, list[int]]) 
 
 
 @pytest.mark.parametrize("ckpt_name", ["v3_ckpt", "v2_greedy_ckpt"])
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize(("overlap", "split"), [(False, True), (True, True), (False, False)])
 def test_engine_static_decode_matches_eager_and_transformers_on_cpu(
-    request, ckpt_name: str, overlap: bool
+    request, ckpt_name: str, overlap: bool, split: bool
 ) -> None:
     """With ``overlap`` the engine launches greedy decode steps ahead (fed the previous
-    step's tokens on the device) while requests join and leave; the tokens must not move."""
+    step's tokens on the device) while requests join and leave; with ``split`` the steps
+    that mix decode rows and prompt chunks run the decode rows through the runner and the
+    chunks eagerly. The tokens must not move."""
     ckpt = request.getfixturevalue(ckpt_name)
     vocab = ckpt.hf_model.config.vocab_size
     eager = _scenario(_engine(ckpt, "cpu"), vocab)
-    engine = _engine(ckpt, "cpu", overlap_decode=overlap)
+    engine = _engine(ckpt, "cpu", overlap_decode=overlap, split_mixed_steps=split)
     assert engine.graph_runner is None  # CPU: cuda_graphs is ignored
     # The CUDA path's runner, without graphs, so CPU CI checks its integration too.
     engine.graph_runner = CudaGraphRunner(
@@ -294,6 +296,8 @@ def test_engine_static_decode_matches_eager_and_transformers_on_cpu(
     )
     static = _scenario(engine, vocab)
     assert engine.graph_runner.num_eager > 10
+    # Requests join at steps 2 and 5 while others decode: those steps are mixed.
+    assert (engine.num_split_steps >= 2) if split else (engine.num_split_steps == 0)
     if overlap:
         assert engine.num_launched_ahead > 5
     else:
