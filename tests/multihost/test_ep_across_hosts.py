@@ -1,10 +1,10 @@
 """An expert-parallel decode group across two hosts behind the mesh (tests/multihost/conftest.py):
-one rank on each (``--ep-nnodes 2``, gloo, redundant experts), live rebalancing by an eplb
-service on a third host. It serves the offline engine's tokens (EP 1) before and after an
-EPLB swap, whose placement crosses the hosts through the group; when one rank's host goes
-dark the group fails fast (its links' TCP user timeout, dsmesh/instance/ep_group.py), kv_broker
-drops both ranks so the gateway stops routing to them (a request then fails, it does not
-wait on the dead group), and the group restarted once the host is back serves again.
+two ranks on each (``--ep-size 4 --ep-nnodes 2``, gloo, redundant experts), live rebalancing
+by an eplb service on a third host. It serves the offline engine's tokens (EP 1) before and
+after an EPLB swap, whose placement crosses the hosts through the group; when one host goes
+dark the group fails fast (its links' TCP user timeout, dsmesh/instance/ep_group.py),
+kv_broker drops every rank so the gateway stops routing to them (a request then fails, it
+does not wait on the dead group), and the group restarted once the host is back serves again.
 
 Runs after test_across_hosts.py on the same mesh: the first test replaces its decode with
 the group. Figures print as ``MULTIHOST <scenario> <name>=<value>`` lines (``-s``).
@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from dsmesh.instance.ep_group import GROUP_LINK_TIMEOUT_S
-from dsmesh.v1 import eplb_pb2, eplb_pb2_grpc
+from dsmesh.v1 import decode_pb2_grpc, eplb_pb2, eplb_pb2_grpc, prefill_pb2
 from dsmesh.v1 import kv_broker_pb2 as kb
 from engine.llm_engine import LLMEngine
 from tests.multihost.client import (
@@ -44,6 +44,8 @@ from tests.multihost.conftest import (
 pytestmark = pytest.mark.timeout(300)
 EPLB_PORT = 50055
 GROUP_ID = "decode-ep"
+RANKS_PER_HOST = 2
+EP_SIZE = 2 * RANKS_PER_HOST  # over two hosts
 # the group's links fail after GROUP_LINK_TIMEOUT_S without an acknowledgement; the dark
 # rank leaves kv_broker's list once keepalive noticed (8 s at most) and the grace passed
 GROUP_FAILED_BOUND_S = GROUP_LINK_TIMEOUT_S + 5
@@ -54,7 +56,7 @@ def start_group(mesh: Mesh) -> float:
     """Start the decode group: node 0 on the decode host, node 1 on the spare one, each
     serving once the group is whole; the seconds it took."""
     node0 = mesh.hosts["decode"]
-    group = ("--ep-size", "2", "--ep-nnodes", "2", "--num-redundant-experts", "2")
+    group = ("--ep-size", str(EP_SIZE), "--ep-nnodes", "2", "--num-redundant-experts", "4")
     common = (
         *("decode", "--broker", mesh.broker, "--host", "0.0.0.0", "--port", str(DECODE_PORT)),
         *("--model", str(mesh.model_dir), "--drain-timeout", "1", *group),
@@ -82,9 +84,18 @@ def decode_ranks(mesh: Mesh) -> list[kb.Instance]:
     return [i for i in mesh.instances() if i.role == kb.ROLE_DECODE]
 
 
-def both_ranks_free(mesh: Mesh) -> None:
-    for name in ("decode", "decode-ep1"):
-        assert_pages_return_to_zero_on(mesh, name)
+def every_rank_free(mesh: Mesh) -> None:
+    """Every rank of the group (each its own instance, at its own port) holds no page."""
+    ranks = decode_ranks(mesh)
+    assert len(ranks) == EP_SIZE, ranks
+    for rank in ranks:
+
+        def free(address: str = rank.grpc_address) -> bool:
+            with grpc.insecure_channel(address) as ch:
+                load = decode_pb2_grpc.DecodeStub(ch).GetLoad(prefill_pb2.LoadRequest(), timeout=2)
+            return load.free_pages == load.total_pages > 0
+
+        assert wait_until(free, 10), f"{rank.instance_id} still holds pages"
 
 
 def eplb_call(mesh: Mesh, method: str, request):
@@ -107,10 +118,12 @@ def test_an_ep_group_spans_two_hosts_and_swaps_experts(mesh: Mesh, offline: LLME
     mesh.start("eplb", "kv-broker", "eplb", "serve", *eplb_args, "--window-steps", "50")
     group_up = start_group(mesh)
 
-    listed = wait_until(lambda: (r := decode_ranks(mesh)) and len(r) == 2 and r, 30)
+    listed = wait_until(lambda: (r := decode_ranks(mesh)) and len(r) == EP_SIZE and r, 60)
     assert listed, mesh.log_tails()
     assert sorted(i.grpc_address for i in listed) == sorted(
-        f"{mesh.hosts[h].address}:{DECODE_PORT}" for h in ("decode", "spare")
+        f"{mesh.hosts[h].address}:{DECODE_PORT + i}"
+        for h in ("decode", "spare")
+        for i in range(RANKS_PER_HOST)
     )
     ids = prompts(8, salt=4)
     got = asyncio.run(grpc_streams(mesh.grpc_address, [request(p, 6) for p in ids]))
@@ -140,7 +153,7 @@ def test_an_ep_group_spans_two_hosts_and_swaps_experts(mesh: Mesh, offline: LLME
     got = asyncio.run(grpc_streams(mesh.grpc_address, [request(p, 6) for p in ids]))
     assert got == greedy(offline, ids, 6)
     assert_pages_return_to_zero_on(mesh, "prefill")
-    both_ranks_free(mesh)
+    every_rank_free(mesh)
     report(
         "ep_across_hosts",
         group_up_s=group_up,
@@ -151,7 +164,7 @@ def test_an_ep_group_spans_two_hosts_and_swaps_experts(mesh: Mesh, offline: LLME
 
 def test_an_ep_ranks_host_goes_dark(mesh: Mesh, offline: LLMEngine) -> None:
     """Node 1's cable is pulled: both nodes' groups exit non-zero (their links time out) and
-    kv_broker drops both ranks, so the gateway stops routing to them: a request sent then
+    kv_broker drops every rank, so the gateway stops routing to them: a request sent then
     fails with UNAVAILABLE once no decode has existed for the gateway's route wait (5 s),
     rather than waiting on a dead group. With the cable back the group, restarted, serves."""
     dark_host = mesh.hosts["spare"]
@@ -176,14 +189,14 @@ def test_an_ep_ranks_host_goes_dark(mesh: Mesh, offline: LLMEngine) -> None:
 
     back = time.monotonic()
     restarted = start_group(mesh)
-    assert wait_until(lambda: len(decode_ranks(mesh)) == 2, 30), mesh.log_tails()
+    assert wait_until(lambda: len(decode_ranks(mesh)) == EP_SIZE, 60), mesh.log_tails()
     assert serves(mesh, offline), mesh.log_tails()
     serving = time.monotonic() - back
     ids = prompts(4, salt=8)
     got = asyncio.run(grpc_streams(mesh.grpc_address, [request(p, 6) for p in ids]))
     assert got == greedy(offline, ids, 6)
     assert_pages_return_to_zero_on(mesh, "prefill")
-    both_ranks_free(mesh)
+    every_rank_free(mesh)
     report(
         "ep_rank_host_dark",
         group_exited_s=group_failed,
