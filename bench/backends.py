@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -144,6 +144,35 @@ async def _check_status(resp: Any) -> None:
         raise RequestError(f"HTTP {resp.status}: {text[:500]}", http_outcome(resp.status))
 
 
+async def _sse_post(
+    session: Any,
+    url: str,
+    body: str,
+    timeout_s: float,
+    parse: Callable[[str], pb.GenerateResponse],
+    parse_error: type[Exception],
+) -> AsyncIterator[pb.GenerateResponse]:
+    """POST ``body`` and yield each server-sent event's data through ``parse`` until the
+    stream ends; an HTTP error, an error event, a timeout or bad data raise RequestError."""
+    import aiohttp
+
+    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+    try:
+        async with session.post(
+            url, data=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
+            await _check_status(resp)
+            async for event, data in sse_events(resp.content):
+                _check_event(event, data)
+                if data.strip() == "[DONE]":
+                    continue
+                yield parse(data)
+    except TimeoutError as exc:
+        raise RequestError(f"TimeoutError: no answer in {timeout_s:g} s", TIMED_OUT) from exc
+    except (aiohttp.ClientError, parse_error) as exc:
+        raise RequestError(f"{type(exc).__name__}: {exc}") from exc
+
+
 def _check_event(event: str, data: str) -> None:
     """Raise RequestError for an SSE ``error`` event (a failure after the stream began)."""
     if event == "error":
@@ -177,27 +206,13 @@ class RestBackend(Backend):
     async def generate(
         self, request: pb.GenerateRequest, timeout_s: float
     ) -> AsyncIterator[pb.GenerateResponse]:
-        import aiohttp
+        def parse(data: str) -> pb.GenerateResponse:
+            return json_format.Parse(data, pb.GenerateResponse(), ignore_unknown_fields=True)
 
-        body = request_json(request)
-        headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
-        try:
-            async with self._session.post(
-                f"{self._url}/v1/generate",
-                data=body,
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(total=timeout_s),
-            ) as resp:
-                await _check_status(resp)
-                async for event, data in sse_events(resp.content):
-                    _check_event(event, data)
-                    if data.strip() == "[DONE]":
-                        continue
-                    yield json_format.Parse(data, pb.GenerateResponse(), ignore_unknown_fields=True)
-        except TimeoutError as exc:
-            raise RequestError(f"TimeoutError: no answer in {timeout_s:g} s", TIMED_OUT) from exc
-        except (aiohttp.ClientError, json_format.ParseError) as exc:
-            raise RequestError(f"{type(exc).__name__}: {exc}") from exc
+        url, body = f"{self._url}/v1/generate", request_json(request)
+        stream = _sse_post(self._session, url, body, timeout_s, parse, json_format.ParseError)
+        async for message in stream:
+            yield message
 
     async def close(self) -> None:
         if self._session is not None:
@@ -269,24 +284,10 @@ class OpenAIBackend(RestBackend):
     async def generate(
         self, request: pb.GenerateRequest, timeout_s: float
     ) -> AsyncIterator[pb.GenerateResponse]:
-        import aiohttp
+        def parse(data: str) -> pb.GenerateResponse:
+            return completions_chunk(json.loads(data))
 
+        url = f"{self._url}/v1/completions"
         body = json.dumps(completions_body(request, self._model))
-        headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
-        try:
-            async with self._session.post(
-                f"{self._url}/v1/completions",
-                data=body,
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(total=timeout_s),
-            ) as resp:
-                await _check_status(resp)
-                async for event, data in sse_events(resp.content):
-                    _check_event(event, data)
-                    if data.strip() == "[DONE]":
-                        continue
-                    yield completions_chunk(json.loads(data))
-        except TimeoutError as exc:
-            raise RequestError(f"TimeoutError: no answer in {timeout_s:g} s", TIMED_OUT) from exc
-        except (aiohttp.ClientError, ValueError) as exc:
-            raise RequestError(f"{type(exc).__name__}: {exc}") from exc
+        async for message in _sse_post(self._session, url, body, timeout_s, parse, ValueError):
+            yield message
