@@ -19,9 +19,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.mesh_gpu import mesh_up
+from bench.mesh_gpu import mesh_up, scrape
+from bench.no_max_tokens import free_port_run, metrics_urls
 
 KEYS = ("output_throughput", "total_throughput", "mean_cached_tokens", "cache_hit_rate")
+# the engine instances' counters over the run (their /metrics, summed over instances)
+INSTANCE_COUNTERS = (
+    "dsmesh_prefix_cache_evicted_pages_total",
+    "dsmesh_prefix_waits_total",
+    "dsmesh_retractions_total",
+)
 
 
 def bench(grpc_addr: str, args: argparse.Namespace, path: Path) -> dict[str, Any]:
@@ -63,8 +70,16 @@ def main() -> None:
     results: dict[str, Any] = {}
     for cache in args.caches.split(","):
         flags = [*up, "--prefix-cache" if cache == "on" else "--no-prefix-cache"]
+        flags += ["--instance-metrics-port", str(free_port_run(4))]
+        urls = metrics_urls(flags)
         with mesh_up(args.model, flags, args.out / f"logs-{cache}", 600) as mesh:
+            before = [scrape(url) for url in urls.values()]
             results[cache] = bench(mesh.grpc_addr, args, args.out / f"cache-{cache}.json")
+            after = [scrape(url) for url in urls.values()]
+        for key in INSTANCE_COUNTERS:
+            pairs = zip(after, before, strict=True)
+            delta = sum(a.get(key, 0.0) - b.get(key, 0.0) for a, b in pairs)
+            results[cache][key.removeprefix("dsmesh_").removesuffix("_total")] = delta
         print(f"cache {cache}: {json.dumps(results[cache])}", flush=True)
     if {"on", "off"} <= results.keys():
         ratio = results["on"]["output_throughput"] / results["off"]["output_throughput"]

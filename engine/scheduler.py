@@ -2,7 +2,10 @@
 
 Each step: every decoding request gets one token; prefilling requests (oldest first) get
 prompt chunks from what remains of ``max_batch_tokens``; then waiting requests are admitted in
-arrival order while pages and running slots allow.
+arrival order while pages and running slots allow. With the prefix cache on, a waiting request
+whose prompt shares a prefix that a running request is computing waits until it is computed
+(a step, or a chunk of a long prompt) and then takes it from the cache, letting the requests
+behind it in.
 
 Pages follow the tokens. Admission takes the pages of a request's known tokens (its prompt;
 after a retraction, prompt and output), and a decoding request takes one more page when its
@@ -31,7 +34,13 @@ from dataclasses import dataclass
 
 from engine.kv_cache import OutOfPagesError, PageAllocator, pages_for
 from engine.prefix_cache import PrefixCache
+from engine.prefix_hashes import page_hashes
 from engine.request import Request, RequestStatus
+
+# A waiting request waits for a running one computing the same prompt prefix when they share
+# at least this many tokens of it (rounded down to pages, at least one page): less is cheaper
+# to compute again than to wait a step for.
+PREFIX_WAIT_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,9 @@ class SchedulerStats:
     # tokens whose pages admission took before the request had them (reserve_all's
     # max_total_tokens beyond its prompt); 0 while every request's pages follow its tokens
     num_reserved_ahead_tokens: int = 0
+    # admissions put off by a step because a running request was computing the same
+    # prompt pages (Scheduler._waits_for_prefix), so they take them from the cache after
+    num_prefix_waits: int = 0
 
 
 def _arrival(request: Request) -> int:
@@ -88,11 +100,15 @@ class Scheduler:
         self.num_retractions = 0
         self.num_retracted_tokens = 0
         self.num_reserved_ahead_tokens = 0
+        self.num_prefix_waits = 0
         self._steps_since_admission = 0
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
-            self.num_retractions, self.num_retracted_tokens, self.num_reserved_ahead_tokens
+            self.num_retractions,
+            self.num_retracted_tokens,
+            self.num_reserved_ahead_tokens,
+            self.num_prefix_waits,
         )
 
     def pages_to_admit(self, request: Request) -> int:
@@ -250,20 +266,66 @@ class Scheduler:
         self._steps_since_admission += 1
         if self._defer_admission(chunks):
             return chunks
-        while (
-            self.waiting
-            and budget > 0
-            and len(self.running) < self.config.max_running_requests
-            and self.assign_pages(self.waiting[0], self._headroom())
-        ):
-            req = self.waiting.popleft()
+        computing = self._pages_being_computed() if self.waiting else set()
+        for req in list(self.waiting):  # oldest first; one short of pages stops the rest
+            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+                break
+            if self._waits_for_prefix(req, computing):
+                self.num_prefix_waits += 1
+                continue
+            if not self.assign_pages(req, self._headroom()):
+                break
+            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=_arrival)
             n = min(req.num_pending, budget)
             chunks.append(ScheduledChunk(req, n))
             budget -= n
             self._steps_since_admission = 0
+            computing.update(self._uncomputed_page_names(req))
         return chunks
+
+    # ---- prompts that share a prefix being computed ----------------------------------------
+
+    def _prompt_page_names(self, request: Request) -> list[int]:
+        """Chained hashes of ``request``'s full prompt pages (engine/prefix_hashes.py),
+        computed once."""
+        if request.prompt_page_names is None:
+            request.prompt_page_names = page_hashes(request.prompt_ids, self.config.page_size)
+        return request.prompt_page_names
+
+    def _uncomputed_page_names(self, request: Request) -> list[int]:
+        """Names of the full prompt pages whose KV ``request`` has not computed yet (a page
+        computed in part counts)."""
+        if self.prefix_cache is None or request.num_computed >= len(request.prompt_ids):
+            return []
+        return self._prompt_page_names(request)[request.num_computed // self.config.page_size :]
+
+    def _pages_being_computed(self) -> set[int]:
+        """Names of the prompt pages that running requests have still to compute; empty
+        without a prefix cache (no one could take them from it)."""
+        names: set[int] = set()
+        for req in self.running:
+            names.update(self._uncomputed_page_names(req))
+        return names
+
+    def _waits_for_prefix(self, request: Request, computing: set[int]) -> bool:
+        """Whether admitting ``request`` waits a step: a running request (or one admitted
+        this step) computes at least ``PREFIX_WAIT_TOKENS`` tokens of the same prompt
+        prefix, which the prefix cache serves once computed, instead of ``request``
+        computing them again alongside it (SGLang's in-batch prefix caching). The first of
+        a group of requests sharing a system prompt computes it; the rest follow a step or
+        a chunk later. Never while nothing else is computed: it cannot wait on itself."""
+        if not computing or self.prefix_cache is None or request.owes_prompt_logprobs:
+            return False
+        need = max(1, PREFIX_WAIT_TOKENS // self.config.page_size)
+        shared = 0
+        for name in self._prompt_page_names(request):
+            if name in computing:
+                shared += 1
+                if shared >= need:
+                    return True
+        return False
 
     def _defer_admission(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether waiting requests wait one more step: a pure decode step (no prompt chunk

@@ -124,6 +124,13 @@ class _CacheCounters(Collector):
                     "idle cached pages evicted to make room",
                     c.num_evicted_pages,
                 ),
+                (
+                    CounterMetricFamily,
+                    "dsmesh_prefix_waits",
+                    "admissions put off a step while a running request computed the same "
+                    "prompt prefix, to take it from the cache",
+                    stats.num_prefix_waits,
+                ),
             ]
         for kind, name, doc, value in rows:
             family = kind(name, doc, labels=["role"])

@@ -64,6 +64,7 @@ def test_digest_cached_tokens_and_metrics(engine: LLMEngine) -> None:
     assert got["dsmesh_prefix_cache_hit_rate"] == pytest.approx(40 / 81)
     assert got["dsmesh_prefix_cache_pages"] >= 10
     assert got["dsmesh_prefix_cache_evicted_pages_total"] == 0
+    assert got["dsmesh_prefix_waits_total"] == 0  # one request at a time: none waited
     assert got["dsmesh_retractions_total"] == 0 == got["dsmesh_retracted_tokens_total"]
 
 
@@ -72,4 +73,4 @@ def test_without_a_prefix_cache_only_retractions_show() -> None:
     assert prefix_digest(engine, prefill_pb2.LoadRequest(prefixes={})) is None
     got = samples(InstanceMetrics(engine, "unified"))
     assert "dsmesh_retractions_total" in got
-    assert not any(name.startswith("dsmesh_prefix_cache") for name in got)
+    assert not any(name.startswith(("dsmesh_prefix_cache", "dsmesh_prefix_waits")) for name in got)

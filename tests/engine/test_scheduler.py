@@ -27,13 +27,17 @@ GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
 
 
 def run_step(sched: Scheduler, next_token: int = 7) -> list[tuple[str, int]]:
-    """One schedule plus the engine's bookkeeping (no model): every chunk is computed, and a
-    request whose known tokens are all fed gets ``next_token``. Returns (id, tokens) per chunk."""
+    """One schedule plus the engine's bookkeeping (no model): every chunk is computed (its
+    prompt pages shared through the prefix cache, if on), and a request whose known tokens
+    are all fed gets ``next_token``. Returns (id, tokens) per chunk."""
     chunks = sched.schedule()
     for c in chunks:
         req = c.request
         assert len(req.pages) * sched.config.page_size >= req.num_computed + c.num_tokens
+        start = req.num_computed
         req.num_computed += c.num_tokens
+        if start < len(req.prompt_ids):
+            sched.share_prompt(req)  # as the engine: computed prompt pages join the cache
         if req.num_computed == req.num_tokens:
             req.output_ids.append(next_token)
     return [(c.request.request_id, c.num_tokens) for c in chunks]
@@ -76,7 +80,8 @@ def test_retraction_keeps_the_computed_prefix_in_the_cache() -> None:
     run_step(sched)
     run_step(sched)  # c retracted: its two computed prompt pages stay cached
     assert sched.stats().num_retractions == 1
-    assert cache.num_cached_pages == 2 and cache.num_evictable_pages == 2
+    # every prompt's pages are cached (shared while running); only c's are idle
+    assert cache.num_cached_pages == 6 and cache.num_evictable_pages == 2
     sched.finish(a, "length")
     sched.finish(b, "length")
     assert run_step(sched) == [("c", 1)]  # only the sampled token is computed again
@@ -97,6 +102,82 @@ def test_a_reserve_all_request_is_never_retracted() -> None:
     assert list(sched.waiting) == [grows]
     with pytest.raises(ValueError, match="cannot be retracted"):
         sched.retract(held)
+
+
+# ---- requests that share a prompt prefix being computed ----------------------------------------
+
+
+def test_a_request_waits_for_the_prefix_a_running_one_computes() -> None:
+    """Requests sharing a system prompt, arriving together: the first computes it, the rest
+    wait a step and take it from the cache; an unrelated request behind them is not held up."""
+    alloc = PageAllocator(64)
+    sched = Scheduler(SchedulerConfig(page_size=16, max_batch_tokens=256, prefix_cache=True), alloc)
+    system = list(range(100, 180))  # 80 tokens: 5 full pages
+    a = Request("a", system + [1, 2], GREEDY, max_total_tokens=100)
+    b = Request("b", system + [3], GREEDY, max_total_tokens=100)
+    other = Request("other", list(range(300, 390)), GREEDY, max_total_tokens=100)
+    for r in (a, b, other):
+        sched.add(r)
+    assert run_step(sched) == [("a", 82), ("other", 90)]
+    assert list(sched.waiting) == [b] and sched.stats().num_prefix_waits == 1
+    # a's prompt is computed (and shared through the cache): b takes its 5 pages.
+    assert run_step(sched) == [("a", 1), ("other", 1), ("b", 1)]
+    assert b.num_cached_pages == 5 and b.num_computed == 81
+    assert sched.stats().num_prefix_waits == 1
+
+
+def test_a_follower_joins_once_little_of_the_prefix_is_left() -> None:
+    """A prefix computed over several chunks: the follower joins in the step that computes
+    its last PREFIX_WAIT_TOKENS, taking from the cache what is computed already."""
+    alloc = PageAllocator(64)
+    sched = Scheduler(SchedulerConfig(page_size=4, max_batch_tokens=32, prefix_cache=True), alloc)
+    system = list(range(100, 180))  # 80 tokens: chunks of 32, 32, 16
+    a = Request("a", system, GREEDY, max_total_tokens=100)
+    b = Request("b", system + [5, 6], GREEDY, max_total_tokens=100)
+    other = Request("other", [1, 2, 3], GREEDY, max_total_tokens=100)
+    for r in (a, b, other):
+        sched.add(r)
+    assert run_step(sched) == [("a", 32)]
+    assert run_step(sched) == [("a", 32)]
+    # 16 tokens of the prefix left: b computes them beside a rather than wait a step.
+    assert run_step(sched) == [("a", 16), ("b", 16)]
+    assert b.num_cached_pages == 16 and sched.stats().num_prefix_waits == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_short_shared_prefixes_and_no_cache_never_wait(page_size: int) -> None:
+    alloc = PageAllocator(256)
+    cached = Scheduler(
+        SchedulerConfig(page_size=page_size, max_batch_tokens=256, prefix_cache=True), alloc
+    )
+    plain = Scheduler(
+        SchedulerConfig(page_size=page_size, max_batch_tokens=256), PageAllocator(256)
+    )
+    for sched, shared in ((cached, 63), (plain, 80)):
+        system = list(range(100, 100 + shared))  # 63 tokens: under PREFIX_WAIT_TOKENS
+        for rid in "ab":
+            sched.add(Request(rid, system + [ord(rid)], GREEDY, max_total_tokens=100))
+        assert [rid for rid, _ in run_step(sched)] == ["a", "b"]
+        assert sched.stats().num_prefix_waits == 0
+
+
+def test_followers_give_the_tokens_of_no_cache(model) -> None:
+    """Through the engine: a group of prompts sharing a system prompt, all submitted at once,
+    gives the tokens of a cache-less engine while computing the system prompt once."""
+    g = torch.Generator().manual_seed(5)
+    vocab = model.config.vocab_size
+    system = torch.randint(0, vocab, (96,), generator=g).tolist()
+    prompts = [system + torch.randint(0, vocab, (n,), generator=g).tolist() for n in (7, 20, 3)]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    config = EngineConfig(device="cpu", page_size=16, max_total_tokens=1024, max_batch_tokens=512)
+    want = LLMEngine(config, model=model).generate(prompts, params)
+    engine = LLMEngine(dataclasses.replace(config, prefix_cache=True), model=model)
+    got = engine.generate(prompts, params)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    assert engine.stats.num_prefix_waits == 2
+    cache = engine.scheduler.prefix_cache
+    assert cache is not None and cache.num_hit_tokens == 2 * 96
+    assert engine.num_pages_in_use == 0
 
 
 # ---- decode: requests reserved for KV that prefill writes ---------------------------------------
