@@ -25,10 +25,9 @@ from dsmesh.v1 import (
 )
 from dsmesh.v1 import generation_pb2_grpc as gen_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
-from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
-from tests.pd.launch import instance_load, start_gateway
+from tests.pd.launch import group_ranks, start_gateway, two_free_ports, wait_pages_free
 
 pytestmark = pytest.mark.timeout(400)
 MAX_NEW = 8
@@ -38,23 +37,6 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 120, (n,), generator=g).tolist()
     return [torch.randint(3, 500, (k,), generator=g).tolist() for k in lengths]
-
-
-def two_free_ports() -> int:
-    """A port p with p + 1 also free."""
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return port
-    raise RuntimeError("no two consecutive free ports")
 
 
 def generated_tokens(port: int) -> float:
@@ -122,24 +104,8 @@ def reference(offline: LLMEngine, batch: list[list[int]]) -> list[list[int]]:
     return [r.output_ids for r in offline.generate(batch, params)]
 
 
-async def _instances(broker_address: str) -> dict[int, list[kb.Instance]]:
-    async with channel(broker_address) as ch:
-        listing = await kb_grpc.KVBrokerStub(ch).ListInstances(kb.ListInstancesRequest())
-    by_role: dict[int, list[kb.Instance]] = {}
-    for inst in sorted(listing.instances, key=lambda i: i.instance_id):
-        by_role.setdefault(inst.role, []).append(inst)
-    return by_role
-
-
 def _ranks(ep_mesh) -> tuple[list[kb.Instance], list[kb.Instance]]:
-    broker = ep_mesh["procs"][0]
-    deadline = time.monotonic() + 30
-    while True:
-        by_role = asyncio.run(_instances(broker.address))
-        pre, dec = by_role.get(kb.ROLE_PREFILL, []), by_role.get(kb.ROLE_DECODE, [])
-        if len(pre) == 2 and len(dec) == 2 or time.monotonic() > deadline:
-            return pre, dec
-        time.sleep(0.2)
+    return group_ranks(ep_mesh["procs"][0].address)
 
 
 def test_each_rank_registers_as_its_own_instance(ep_mesh) -> None:
@@ -177,25 +143,7 @@ def test_every_rank_pair_matches_the_offline_engine(ep_mesh, offline) -> None:
                 await c.close()
 
     assert asyncio.run(main()) == want
-    assert _wait_pages_free(prefill + decode, within=10)
-
-
-def _wait_pages_free(ranks: list[kb.Instance], within: float) -> bool:
-    """Every rank's KV pages back in its pool (no page leaked by a finished request)."""
-
-    async def all_free() -> bool:
-        for inst in ranks:
-            load = await instance_load(inst)
-            if load.free_pages != load.total_pages:
-                return False
-        return True
-
-    deadline = time.monotonic() + within
-    while not asyncio.run(all_free()):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
+    assert wait_pages_free(prefill + decode, within=10)
 
 
 def test_an_idle_rank_does_not_stall_its_peer(ep_mesh, offline) -> None:
@@ -262,7 +210,7 @@ def test_gateway_spreads_requests_and_matches_offline(ep_mesh, offline) -> None:
     served = [generated_tokens(ep_mesh["metrics"] + r) - before[r] for r in (0, 1)]
     assert sum(served) == len(batch) * MAX_NEW
     assert min(served) > 0, served  # both decode ranks took requests
-    assert _wait_pages_free([*_ranks(ep_mesh)[0], *_ranks(ep_mesh)[1]], within=10)
+    assert wait_pages_free([*_ranks(ep_mesh)[0], *_ranks(ep_mesh)[1]], within=10)
 
 
 def _children(pid: int) -> list[int]:
