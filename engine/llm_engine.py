@@ -41,6 +41,7 @@ from engine.request import Request, RequestStatus
 from engine.sampler import GREEDY_BELOW, Sampler, advance_generator, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerStats
+from engine.spec_graphs import GroupBuckets
 from engine.speculative import MTPSpeculator, SpecStats, SpeculativeConfig
 from engine.token_logprobs import TokenLogprobs
 from engine.token_mask import apply_token_bitmask
@@ -368,38 +369,56 @@ class LLMEngine:
 
         Speculative decoding: the draft's MoE is spread over the group too
         (engine/ep/runtime.py), so in a step where any rank speculates every rank runs the
-        same number of draft forwards after its target forward, empty ones where it has
-        fewer or none (MTPSpeculator.pad_group_drafts)."""
+        same number of draft forwards after its target forward, padding ones where it has
+        fewer or none (MTPSpeculator.pad_group_drafts). Decode-only speculative steps replay
+        graphs too: the same vote agrees on the verify's rows (requests x (1 + drafts)), the
+        pages every forward reads and the chain's rows (engine/spec_graphs.py, GroupBuckets);
+        plain and idle ranks run their target forward at that bucket and pad their draft
+        forwards at it."""
         self._group = vote
         self._idle_page = self.kv_pool.allocator.allocate(1)
         if self.speculator is not None:
-            self.speculator.join_group()
+            self.speculator.join_group(self._idle_page)
 
     def _agree_on_graphs(self, chunks: list[ScheduledChunk]) -> tuple[int, int] | None:
         """One all-reduce: (rows, pages) of this step's graph when every rank of the group
         can replay one (decode-only or idle, within the buckets), else None. The same vote
-        sets ``_group_drafts``: whether any rank speculates in this step."""
+        sets ``_group_drafts``: whether any rank speculates in this step, and the buckets
+        of the speculative step's draft forwards (MTPSpeculator.start_group_step)."""
         runner = self.graph_runner
-        rows = len(chunks)
-        mine = runner is not None and (
-            not chunks
-            or (
-                runner.can_run(rows)
-                and all(c.num_tokens == 1 for c in chunks)
-                and not any(_scores_prompt(c) for c in chunks)
-                and not (self.speculator is not None and self.speculator.runs(chunks))
-            )
-        )
-        pages = 1
+        spec = self.speculator
+        speculates = self._speculates(chunks)
+        rows, pages, chain_rows = len(chunks), 1, 0
         if chunks and runner is not None:
             pages = pages_for(max(c.request.num_computed for c in chunks) + 1, runner.page_size)
+        if speculates:  # verify rows, the pages of every forward, the chain's rows
+            assert spec is not None
+            shape = spec.group_graph_shape(chunks)
+            mine = runner is not None and shape is not None
+            if shape is not None:
+                rows, pages, chain_rows = shape
+        else:
+            mine = runner is not None and (
+                not chunks
+                or (
+                    runner.can_run(rows)
+                    and all(c.num_tokens == 1 for c in chunks)
+                    and not any(_scores_prompt(c) for c in chunks)
+                )
+            )
+        # where the group speculates, every rank's draft forwards replay its draft graphs
+        mine = mine and (spec is None or spec.graphs is not None)
         assert self._group is not None
-        flags = [int(not mine), rows, pages, int(self._speculates(chunks))]
-        _, (refuse, max_rows, max_pages, drafts) = self._group.vote(False, flags)
+        flags = [int(not mine), rows, pages, int(speculates), chain_rows]
+        _, (refuse, max_rows, max_pages, drafts, max_chain) = self._group.vote(False, flags)
         self._group_drafts = bool(drafts)
-        if refuse or runner is None:
-            return None
-        return max(max_rows, 1), max_pages
+        bucket = None if refuse or runner is None else (max(max_rows, 1), max_pages)
+        if spec is not None:
+            group = None
+            if bucket is not None and drafts:
+                group = GroupBuckets(bucket[0], bucket[1], max(max_chain, 1))
+            spec.start_group_step(group)
+        return bucket
 
     def _idle_graph_step(self, bucket: tuple[int, int]) -> None:
         """This rank's part of a group graph step with nothing to run: one row, fed at

@@ -7,7 +7,6 @@ except routed experts, which are stacked per rank (see :class:`engine.moe.Routed
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -21,7 +20,7 @@ from engine.mla import MLAttention
 from engine.mla_decode_backend import MLADecodeBackend, TorchMLADecode, make_decode_backend
 from engine.mla_prefill_backend import make_prefill_backend
 from engine.moe import DeepseekMoE, DenseMLP
-from engine.moe_dispatch import LocalDispatcher, MoEDispatcher
+from engine.moe_dispatch import LocalDispatcher, MoEDispatcher, static_mode
 from engine.norm import RMSNorm
 from engine.rope import RotaryEmbedding
 
@@ -231,19 +230,11 @@ class DeepseekForCausalLM(nn.Module):
                 xs = [attn[i] + mlp(normed[i]) for i in range(2)]
         return torch.cat(xs)
 
-    @contextlib.contextmanager
-    def static_dispatch(self) -> Iterator[None]:
+    def static_dispatch(self) -> contextlib.AbstractContextManager[None]:
         """MoE dispatch in its fixed-shape mode (no host sync) for the forwards inside: what
         a CUDA graph captures. Under expert parallelism every rank of the group must run
         such a forward in the same step (the collectives pair up by shape)."""
-        dispatchers = {id(m.dispatcher): m.dispatcher for m in self.moe_layers()}.values()
-        for d in dispatchers:
-            d.static = True
-        try:
-            yield
-        finally:
-            for d in dispatchers:
-                d.static = False
+        return static_mode(m.dispatcher for m in self.moe_layers())
 
     def moe_layers(self) -> list[DeepseekMoE]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, DeepseekMoE)]

@@ -7,7 +7,9 @@ over torch.distributed, DeepEP) implement the same contract across ranks.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -125,3 +127,18 @@ class LocalDispatcher(MoEDispatcher):
         weighted = expert_out * h.weights.reshape(-1)[h.order][:, None].to(expert_out.dtype)
         out.index_add_(0, h.order // h.top_k, weighted)
         return out
+
+
+@contextlib.contextmanager
+def static_mode(dispatchers: Iterable[MoEDispatcher]) -> Iterator[None]:
+    """``dispatchers`` (each once) in their fixed-shape mode for the forwards inside: what a
+    CUDA graph captures. Under expert parallelism every rank of the group must run such a
+    forward in the same step (the collectives pair up by shape)."""
+    unique = list({id(d): d for d in dispatchers}.values())
+    for d in unique:
+        d.static = True
+    try:
+        yield
+    finally:
+        for d in unique:
+            d.static = False

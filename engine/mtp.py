@@ -21,6 +21,8 @@ draft KV is allocated, shared by the prefix cache and freed with the request's p
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -32,7 +34,7 @@ from engine.kv_cache import MLAKVPool
 from engine.mla_decode_backend import MLADecodeBackend, TorchMLADecode
 from engine.model import DecoderLayer, DeepseekForCausalLM
 from engine.moe import DeepseekMoE, DenseMLP, MoEGate
-from engine.moe_dispatch import LocalDispatcher, MoEDispatcher
+from engine.moe_dispatch import LocalDispatcher, MoEDispatcher, static_mode
 from engine.norm import RMSNorm
 from engine.rope import RotaryEmbedding
 
@@ -123,6 +125,15 @@ class MTPDraft(nn.Module):
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    def moe_layers(self) -> list[DeepseekMoE]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, DeepseekMoE)]
+
+    def static_dispatch(self) -> contextlib.AbstractContextManager[None]:
+        """The draft's MoE dispatch in its fixed-shape mode for the forwards inside (as
+        :meth:`DeepseekForCausalLM.static_dispatch`): in an expert-parallel group, every rank
+        runs such a draft forward in the same step, at the same batch bucket."""
+        return static_mode(m.dispatcher for m in self.moe_layers())
 
     @torch.inference_mode()
     def forward(

@@ -14,7 +14,10 @@ of an :class:`engine.cuda_graph.CudaGraphRunner` plus a hidden-state buffer of i
   backend that plans on the host (FlashInfer) cannot replay.
 
 The draft layer's KV writes happen inside the graphs. Its graphs have their own memory
-pool, so a draft replay never overwrites the model runner's outputs (and the reverse).
+pool, so a draft replay never overwrites the model runner's outputs (and the reverse). Its
+MoE dispatch runs in its fixed-shape mode (``MTPDraft.static_dispatch``), so in an
+expert-parallel group the all-to-alls are captured too; ``min_rows`` / ``min_pages`` put
+every rank's forward in the bucket the group agreed on (engine/spec_graphs.py).
 """
 
 from __future__ import annotations
@@ -63,10 +66,13 @@ class MTPGraphRunner(DecodeGraphRunner):
         pages: Sequence[Sequence[int] | np.ndarray],
         hidden: torch.Tensor,
         step: int = 0,
+        min_rows: int = 1,
+        min_pages: int = 1,
     ) -> Outputs:
         """Row i feeds ``token_ids[i]`` at ``positions[i]`` with ``hidden[i]``, the hidden
-        state of the position before (engine/mtp.py), through MTP layer ``step % layers``."""
-        b, p, table, seq_lens = self.inputs.load(token_ids, positions, pages)
+        state of the position before (engine/mtp.py), through MTP layer ``step % layers``;
+        in bucket (b, p) at least (``min_rows``, ``min_pages``), as the model's runner."""
+        b, p, table, seq_lens = self.inputs.load(token_ids, positions, pages, min_rows, min_pages)
         self.decode_backend.prepare_replay(table, seq_lens)
         return self._run(b, p, len(token_ids), hidden, step)
 
@@ -78,11 +84,18 @@ class MTPGraphRunner(DecodeGraphRunner):
         self.inputs.load_ids(n, b, token_ids)
         return self._run(b, p, n, hidden, step)
 
-    def load_pages(self, pages: Sequence[Sequence[int] | np.ndarray], max_tokens: int) -> int:
+    def load_pages(
+        self,
+        pages: Sequence[Sequence[int] | np.ndarray],
+        max_tokens: int,
+        min_rows: int = 1,
+        min_pages: int = 1,
+    ) -> int:
         """Page table rows for :meth:`run_placed` of ``len(pages)`` rows whose contexts hold
-        up to ``max_tokens`` tokens; returns their page bucket."""
-        b = bucket_for(len(pages), self.buckets)
-        p = self.inputs.page_bucket(max_tokens)
+        up to ``max_tokens`` tokens (at least bucket (``min_rows``, ``min_pages``): pass
+        :meth:`run_placed` the same ``min_rows``); returns their page bucket."""
+        b = bucket_for(max(len(pages), min_rows), self.buckets)
+        p = self.inputs.page_bucket(max_tokens, min_pages)
         self.inputs.load_pages(p, pages, b)
         return p
 
@@ -93,13 +106,14 @@ class MTPGraphRunner(DecodeGraphRunner):
         token_ids: torch.Tensor,
         hidden: torch.Tensor,
         step: int,
+        min_rows: int = 1,
     ) -> Outputs:
         """Rows in the pages of :meth:`load_pages` (bucket ``p``) at ``positions`` [n],
         fed ``token_ids`` [n], both on the device (no host sync)."""
         if self.decode_backend.plans_on_host:
             raise ValueError(f"{self.decode_backend.name} decode plans on the host")
         n = positions.shape[0]
-        b = bucket_for(n, self.buckets)
+        b = bucket_for(max(n, min_rows), self.buckets)
         self.inputs.load_ids(n, b, token_ids)
         self.inputs.place(b, p, positions)
         return self._run(b, p, n, hidden, step)
@@ -131,4 +145,5 @@ class MTPGraphRunner(DecodeGraphRunner):
 
     def _forward(self, key: tuple[int, ...]) -> Outputs:
         b, p, layer = key
-        return self.draft(self.inputs.batch(b, p), self.kv_pool, self.hidden[:b], layer)
+        with self.draft.static_dispatch():  # an expert-parallel group's draft MoE: captured
+            return self.draft(self.inputs.batch(b, p), self.kv_pool, self.hidden[:b], layer)

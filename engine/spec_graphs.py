@@ -23,6 +23,10 @@ only at its end (:meth:`SpecGraphs.greedy_step`):
 
 Other steps (sampled requests: rejection sampling needs the host) replay the same graphs
 through :meth:`SpecGraphs.verify` and the draft runner's ``run``, choosing on the host.
+
+In an expert-parallel group (``LLMEngine.join_group``) every forward is a collective, so the
+ranks agree on :class:`GroupBuckets` before the step and run every forward at them, each rank
+padding its own rows (or one row of its own, when it has none to run).
 """
 
 from __future__ import annotations
@@ -37,6 +41,23 @@ from engine.cuda_graph import CudaGraphRunner
 from engine.decode_graphs import Outputs
 from engine.mtp_graph import MTPGraphRunner
 from engine.spec_sampling import accept_greedy_rows
+
+
+@dataclass(frozen=True)
+class GroupBuckets:
+    """The buckets every rank of an expert-parallel group runs one speculative step's
+    forwards at, agreed before it (the largest any rank needs), so that their collectives
+    pair up and they capture and replay the same graphs: the target forward and draft
+    forward 0 at (``rows``, ``pages``), the chained draft forwards 1 .. K - 1 at
+    (``chain_rows``, ``pages``)."""
+
+    rows: int
+    pages: int
+    chain_rows: int
+
+    def draft_rows(self, step: int) -> int:
+        """The rows of draft forward ``step`` (0: over the verify rows; then the chain)."""
+        return self.rows if step == 0 else self.chain_rows
 
 
 @dataclass
@@ -85,10 +106,15 @@ class SpecGraphs:
         token_ids: Sequence[int],
         positions: Sequence[int],
         pages: Sequence[np.ndarray],
+        group: GroupBuckets | None = None,
     ) -> Outputs:
         """The verify forward of a decode-only step's rows -> (logits [R, vocab] float32,
-        final hidden states [R, hidden]), views of graph memory."""
-        return self.target.run_with_hidden(token_ids, positions, pages)
+        final hidden states [R, hidden]), views of graph memory; at ``group``'s bucket in an
+        expert-parallel group."""
+        rows, pages_at_least = (group.rows, group.pages) if group is not None else (1, 1)
+        return self.target.run_with_hidden(
+            token_ids, positions, pages, min_rows=rows, min_pages=pages_at_least
+        )
 
     def greedy_step(
         self,
@@ -98,12 +124,14 @@ class SpecGraphs:
         limits: Sequence[int],
         forced: Sequence[int] | None,
         chain_on_device: bool,
+        group: GroupBuckets | None = None,
     ) -> GreedyStep:
         """One greedy step of ``n`` requests. Request i feeds ``fed[i]`` (its last token, then
         its drafts) at positions ``starts[i]`` onwards, in ``pages[i]``; its chain may write
         up to position ``limits[i]`` (in its pages, at least ``starts[i] + len(fed[i])``
         when ``chain_on_device``). ``forced``: accepted counts drawn by the caller (the
-        benchmark's forced acceptance), else the target's argmax decides."""
+        benchmark's forced acceptance), else the target's argmax decides. ``group``: the
+        buckets of an expert-parallel group's step (every forward at least there)."""
         n, k = len(fed), self.k
         num_drafts = np.array([len(f) - 1 for f in fed], dtype=np.int64)
         first = np.concatenate([[0], np.cumsum(num_drafts + 1)[:-1]])
@@ -113,7 +141,12 @@ class SpecGraphs:
         given = [first, num_drafts, starts, limits, starts if forced is None else forced]
         per_request = np.stack([np.asarray(x, dtype=np.int64) for x in given])
         r = len(ids)
-        logits, hidden = self.target.run_with_hidden(ids, positions, row_pages)
+        g_rows, g_pages, g_chain = (1, 1, 1)
+        if group is not None:
+            g_rows, g_pages, g_chain = group.rows, group.pages, group.chain_rows
+        logits, hidden = self.target.run_with_hidden(
+            ids, positions, row_pages, min_rows=g_rows, min_pages=g_pages
+        )
         target_ids = logits.argmax(dim=-1)
         device = self.target.device
         first_d, drafts_d, starts_d, limits_d, forced_d = _to_device(per_request, device)
@@ -127,11 +160,11 @@ class SpecGraphs:
         g, draft_logits = g.index_select(0, last), draft_logits.index_select(0, last)
         drafts = [draft_logits.argmax(dim=-1)]
         if chain_on_device and k > 1:
-            p = self.draft.load_pages(pages, int(max(limits)) + 1)
+            p = self.draft.load_pages(pages, int(max(limits)) + 1, g_chain, g_pages)
             base = starts_d + accepted
             for j in range(1, k):
                 positions_d = torch.minimum(base + j, limits_d)
-                g, step_logits = self.draft.run_placed(p, positions_d, drafts[-1], g, j)
+                g, step_logits = self.draft.run_placed(p, positions_d, drafts[-1], g, j, g_chain)
                 drafts.append(step_logits.argmax(dim=-1))
         host = torch.cat([target_ids, accepted, torch.stack(drafts, dim=1).flatten()]).tolist()
         t, a = host[:r], host[r : r + n]

@@ -33,14 +33,14 @@ import torch
 from engine.cuda_graph import CudaGraphRunner
 from engine.decode_graphs import GraphCaptureError
 from engine.forward_batch import ForwardBatch, SequenceChunk
-from engine.kv_cache import MLAKVPool
+from engine.kv_cache import MLAKVPool, pages_for
 from engine.model import DeepseekForCausalLM
 from engine.mtp import MTPDraft
 from engine.mtp_graph import MTPGraphRunner
 from engine.request import Request, RequestStatus
 from engine.sampler import GREEDY_BELOW, Sampler, token_logprobs
 from engine.scheduler import ScheduledChunk, Scheduler
-from engine.spec_graphs import GreedyStep, SpecGraphs
+from engine.spec_graphs import GreedyStep, GroupBuckets, SpecGraphs
 from engine.spec_sampling import accept_greedy, accept_sampled, draw, sampling_probs
 from engine.token_logprobs import TokenLogprobs
 
@@ -158,6 +158,13 @@ class MTPSpeculator:
         # _greedy between verify and draft
         self.graphs: SpecGraphs | None = None
         self._greedy: GreedyStep | None = None
+        # expert-parallel groups (join_group): the step's agreed buckets (None: eager), the
+        # draft forwards this rank ran in the step, and what its padding forwards feed
+        self._in_group = False
+        self._group: GroupBuckets | None = None
+        self._num_draft_forwards = 0
+        self._idle_page: list[int] = []
+        self._idle_hidden: torch.Tensor | None = None
         k = config.num_draft_tokens
         self.num_verifications = 0
         self.num_draft_tokens = 0
@@ -186,7 +193,7 @@ class MTPSpeculator:
         self.graphs = SpecGraphs(target, draft, self.config.num_draft_tokens)
 
     def detach_graphs(self) -> None:
-        """Run every step eagerly from now on (A/B runs; expert-parallel groups)."""
+        """Run every step eagerly from now on (A/B runs)."""
         self.graphs = None
 
     def reset_graphs(self) -> None:
@@ -229,16 +236,18 @@ class MTPSpeculator:
             v = Verified(req, start, row, len(ids), first_computed, [], None, decoding)
             plan.append((v, drafts))
             row += len(ids)
-        graphs = self.graphs
-        if graphs is not None and all(v.decoding for v, _ in plan) and graphs.fits(len(seqs)):
+        graphs = self._step_graphs(all(v.decoding for v, _ in plan), len(seqs))
+        if graphs is not None:
             try:
                 if all(_takes_argmax(v.request) for v, _ in plan):
                     self._verify_greedy(graphs, plan)
                 else:  # every row's logits, in order: the rows _choose wants
-                    logits, self._hidden = graphs.verify(*_rows(seqs))
+                    logits, self._hidden = graphs.verify(*_rows(seqs), self._group)
                     self._choose(plan, logits, allowed_tokens)
                 return [v for v, _ in plan]
             except GraphCaptureError:  # nothing booked yet: the eager forward redoes it
+                if self._in_group:  # the other ranks run this step on their graphs
+                    raise
                 log.exception("CUDA graphs off for speculative steps; they run eagerly")
                 self.graphs = None
         hidden = self.model.hidden_states(self._batch(seqs), self.kv_pool, self._mode)
@@ -286,7 +295,9 @@ class MTPSpeculator:
             limits,
             forced,
             on_device,
+            self._group,
         )
+        self._num_draft_forwards += k if on_device else 1  # the first draft, then the chain
         for (v, drafts), tokens, accepted in zip(plan, step.tokens, step.accepted, strict=True):
             v.tokens = tokens
             if drafts:
@@ -474,12 +485,16 @@ class MTPSpeculator:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft over ``seqs`` given ``hidden`` -> (g, logits): on the draft's graphs
         when every chunk is one token (and graphs are attached), else eagerly."""
-        graphs = self.graphs
-        single = all(len(s.token_ids) == 1 for s in seqs)
-        if graphs is not None and single and graphs.fits(len(seqs)):
+        graphs = self._step_graphs(all(len(s.token_ids) == 1 for s in seqs), len(seqs))
+        self._num_draft_forwards += 1
+        if graphs is not None:
+            group = self._group
+            rows, pages = (1, 1) if group is None else (group.draft_rows(step), group.pages)
             try:
-                return graphs.draft.run(*_rows(seqs), hidden, step)
+                return graphs.draft.run(*_rows(seqs), hidden, step, rows, pages)
             except GraphCaptureError:
+                if self._in_group:  # the other ranks run this step on their graphs
+                    raise
                 log.exception("CUDA graphs off for speculative steps; they run eagerly")
                 self.graphs = None
         return self.draft_model(self._batch(seqs), self.kv_pool, hidden, step, self._mode)
@@ -576,19 +591,51 @@ class MTPSpeculator:
 
     # ---- expert-parallel groups -------------------------------------------------------------
 
-    def join_group(self) -> None:
+    def join_group(self, idle_page: list[int]) -> None:
         """This engine became one rank of an expert-parallel group, whose MTP layer's experts
         are spread over the ranks like the target's (engine/ep/runtime.py): each draft
         forward exchanges tokens with every rank. So in a step where any rank speculates,
-        every rank runs the same number of draft forwards: its own, then empty ones
-        (:meth:`pad_group_drafts`). The forwards are counted as they run, eagerly: the
-        steps' graphs would pair up neither their collectives nor the count."""
-        self.detach_graphs()
-        self._num_draft_forwards = 0
-        self.draft_model.register_forward_pre_hook(self._count_draft_forward)
+        every rank runs the same draft forwards: its own, then padding ones
+        (:meth:`pad_group_drafts`). In a step the group runs on the graph runners
+        (:meth:`start_group_step`) every forward runs at the agreed buckets, a padding one
+        over one row at position 0 of ``idle_page`` (a page the engine keeps for this);
+        otherwise every forward is eager, a padding one empty."""
+        self._in_group = True
+        self._idle_page = idle_page
+        hidden = self.draft_model.config.hidden_size
+        dtype = self.draft_model.lm_head.weight.dtype
+        self._idle_hidden = torch.zeros(1, hidden, dtype=dtype, device=self.device)
 
-    def _count_draft_forward(self, module: torch.nn.Module, args: tuple) -> None:
-        self._num_draft_forwards += 1
+    def group_graph_shape(self, chunks: list[ScheduledChunk]) -> tuple[int, int, int] | None:
+        """What this rank's speculative step of ``chunks`` needs of a group's graph step
+        (:class:`GroupBuckets`): its verify rows (each request's token and drafts), the pages
+        its forwards read (at most: its requests' pages, and those of every position its
+        verify and chain may reach, before the step takes them) and its requests (the
+        chain's rows); None when it cannot run on the graphs (prompt chunks, too many rows,
+        no graphs). Call it just before :meth:`verify`: the drafts it counts are the ones
+        verify feeds."""
+        graphs = self.graphs
+        if graphs is None or any(c.request.is_prefilling for c in chunks):
+            return None
+        k = self.config.num_draft_tokens
+        rows = pages = 0
+        for c in chunks:
+            req = c.request
+            drafts = len(self._valid_drafts(req))
+            rows += 1 + drafts
+            reach = min(req.num_computed + drafts + k, req.max_total_tokens)
+            pages = max(pages, len(req.pages), pages_for(reach, self.config.page_size))
+        if not graphs.fits(rows) or pages > graphs.target.inputs.max_pages:
+            return None
+        return rows, pages, len(chunks)
+
+    def start_group_step(self, group: GroupBuckets | None) -> None:
+        """A step of the group begins: its forwards run on the graph runners at ``group``'s
+        buckets (every rank's agreed ones), or eagerly when None."""
+        if group is not None and self.graphs is None:
+            raise ValueError("a group graph step needs this rank's draft graphs")
+        self._group = group
+        self._num_draft_forwards = 0
 
     @property
     def num_group_draft_forwards(self) -> int:
@@ -598,14 +645,38 @@ class MTPSpeculator:
 
     def pad_group_drafts(self) -> None:
         """After this rank's step (speculative, plain or idle) in a step where the group
-        speculates: empty draft forwards until it ran :attr:`num_group_draft_forwards`. Each
-        uses the MTP layer a real forward at that place of the chain would use."""
+        speculates: padding draft forwards until it ran :attr:`num_group_draft_forwards`,
+        each on the MTP layer (and, on the graphs, at the bucket) a real forward at that
+        place of the chain would use. Their output is dropped; on the graphs they write the
+        draft KV of the idle page only."""
+        group = self._group
         empty = ForwardBatch.empty(self.device)
-        hidden = torch.empty(0, self.draft_model.config.hidden_size, device=self.device)
+        nothing = torch.empty(0, self.draft_model.config.hidden_size, device=self.device)
         while self._num_draft_forwards < self.num_group_draft_forwards:
             step = self._num_draft_forwards
-            self.draft_model(empty, self.kv_pool, hidden, step, self._mode)
+            if group is None:
+                self.draft_model(empty, self.kv_pool, nothing, step, self._mode)
+            else:
+                assert self.graphs is not None and self._idle_hidden is not None
+                rows, pages = group.draft_rows(step), group.pages
+                idle = self._idle_hidden
+                self.graphs.draft.run([0], [0], [self._idle_page], idle, step, rows, pages)
+            self._num_draft_forwards += 1
         self._num_draft_forwards = 0
+
+    def _step_graphs(self, single: bool, num_rows: int) -> SpecGraphs | None:
+        """The graphs a verify or draft forward of ``num_rows`` rows (``single``: one token
+        each) runs on, None for eagerly. In a group: whatever the group agreed for the step
+        (on the graphs, this rank voted that its rows are single and fit)."""
+        graphs = self.graphs
+        if graphs is None:
+            return None
+        if self._in_group:
+            if self._group is None:
+                return None
+            assert single and graphs.fits(num_rows)
+            return graphs
+        return graphs if single and graphs.fits(num_rows) else None
 
     # ---- helpers --------------------------------------------------------------------------
 

@@ -192,7 +192,7 @@ def build_ep_engine(config: EngineConfig, ep: EPConfig, rank: int) -> LLMEngine:
     if config.speculative == "mtp" and cfg.num_nextn_predict_layers > 0:
         draft = build_ep_draft(config, ep, rank, dispatcher)
     engine = LLMEngine(config, model=model, draft=draft)
-    engine.join_group(GroupVote(engine.device, num_flags=4))
+    engine.join_group(GroupVote(engine.device, num_flags=5))
     return engine
 
 

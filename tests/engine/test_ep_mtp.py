@@ -2,13 +2,17 @@
 
 The MTP layer's routed experts are spread over the ranks like the target's, so each draft
 forward is a collective: in a step where any rank speculates, every rank runs the same number
-of draft forwards (empty ones where it has fewer requests, or none). Greedy tokens with K = 1
+of draft forwards (padding ones where it has fewer requests, or none). Greedy tokens with K = 1
 and 2 equal EP size 1 without speculation (itself checked against transformers), each
 request drafts and accepts exactly what it does on one rank, under uneven load, with one
-and with one rank idle throughout."""
+and with one rank idle throughout: eagerly, and with the decode-only speculative steps on the
+CUDA path's graph runners (run uncaptured on the CPU: verify and draft forwards at buckets the
+ranks agree on, static all-to-all, idle and plain ranks replaying padded rows). One process
+group runs every job."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +24,7 @@ import torch.multiprocessing as mp
 from transformers import PreTrainedModel
 
 from engine.config import load_config
+from engine.cuda_graph import CudaGraphRunner
 from engine.ep.generate import generate_ep
 from engine.ep.runtime import EPConfig, build_ep_engine, free_port, init_group, run_lockstep
 from engine.llm_engine import EngineConfig, LLMEngine
@@ -28,10 +33,38 @@ from tests.engine.hf_checkpoints import add_mtp_layer, make_hf_v3, random_prompt
 
 pytestmark = pytest.mark.timeout(400)
 PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
+# prompt 2 (rank 0) samples, prompt 1 (rank 1) asks for logprobs: both ranks choose on the host
+MIXED = [
+    PARAMS,
+    dataclasses.replace(PARAMS, logprobs=1),
+    SamplingParams(temperature=0.9, top_k=3, seed=2, max_new_tokens=12, ignore_eos=True),
+    PARAMS,
+    PARAMS,
+]
 PAGE = 4
 # rank of each prompt: uneven (4 and 1), and every prompt on rank 0 (rank 1 idle throughout)
 LAYOUTS = {"uneven": (0, 1, 0, 0, 0), "idle": (0, 0, 0, 0, 0)}
-JOBS = [(1, "uneven"), (2, "uneven"), (2, "idle")]  # (K, layout)
+# (K, layout, path, variant). path: "eager", "runners" (the graph runners, uncaptured), or
+# "host-chain" (the runners, the decode backend planning on the host as FlashInfer does: the
+# chained drafts run after the step's sync). variant: "greedy"; "mixed" (MIXED's params);
+# "plain-rank" (speculative_max_batch 2: rank 0's four requests decode plainly while rank 1
+# speculates, so rank 0 pads every draft forward)
+EAGER_JOBS = [
+    (1, "uneven", "eager", "greedy"),
+    (2, "uneven", "eager", "greedy"),
+    (2, "idle", "eager", "greedy"),
+    (2, "uneven", "eager", "plain-rank"),
+]
+RUNNER_JOBS = [
+    (1, "uneven", "runners", "greedy"),
+    (2, "uneven", "runners", "greedy"),
+    (1, "idle", "runners", "greedy"),
+    (2, "idle", "runners", "greedy"),
+    (2, "uneven", "host-chain", "greedy"),
+    (2, "uneven", "runners", "mixed"),
+    (2, "uneven", "runners", "plain-rank"),
+]
+JOBS = EAGER_JOBS + RUNNER_JOBS
 
 
 def prompts() -> list[list[int]]:
@@ -47,13 +80,14 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[PreTrainedMode
     return model, path
 
 
-def _config(path: Path, k: int | None) -> EngineConfig:
+def _config(path: Path, k: int | None, max_batch: int = 64) -> EngineConfig:
     return EngineConfig(
         model=str(path),
         page_size=PAGE,
         max_total_tokens=4096,
         speculative=None if k is None else "mtp",
         num_draft_tokens=k or 1,
+        speculative_max_batch=max_batch,
     )
 
 
@@ -74,6 +108,9 @@ def references(checkpoint) -> dict:
         assert [r.output_ids for r in results] == plain
         refs[k] = [(r.spec_draft_tokens, r.spec_accepted_tokens) for r in results]
     assert sum(a for _, a in refs[2]) > 0  # drafts are accepted: multi-token steps
+    mixed = LLMEngine(_config(path, 2)).generate(prompts(), MIXED)
+    refs["mixed"] = [r.output_ids for r in mixed]
+    refs[(2, "mixed")] = [(r.spec_draft_tokens, r.spec_accepted_tokens) for r in mixed]
     return refs
 
 
@@ -84,35 +121,61 @@ def _count_forwards(module: torch.nn.Module) -> Callable[[], int]:
     return lambda: count[0]
 
 
+def _on_runners(engine: LLMEngine, k: int, host_chain: bool) -> None:
+    """The CUDA path's runners, uncaptured, for a CPU rank (which has none): rows for five
+    requests of K + 1 verify rows each."""
+    engine.graph_runner = CudaGraphRunner(
+        engine.model, engine.kv_pool, 5 * (k + 1), 512, use_graphs=False
+    )
+    if host_chain:
+        engine.model.decode_backend.plans_on_host = True  # the draft shares the backend
+    assert engine.speculator is not None
+    engine.speculator.attach_graphs(engine.graph_runner)
+
+
 def _group_main(rank: int, port: int, path: str, results) -> None:
     ep = EPConfig(2, 0, master_port=port, timeout_s=60)
     init_group(ep, rank, torch.device("cpu"))
     try:
-        for k, layout in JOBS:
-            engine = build_ep_engine(_config(Path(path), k), ep, rank)
+        for job in JOBS:
+            k, layout, path_kind, variant = job
+            max_batch = 2 if variant == "plain-rank" else 64
+            engine = build_ep_engine(_config(Path(path), k, max_batch), ep, rank)
+            if path_kind != "eager":
+                _on_runners(engine, k, path_kind == "host-chain")
             forwards = _count_forwards(engine.draft)
+            per = MIXED if variant == "mixed" else [PARAMS] * len(prompts())
             mine = {}
             for i, p in enumerate(prompts()):
                 if LAYOUTS[layout][i] == rank:
-                    mine[i] = engine.make_request(p, PARAMS, request_id=f"p{i}")
+                    mine[i] = engine.make_request(p, per[i], request_id=f"p{i}")
                     engine.requests[f"p{i}"] = mine[i]
                     engine.scheduler.add(mine[i])
             run_lockstep(engine)
-            key = (k, layout)
             for i, req in mine.items():
-                results[(key, i)] = (
+                results[(job, i)] = (
                     req.output_ids,
                     (req.num_spec_draft_tokens, req.num_spec_accepted_tokens),
                 )
             experts = engine.draft.layers[0].mlp.experts
-            results[(key, "draft_experts", rank)] = experts.w13.shape[0]
-            results[(key, "draft_forwards", rank)] = forwards()
-            results[(key, "pages", rank)] = engine.num_pages_in_use
+            results[(job, "draft_experts", rank)] = experts.w13.shape[0]
+            results[(job, "draft_forwards", rank)] = forwards()
+            results[(job, "pages", rank)] = engine.num_pages_in_use
+            graphs = engine.speculator.graphs
+            if graphs is not None:  # forwards each runner ran, and the buckets it used
+                results[(job, "runners", rank)] = (
+                    graphs.target.num_eager,
+                    graphs.draft.num_eager,
+                    sorted(graphs.target.keys_used),
+                    sorted(graphs.draft.keys_used),
+                )
     finally:
         dist.destroy_process_group()
 
 
-def test_ep_speculative_equals_single_rank_and_plain(checkpoint, references) -> None:
+@pytest.fixture(scope="module")
+def group_results(checkpoint) -> dict:
+    """Every job of :data:`JOBS` on one EP 2 group (gloo)."""
     _, path = checkpoint
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with mp.get_context("spawn").Manager() as manager:
@@ -120,20 +183,56 @@ def test_ep_speculative_equals_single_rank_and_plain(checkpoint, references) -> 
         mp.start_processes(
             _group_main, args=(free_port(), str(path), results), nprocs=2, start_method="spawn"
         )
-        results = dict(results)
-    num_experts = load_config(path).moe.n_routed_experts
-    for key in JOBS:
-        k = key[0]
-        got = [results[(key, i)] for i in range(len(prompts()))]
-        assert [tokens for tokens, _ in got] == references["plain"], key
-        assert [counts for _, counts in got] == references[k], key
-        for rank in (0, 1):
-            # each rank holds half the MTP layer's routed experts
-            assert results[(key, "draft_experts", rank)] == num_experts // 2, key
-            assert results[(key, "pages", rank)] == 0, key
-        # every rank ran the group's draft forwards, the idle or less loaded one too
-        forwards = [results[(key, "draft_forwards", rank)] for rank in (0, 1)]
-        assert forwards[0] == forwards[1] > 0, (key, forwards)
+        return dict(results)
+
+
+def _check_job(job: tuple, results: dict, references: dict, num_experts: int) -> None:
+    """Tokens and each request's draft counts as on one rank; no page held; every rank ran
+    the group's draft forwards, the idle or less loaded one too."""
+    k, _, _, variant = job
+    got = [results[(job, i)] for i in range(len(prompts()))]
+    mixed = variant == "mixed"
+    assert [tokens for tokens, _ in got] == references["mixed" if mixed else "plain"], job
+    counts = references[(k, "mixed") if mixed else k]
+    if variant == "plain-rank":  # only rank 1's request (prompt 1) verifies drafts
+        counts = [c if i == 1 else (0, 0) for i, c in enumerate(counts)]
+    assert [c for _, c in got] == counts, job
+    for rank in (0, 1):
+        # each rank holds half the MTP layer's routed experts
+        assert results[(job, "draft_experts", rank)] == num_experts // 2, job
+        assert results[(job, "pages", rank)] == 0, job
+    forwards = [results[(job, "draft_forwards", rank)] for rank in (0, 1)]
+    assert forwards[0] == forwards[1] > 0, (job, forwards)
+
+
+def test_ep_speculative_equals_single_rank_and_plain(checkpoint, references, group_results) -> None:
+    num_experts = load_config(checkpoint[1]).moe.n_routed_experts
+    for job in EAGER_JOBS:
+        _check_job(job, group_results, references, num_experts)
+        assert (job, "runners", 0) not in group_results  # no runner on the CPU
+
+
+def test_ep_speculative_steps_on_the_graph_runners(checkpoint, references, group_results) -> None:
+    """Decode-only speculative steps of the group on the graph runners (uncaptured): the same
+    tokens and draft counts as one rank; the ranks ran the same buckets (what they capture
+    together on a GPU), the idle rank too, and every draft forward but the first step's (its
+    prompts: eager) on the draft runner."""
+    num_experts = load_config(checkpoint[1]).moe.n_routed_experts
+    for job in RUNNER_JOBS:
+        k = job[0]
+        _check_job(job, group_results, references, num_experts)
+        runs = [group_results[(job, "runners", rank)] for rank in (0, 1)]
+        (target0, draft0, target_keys0, draft_keys0), (target1, draft1, *keys1) = runs
+        assert [target_keys0, draft_keys0] == keys1, job  # agreed buckets
+        assert target0 == target1 >= 5 and draft0 == draft1, (job, runs)
+        if job[3] == "plain-rank":  # rank 0's four rows set the bucket throughout, and its
+            # last steps (rank 1's request done) speculate nowhere: no draft forwards
+            assert 0 < draft0 < target0 * k, (job, runs)
+        else:  # K draft forwards a step, rows padded to buckets
+            assert draft0 == target0 * k and len({b for b, _ in target_keys0}) >= 2, (job, runs)
+        # only the first step (prompts, on rank 0) drafted eagerly: K forwards
+        forwards = group_results[(job, "draft_forwards", 0)]
+        assert forwards == draft0 + k, (job, forwards, draft0)
 
 
 def test_generate_ep_reports_each_prompts_draft_counts(checkpoint, references) -> None:
