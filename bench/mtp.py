@@ -166,9 +166,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         plain = make_engine(model, draft, device, args, batch, None)
         row["plain_tok_s"], _, plain_step_s = decode_tokens_per_s(plain, args, batch)
         row["plain_step_ms"] = plain_step_s * 1e3
-        plain_proj = projected(
-            plain_step_s, graph_replay_seconds(plain.graph_runner, batch, device), args
-        )
+        plain_graph_s = graph_replay_seconds(plain.graph_runner, batch, device)
+        plain_proj = projected(plain_step_s, plain_graph_s, args)
+        if plain_graph_s is not None:  # the target's graph alone, one row per request
+            row["plain_graph_ms"] = plain_graph_s * 1e3
         del plain
         for acc in accs:
             spec = make_engine(model, draft, device, args, batch, acc)
@@ -183,9 +184,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row[f"{name}_graph_replays"] = 0 if graphs is None else graphs.target.num_replays
             row[f"{name}_draft_replays"] = 0 if graphs is None else graphs.draft.num_replays
             rows = batch * (args.k + 1)
-            spec_proj = projected(
-                step_s, graph_replay_seconds(spec.graph_runner, rows, device), args
-            )
+            verify_graph_s = graph_replay_seconds(spec.graph_runner, rows, device)
+            spec_proj = projected(step_s, verify_graph_s, args)
+            if verify_graph_s is not None:  # the target's graph alone, 1 + k rows per request
+                row[f"{name}_verify_graph_ms"] = verify_graph_s * 1e3
             if plain_proj is not None and spec_proj is not None:
                 row[f"{name}_speedup_projected"] = per_step * plain_proj / spec_proj
             del spec
