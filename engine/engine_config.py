@@ -71,10 +71,12 @@ class EngineConfig:
     fp8_experts: bool = False
     # Speculative decoding (engine/speculative.py): None = off; "mtp" drafts with the
     # checkpoint's MTP layer num_draft_tokens tokens per step, verified in one target forward.
-    # Decode batches above speculative_max_batch run plain steps.
+    # Decode batches above speculative_max_batch run plain steps (128: on one H200, K = 1
+    # gains at every batch up to 128 at simulated acceptance 0.6 and 0.8, projected to V3's
+    # 61 layers; docs/BENCHMARKS.md, bench/mtp.py).
     speculative: str | None = None
     num_draft_tokens: int = 1
-    speculative_max_batch: int = 64
+    speculative_max_batch: int = 128
     # BENCHMARK ONLY (bench/mtp.py): accept each draft with this probability instead of
     # verifying it, emitting the target's tokens (random weights accept nothing); the output
     # is not the model's. None = real verification.

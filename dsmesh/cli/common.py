@@ -209,7 +209,9 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         fp8_experts=getattr(args, "fp8_experts", False),
         speculative=getattr(args, "speculative", None),
         num_draft_tokens=getattr(args, "num_draft_tokens", 1),
-        speculative_max_batch=getattr(args, "speculative_max_batch", 64),
+        speculative_max_batch=getattr(
+            args, "speculative_max_batch", EngineConfig.speculative_max_batch
+        ),
     )
 
 
