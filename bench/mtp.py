@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from bench.gpu import graph_replay_seconds, init_random_, random_prompt, sync, v3_layers_config
+from dsmesh.runtime.heap import freeze_startup_heap
 from engine.config import ModelConfig
 from engine.kv_cache import pages_for
 from engine.llm_engine import EngineConfig, LLMEngine
@@ -72,6 +73,7 @@ def make_engine(model, draft, device, args, batch: int, acceptance: float | None
     engine = LLMEngine(cfg, model=model, draft=draft if acceptance is not None else None)
     if engine.speculator is not None and args.eager_spec:
         engine.speculator.detach_graphs()
+    freeze_startup_heap()  # as a serving instance does once it is up
     return engine
 
 

@@ -23,6 +23,7 @@ from dsmesh.instance.worker import EngineWorker
 from dsmesh.runtime.address import advertise_host, host_port
 from dsmesh.runtime.drain import Drain
 from dsmesh.runtime.grpc_server import RunningServer, method_paths, start_server
+from dsmesh.runtime.heap import freeze_startup_heap
 from dsmesh.runtime.lifecycle import (
     DEFAULT_DRAIN_TIMEOUT_S,
     STOP_GRACE_S,
@@ -262,6 +263,7 @@ async def serve_attached(
         host_port(config.host, server.port),
         instance.grpc_address,
     )
+    freeze_startup_heap()  # engine, graphs and server built: out of the collector's way
     if ready is not None:
         ready(instance.instance_id, server.port)
     try:
