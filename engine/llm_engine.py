@@ -109,6 +109,15 @@ def _plain_argmax(params: SamplingParams) -> bool:
     )
 
 
+def _reaches_limit(req: Request) -> bool:
+    """The token a decode step is computing for ``req`` is its last: ``max_new_tokens`` or
+    ``max_total_tokens`` is reached with it."""
+    return (
+        len(req.output_ids) + 1 >= req.params.max_new_tokens
+        or req.num_tokens + 1 >= req.max_total_tokens
+    )
+
+
 def _leading_decode_rows(chunks: list[ScheduledChunk]) -> int:
     """How many chunks at the front of a mixed step are decode rows (one token of a request
     past its prompt; the scheduler puts them first), 0 unless prompt chunks follow them."""
@@ -287,11 +296,11 @@ class LLMEngine:
 
     def _make_graph_runner(self) -> CudaGraphRunner | None:
         cfg = self.config
-        if not cfg.cuda_graphs or self.device.type != "cuda" or cfg.tbo:
+        if not cfg.cuda_graphs or self.device.type != "cuda":
             return None
         if cfg.attention_mode == "naive":
             return None
-        problem = graph_support_problem(self.model)
+        problem = graph_support_problem(self.model, cfg.tbo)
         if problem is not None:
             log.info("CUDA graphs off: %s", problem)
             return None
@@ -305,6 +314,7 @@ class LLMEngine:
             max_batch=max_batch,
             max_tokens_per_request=min(self.max_context, self.kv_pool.num_pages * cfg.page_size),
             min_page_bucket=pages_for(cfg.cuda_graph_min_tokens, cfg.page_size),
+            tbo=cfg.tbo,
         )
 
     def _warm_up_graphs(self) -> None:
@@ -922,20 +932,17 @@ class LLMEngine:
             and all(_plain_argmax(c.request.params) for c in chunks)
         )
 
-    def _next_is_certain(self, reqs: list[Request], positions: list[int]) -> bool:
+    def _next_is_certain(self, reqs: list[Request], positions: list[int], leaving: int) -> bool:
         """The step after this one (feeding ``reqs[i]`` at ``positions[i]``) will run exactly
-        ``reqs``, one token each, unless one of them samples a stop token: nothing waits to
-        join, no other request runs, no request reaches its length limit in this step, and
-        the next token's KV slot lies in pages it holds (taken now, from free pages only:
-        a step that would need a retraction is left to the scheduler)."""
+        ``reqs``, one token each, unless one of them samples a stop token: the only other
+        running requests are the ``leaving`` ones that reach their length limit in this
+        step, the scheduler would admit no waiting request (none waits, the batch stays
+        full, or admissions wait out ``admit_interval``), and the next token's KV slot lies
+        in pages each holds (taken now, from free pages only: a step that would need a
+        retraction is left to the scheduler)."""
         sched = self.scheduler
-        if sched.waiting or len(sched.running) != len(reqs):
+        if len(sched.running) != len(reqs) + leaving or sched.may_admit_next_step(leaving):
             return False
-        for r in reqs:
-            if len(r.output_ids) + 1 >= r.params.max_new_tokens:
-                return False
-            if r.num_tokens + 1 >= r.max_total_tokens:
-                return False
         return all(sched.try_grow(r, p + 1) for r, p in zip(reqs, positions, strict=True))
 
     def _launch(
@@ -976,11 +983,15 @@ class LLMEngine:
         current.logits, current.tokens, current.host, current.event = None, tokens, host, event
 
     def _launch_next(self, current: _Inflight, rows: list[int]) -> None:
-        """Launch the step after ``current`` for its rows ``rows`` (row order kept), fed the
-        tokens ``current`` is computing, when that step is certain."""
+        """Launch the step after ``current`` for its rows ``rows`` (row order kept), less
+        those whose request reaches its length limit with this step's token, fed the tokens
+        ``current`` is computing, when that step is certain."""
+        continuing = [i for i in rows if not _reaches_limit(current.reqs[i])]
+        leaving = len(rows) - len(continuing)
+        rows = continuing
         reqs = [current.reqs[i] for i in rows]
         positions = [current.positions[i] + 1 for i in rows]
-        if not reqs or not self._next_is_certain(reqs, positions):
+        if not reqs or not self._next_is_certain(reqs, positions, leaving):
             return
         assert current.tokens is not None  # resolved before the next step launches
         if len(rows) == len(current.reqs):
@@ -993,6 +1004,7 @@ class LLMEngine:
         try:
             self._inflight = self._launch(reqs, positions, device_ids)
             self.num_launched_ahead += 1
+            self.scheduler.count_unscheduled_step()
         except GraphCaptureError:
             log.exception("CUDA graphs off for this engine; decode continues eagerly")
             self.graph_runner = None

@@ -327,6 +327,24 @@ class Scheduler:
                     return True
         return False
 
+    def may_admit_next_step(self, num_leaving: int = 0) -> bool:
+        """Whether the next :meth:`schedule`, with every running request decoding and
+        ``num_leaving`` of them gone first, could admit a waiting request. False when none
+        waits, when the running batch stays full, or while admissions wait out
+        ``admit_interval``; True is conservative (pages may still be short)."""
+        if not self.waiting:
+            return False
+        if len(self.running) - num_leaving >= self.config.max_running_requests:
+            return False
+        interval = self.config.admit_interval
+        return not (interval > 1 and self._steps_since_admission + 1 < interval)
+
+    def count_unscheduled_step(self) -> None:
+        """A decode step the engine ran without :meth:`schedule` (overlapped decode launched
+        it ahead, certain that :meth:`schedule` would give the same chunks and admit none)
+        counts toward ``admit_interval`` as a scheduled one does."""
+        self._steps_since_admission += 1
+
     def _defer_admission(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether waiting requests wait one more step: a pure decode step (no prompt chunk
         scheduled) within ``admit_interval`` steps of the last admission."""

@@ -8,6 +8,8 @@ the engine's bookkeeping; the GPU tests and bench/gpu.py run it with real graphs
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine.cuda_graph import CudaGraphRunner
@@ -162,3 +164,72 @@ def test_reserve_while_a_step_is_launched_ahead(v2_greedy_ckpt: HFCheckpoint) ->
     engine.release("arriving")  # its KV never came
     assert [out[i] for i in ids] == want[0]
     assert engine.num_pages_in_use == 0
+
+
+def _trace(engine: LLMEngine, params: list[SamplingParams], late: int = 0, late_at: int = 0):
+    """The first ``len(params) - late`` requests at once, the others after ``late_at``
+    steps. Returns the tokens of each request and the step whose output carried its first
+    token."""
+    prompts = random_prompts(LENGTHS, engine.model_config.vocab_size, seed=3)
+    now = len(prompts) - late
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts[:now], params[:now], strict=True)]
+    out: dict[str, list[int]] = {}
+    first: dict[str, int] = {}
+    step = 0
+    while engine.has_unfinished() or len(ids) < len(prompts):
+        step += 1
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            first.setdefault(o.request_id, step)
+        if step == late_at:
+            later = zip(prompts[now:], params[now:], strict=True)
+            ids += [engine.add_request(p, sp) for p, sp in later]
+    assert engine.num_pages_in_use == 0
+    return [out[i] for i in ids], [first[i] for i in ids]
+
+
+def test_a_full_batch_launches_ahead_while_requests_wait(v2_greedy_ckpt: HFCheckpoint) -> None:
+    """Two running slots, four requests: while two wait for a slot the running pair's steps
+    are certain, and a row that ends by length leaves the step launched ahead of it; the
+    waiting pair joins at the same step as without overlap."""
+    params = _greedy([6, 10, 8, 12])
+
+    def engine(overlap: bool) -> LLMEngine:
+        e = _engine(v2_greedy_ckpt, overlap)
+        e.scheduler.config = dataclasses.replace(e.scheduler.config, max_running_requests=2)
+        return e
+
+    want = _trace(engine(False), params)
+    on = engine(True)
+    assert _trace(on, params) == want
+    # 9 when any waiting request stopped launching ahead, and any row at its length limit
+    assert on.num_launched_ahead >= 14
+
+
+@pytest.mark.parametrize("interval", [1, 4])
+def test_launching_ahead_keeps_the_admission_interval(
+    v2_greedy_ckpt: HFCheckpoint, interval: int
+) -> None:
+    """Two requests arrive a step after the first two joined. With ``admit_interval`` 4 the
+    steps they wait through launch ahead and count toward the interval, so they join at the
+    step they would without overlap; with 1 they join at once, or a step later when a step
+    was already launched as they arrived."""
+    params = _greedy([14, 14, 14, 14])
+
+    def engine(overlap: bool) -> LLMEngine:
+        e = _engine(v2_greedy_ckpt, overlap)
+        e.scheduler.config = dataclasses.replace(e.scheduler.config, admit_interval=interval)
+        return e
+
+    want, want_first = _trace(engine(False), params, late=2, late_at=2)
+    on = engine(True)
+    got, got_first = _trace(on, params, late=2, late_at=2)
+    assert got == want
+    if interval > 1:
+        assert got_first == want_first
+    else:
+        assert got_first[:2] == want_first[:2]
+        assert all(w <= g <= w + 1 for w, g in zip(want_first[2:], got_first[2:], strict=True))
+    # 12 either way when a waiting request or a row at its length limit stopped launching
+    # ahead (and the pair joined a step late with interval 4)
+    assert on.num_launched_ahead >= {1: 13, 4: 14}[interval]
