@@ -190,6 +190,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             spec_proj = projected(step_s, verify_graph_s, args)
             if verify_graph_s is not None:  # the target's graph alone, 1 + k rows per request
                 row[f"{name}_verify_graph_ms"] = verify_graph_s * 1e3
+            if graphs is not None:  # the draft's first forward, over the verify rows
+                draft_graph_s = graph_replay_seconds(graphs.draft, rows, device)
+                if draft_graph_s is not None:
+                    row[f"{name}_draft_graph_ms"] = draft_graph_s * 1e3
             if plain_proj is not None and spec_proj is not None:
                 row[f"{name}_speedup_projected"] = per_step * plain_proj / spec_proj
             del spec
