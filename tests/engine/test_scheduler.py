@@ -180,6 +180,28 @@ def test_followers_give_the_tokens_of_no_cache(model) -> None:
     assert engine.num_pages_in_use == 0
 
 
+def test_may_admit_next_step_follows_slots_and_the_interval() -> None:
+    """What overlapped decode asks before it launches a step without the scheduler."""
+    alloc = PageAllocator(64)
+    config = SchedulerConfig(page_size=4, max_batch_tokens=64, max_running_requests=2)
+    sched = Scheduler(dataclasses.replace(config, admit_interval=3), alloc)
+    for rid in "abc":
+        sched.add(Request(rid, [1, 2, 3], GREEDY, max_total_tokens=20))
+    run_step(sched)  # a and b run, c waits for a slot
+    assert not sched.may_admit_next_step()  # the batch stays full
+    assert not sched.may_admit_next_step(num_leaving=1)  # a slot frees: 1 step of 3 next
+    sched.count_unscheduled_step()  # a decode step launched ahead
+    assert not sched.may_admit_next_step(num_leaving=1)
+    sched.count_unscheduled_step()
+    assert sched.may_admit_next_step(num_leaving=1)  # the third step after may admit
+    assert not sched.may_admit_next_step()
+    every = Scheduler(config, PageAllocator(64))
+    every.add(Request("a", [1], GREEDY, max_total_tokens=20))
+    assert every.may_admit_next_step()
+    run_step(every)
+    assert not every.may_admit_next_step()  # nothing waits
+
+
 # ---- decode: requests reserved for KV that prefill writes ---------------------------------------
 
 
