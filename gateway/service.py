@@ -15,6 +15,7 @@ from dsmesh.runtime import telemetry
 from dsmesh.runtime.address import advertise_host, host_port
 from dsmesh.runtime.drain import Drain
 from dsmesh.runtime.grpc_server import method_paths, set_channel_defaults, start_server
+from dsmesh.runtime.heap import freeze_startup_heap
 from dsmesh.runtime.lifecycle import (
     DEFAULT_DRAIN_TIMEOUT_S,
     STOP_GRACE_S,
@@ -130,6 +131,7 @@ async def serve(
         host_port(advertise_host(config.host, config.advertise_host), http_port),
         config.host,
     )
+    freeze_startup_heap()  # tokenizer, templates, servers built: out of the collector's way
     if ready is not None:
         ready(grpc_server.port, http_port)
     try:
