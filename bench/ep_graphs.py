@@ -8,7 +8,9 @@ The same V2-Lite-shaped engine decodes four ways, in one process, back to back:
   torch.distributed group (NCCL on CUDA) in its static mode, captured, every step agreed
   through the group vote as under real expert parallelism;
 - ``ep_eager``: the same dispatcher in its dynamic (host-sized) mode, uncaptured;
-- ``ep_tbo_eager``: that with two-batch overlap (which CUDA graphs do not capture).
+- ``ep_tbo_graphs``: ``ep_graphs`` with two-batch overlap (both micro-batches captured,
+  their all-to-alls on the dispatcher's communication stream);
+- ``ep_tbo_eager``: ``ep_eager`` with two-batch overlap.
 
 Prints one JSON line: per batch, mean step milliseconds of each, and ``ep_graphs`` over
 ``graphs``. Usage: ``python3 -m bench.ep_graphs --batches 32,256 --context 2000``.
@@ -101,8 +103,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     if args.profile:
         tables["ep_graphs"] = kernel_table(engine, max(batches))
     decode("ep_eager", False)
-    # two-batch overlap runs eagerly (its micro-batches interleave collectives by layer)
+    # two-batch overlap; kernels chosen again for it (Triton decode attention)
     engine.config = dataclasses.replace(engine.config, tbo=True)
+    if engine.graph_runner is not None:
+        engine.graph_runner.tbo = True
+        engine.switch_kernels()  # drops the graphs captured without TBO
+        decode("ep_tbo_graphs", True)
     decode("ep_tbo_eager", False)
     for row in rows.values():
         row["ep_graphs_over_graphs"] = row["ep_graphs_ms"] / row["graphs_ms"]

@@ -18,6 +18,13 @@ Before every run the decode backend gets the step's host page table
 bucket is first needed (or by :meth:`CudaGraphRunner.warm_up`), with that step's inputs in
 the buffers. Without CUDA, or with ``use_graphs=False``, the same forward runs uncaptured,
 which is how CPU tests check it.
+
+With ``tbo`` the captured forward is the model's two-batch overlap (``hidden_states(...,
+tbo=True)``) over the bucket's rows, split at half the bucket: the split is fixed by the
+bucket, so each micro-batch's static dispatch has host-known shapes, and the graph records
+the dispatcher's communication stream beside the compute (engine/ep/all_to_all.py). A
+one-row bucket has nothing to split and runs the plain forward (every rank of a group runs
+the same bucket, so their collectives still pair up).
 """
 
 from __future__ import annotations
@@ -35,11 +42,14 @@ from engine.model import DeepseekForCausalLM
 __all__ = ["CudaGraphRunner", "GraphCaptureError", "graph_support_problem"]
 
 
-def graph_support_problem(model: DeepseekForCausalLM) -> str | None:
-    """Why the model's decode forward cannot be captured, or None when it can."""
+def graph_support_problem(model: DeepseekForCausalLM, tbo: bool = False) -> str | None:
+    """Why the model's decode forward (its two-batch overlap with ``tbo``) cannot be
+    captured, or None when it can."""
     for moe in model.moe_layers():
         if not moe.dispatcher.capturable:
             return f"dispatcher {type(moe.dispatcher).__name__} (collectives sized on the host)"
+    if tbo and model.decode_backend.plans_on_host:
+        return f"two-batch overlap with {model.decode_backend.name} (one host plan per batch)"
     return None
 
 
@@ -49,7 +59,8 @@ class CudaGraphRunner(DecodeGraphRunner):
     ``run`` takes one step's rows (token id, position, the request's pages) and returns
     float32 logits [n, vocab]; the tensor is a view of graph memory, valid until the next
     ``run``. Kernels and attention backends are the model's own (``model.set_kernels``);
-    after switching them, call :meth:`reset`.
+    after switching them, call :meth:`reset`. ``tbo``: capture the two-batch overlap forward
+    (module docstring).
     """
 
     def __init__(
@@ -60,8 +71,9 @@ class CudaGraphRunner(DecodeGraphRunner):
         max_tokens_per_request: int,
         use_graphs: bool = True,
         min_page_bucket: int = 1,
+        tbo: bool = False,
     ) -> None:
-        problem = graph_support_problem(model)
+        problem = graph_support_problem(model, tbo)
         if problem is not None:
             raise ValueError(f"CUDA graphs do not support {problem}")
         page_size = kv_pool.page_size
@@ -72,6 +84,7 @@ class CudaGraphRunner(DecodeGraphRunner):
         )
         self.model = model
         self.kv_pool = kv_pool
+        self.tbo = tbo
 
     @property
     def decode_backend(self) -> MLADecodeBackend:
@@ -142,6 +155,7 @@ class CudaGraphRunner(DecodeGraphRunner):
 
     def _forward(self, key: tuple[int, ...]) -> Outputs:
         b, p = key
+        tbo = self.tbo and b > 1  # split at b // 2 (ForwardBatch.split_rows)
         with self.model.static_dispatch():
-            hidden = self.model.hidden_states(self.inputs.batch(b, p), self.kv_pool)
+            hidden = self.model.hidden_states(self.inputs.batch(b, p), self.kv_pool, tbo=tbo)
             return self.model.compute_logits(hidden), hidden

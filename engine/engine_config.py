@@ -39,8 +39,8 @@ class EngineConfig:
     prefix_cache: bool = False  # share full prompt pages between requests with equal prefixes
     tbo: bool = False  # two-batch overlap: two micro-batches per forward (MoE comm overlap)
     # Decode-only steps replay CUDA graphs captured per batch bucket (CUDA only; ignored on
-    # CPU, with tbo and with attention_mode "naive"; under expert parallelism the ranks agree
-    # on each graph step, see join_group).
+    # CPU and with attention_mode "naive"; with tbo the graphs hold both micro-batches; under
+    # expert parallelism the ranks agree on each graph step, see join_group).
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256  # larger decode batches run eagerly
     # Decode graphs for every batch bucket and contexts up to this many tokens are captured

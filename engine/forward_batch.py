@@ -161,7 +161,10 @@ class ForwardBatch:
 
     def split(self) -> tuple[ForwardBatch, ForwardBatch]:
         """Two micro-batches of whole requests with about half the tokens each (either may be
-        empty), for two-batch overlap. Requests keep their order: first, then second."""
+        empty), for two-batch overlap. Requests keep their order: first, then second. A
+        :meth:`decode_only` batch splits at half its rows (:meth:`split_rows`)."""
+        if self.decode is not None and self.decode.host is None:
+            return self.split_rows(self.num_tokens // 2)
         total = self.num_tokens
         best, acc, best_gap = 0, 0, total
         for i, n in enumerate(self.extend_lens):
@@ -169,6 +172,20 @@ class ForwardBatch:
             if abs(total - 2 * acc) < best_gap:
                 best, best_gap = i + 1, abs(total - 2 * acc)
         return self._subset(0, best), self._subset(best, self.num_requests)
+
+    def split_rows(self, n: int) -> tuple[ForwardBatch, ForwardBatch]:
+        """A :meth:`decode_only` batch as its first ``n`` rows and the rest: views of its
+        device tensors, no host work, so a captured forward can split (at a row count the
+        bucket fixes)."""
+        d = self.decode
+        if d is None or d.host is not None or d.rows is not None:
+            raise ValueError("split_rows takes a decode-only batch built on the device")
+
+        def rows(s: slice) -> ForwardBatch:
+            ids, pos, slots = self.input_ids[s], self.positions[s], self.out_slots[s]
+            return ForwardBatch.decode_only(ids, pos, slots, d.page_table[s], d.seq_lens[s])
+
+        return rows(slice(0, n)), rows(slice(n, None))
 
     def _subset(self, lo: int, hi: int) -> ForwardBatch:
         device = self.input_ids.device

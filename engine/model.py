@@ -204,7 +204,9 @@ class DeepseekForCausalLM(nn.Module):
         """Two-batch overlap: per MoE layer the order is attention(0), dispatch(0) starts,
         attention(1), dispatch(1) starts, experts(0), experts(1), combine(0), combine(1), so
         each micro-batch's tokens travel while the other computes. Returns the hidden states
-        [T, hidden] before the last norm, the micro-batches' rows end to end (batch order)."""
+        [T, hidden] before the last norm, the micro-batches' rows end to end (batch order).
+        A decode-only batch over device tensors (the graph runner's) splits at half its rows
+        with no host work, so the same order is captured (engine/cuda_graph.py)."""
         m = self.model
         halves = batch.split()
         xs = [m.embed_tokens(h.input_ids) for h in halves]

@@ -12,7 +12,10 @@ order, also with zero tokens: the collectives pair up across ranks. Two modes:
   sends every other rank ``T * k`` rows (room for all its pairs), each carrying its local
   expert id in its last 8 bytes (-1 marks padding), so the shapes are known on the host,
   nothing synchronises and each MoE layer makes two collectives (rows there, results back):
-  CUDA graphs capture them and the experts between.
+  CUDA graphs capture them and the experts between. ``*_start`` returns while they run: on
+  CUDA on this dispatcher's communication stream, forked from the current stream by an event
+  and joined back by another at ``wait()`` (a capture records both streams, so two-batch
+  overlap runs inside the graph), on CPU as gloo's asynchronous work.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class AllToAllDispatcher(MoEDispatcher):
         self.ep_size = dist.get_world_size(group)
         self.bytes_sent = 0  # payload bytes this rank sent to other ranks (dispatch + combine)
         self.static = False
+        self._comm: torch.cuda.Stream | None = None  # static mode's collectives on CUDA
 
     def _exchange(
         self, src: torch.Tensor, send_splits: list[int], recv_splits: list[int]
@@ -83,8 +87,7 @@ class AllToAllDispatcher(MoEDispatcher):
         self, hidden: torch.Tensor, physical_ids: torch.Tensor, weights: torch.Tensor
     ) -> Pending:
         if self.static:
-            out = self._dispatch_static(hidden, physical_ids, weights)
-            return Pending(lambda: out)
+            return self._dispatch_static(hidden, physical_ids, weights)
         num_tokens, top_k = physical_ids.shape
         flat = physical_ids.reshape(-1)
         dest = flat // self.num_local
@@ -115,8 +118,7 @@ class AllToAllDispatcher(MoEDispatcher):
     def combine_start(self, expert_out: torch.Tensor, dispatched: DispatchOutput) -> Pending:
         h = dispatched.handle
         if isinstance(h, _StaticHandle):
-            out = self._combine_static(expert_out, h)
-            return Pending(lambda: out)
+            return self._combine_static(expert_out, h)
         assert isinstance(h, _A2AHandle)
         received_order = torch.empty_like(expert_out)
         received_order[h.perm] = expert_out
@@ -138,7 +140,7 @@ class AllToAllDispatcher(MoEDispatcher):
 
     def _dispatch_static(
         self, hidden: torch.Tensor, physical_ids: torch.Tensor, weights: torch.Tensor
-    ) -> DispatchOutput:
+    ) -> Pending:
         num_tokens, top_k = physical_ids.shape
         cap = num_tokens * top_k  # rows for each destination: room for every pair
         device = hidden.device
@@ -160,20 +162,54 @@ class AllToAllDispatcher(MoEDispatcher):
         _ids_of(send).fill_(-1)
         send.index_copy_(0, slot, rows)
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
+        exchange = self._exchange_static(recv, send)
         w = weights.reshape(-1)[order].to(torch.float32)
         handle = _StaticHandle(order, slot, w, num_tokens, top_k)
-        return DispatchOutput(recv[:, :h].contiguous(), None, handle, expert_ids=_ids_of(recv))
 
-    def _combine_static(self, expert_out: torch.Tensor, h: _StaticHandle) -> torch.Tensor:
+        def finish() -> DispatchOutput:
+            exchange.wait()
+            return DispatchOutput(recv[:, :h].contiguous(), None, handle, expert_ids=_ids_of(recv))
+
+        return Pending(finish)
+
+    def _combine_static(self, expert_out: torch.Tensor, h: _StaticHandle) -> Pending:
         """Padding rows hold anything: only the pairs' own slots are read back."""
         back = torch.empty_like(expert_out)
-        dist.all_to_all_single(back, expert_out, group=self.group)
-        pairs = back.index_select(0, h.slot)
-        out = torch.zeros(
-            (h.num_tokens, expert_out.shape[1]), dtype=expert_out.dtype, device=expert_out.device
-        )
-        return out.index_add_(0, h.order // h.top_k, pairs * h.weights[:, None].to(pairs.dtype))
+        exchange = self._exchange_static(back, expert_out)
+
+        def finish() -> torch.Tensor:
+            exchange.wait()
+            pairs = back.index_select(0, h.slot)
+            out = torch.zeros((h.num_tokens, back.shape[1]), dtype=back.dtype, device=back.device)
+            return out.index_add_(0, h.order // h.top_k, pairs * h.weights[:, None].to(pairs.dtype))
+
+        return Pending(finish)
+
+    def _exchange_static(self, out: torch.Tensor, src: torch.Tensor) -> Pending:
+        """Start the all-to-all of ``src`` [ep_size * cap, ...] (equal splits) into ``out``
+        (same shape), both written on the current stream; ``wait()`` orders the current
+        stream after it. On CUDA the collective runs on ``self._comm``, forked from the current
+        stream once ``src`` is written and joined back by an event at ``wait()``: compute
+        launched in between overlaps it, eagerly and in a captured graph alike. ``src`` and
+        ``out`` stay referenced until then, so the allocator does not hand their memory to
+        the current stream while the collective may still use it."""
+        if not src.is_cuda:
+            work = dist.all_to_all_single(out, src, group=self.group, async_op=True)
+            return Pending(work.wait)
+        current = torch.cuda.current_stream(src.device)
+        if self._comm is None:
+            self._comm = torch.cuda.Stream(src.device)
+        comm = self._comm
+        comm.wait_stream(current)
+        with torch.cuda.stream(comm):
+            dist.all_to_all_single(out, src, group=self.group)
+        done = torch.cuda.Event()
+        done.record(comm)
+
+        def join(held: tuple[torch.Tensor, ...] = (out, src)) -> None:  # held until here
+            current.wait_event(done)
+
+        return Pending(join)
 
 
 def _as_columns(ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

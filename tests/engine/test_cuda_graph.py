@@ -310,6 +310,68 @@ def test_engine_static_decode_matches_eager_and_transformers_on_cpu(
     _assert_matches_transformers(ckpt, static)
 
 
+def _count_splits(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Records (rows, split row) of every decode-only batch split into micro-batches."""
+    splits: list[tuple[int, int]] = []
+    split_rows = ForwardBatch.split_rows
+
+    def counted(batch: ForwardBatch, n: int) -> tuple[ForwardBatch, ForwardBatch]:
+        splits.append((batch.num_tokens, n))
+        return split_rows(batch, n)
+
+    monkeypatch.setattr(ForwardBatch, "split_rows", counted)
+    return splits
+
+
+def test_tbo_static_forward_equals_eager_on_cpu(v3_ckpt: HFCheckpoint, monkeypatch) -> None:
+    """With ``tbo`` the runner's forward is two micro-batches of half the bucket each (five
+    rows in bucket 8: rows 0-3, then row 4 and three padding rows), and equals the plain
+    eager forward."""
+    splits = _count_splits(monkeypatch)
+    runner, eager, static = _static_vs_eager(
+        v3_ckpt, "cpu", torch.float32, use_graphs=False, tbo=True
+    )
+    assert runner.tbo and splits == [(8, 4)] * len(eager)
+    for step, (e, s) in enumerate(zip(eager, static, strict=True)):
+        assert relative_error(s, e) < 1e-5, step
+    # a one-row bucket has nothing to split: the plain forward
+    runner.run([1], [3], [[4]])
+    assert len(splits) == len(eager)
+
+
+@pytest.mark.parametrize("ckpt_name", ["v3_ckpt", "v2_greedy_ckpt"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_engine_tbo_decode_through_the_runner_on_cpu(
+    request, monkeypatch, ckpt_name: str, overlap: bool
+) -> None:
+    """Two-batch overlap with decode steps through the runner (uncaptured, as the engine
+    builds it on CUDA: ``tbo=True``): the greedy tokens of the engine without TBO, of the
+    eager TBO engine and of transformers, requests joining and leaving."""
+    ckpt = request.getfixturevalue(ckpt_name)
+    vocab = ckpt.hf_model.config.vocab_size
+    plain = _scenario(_engine(ckpt, "cpu"), vocab)
+    assert _scenario(_engine(ckpt, "cpu", tbo=True), vocab) == plain
+    engine = _engine(ckpt, "cpu", tbo=True, overlap_decode=overlap)
+    engine.graph_runner = CudaGraphRunner(
+        engine.model,
+        engine.kv_pool,
+        max_batch=8,
+        max_tokens_per_request=512,
+        use_graphs=False,
+        tbo=True,
+    )
+    splits = _count_splits(monkeypatch)
+    static = _scenario(engine, vocab)
+    runs = engine.graph_runner.num_eager
+    assert runs > 10 and engine.num_split_steps >= 2
+    assert (engine.num_launched_ahead > 5) if overlap else (engine.num_launched_ahead == 0)
+    # every runner forward (none here is a one-row bucket) ran as two micro-batches, split
+    # at half its bucket
+    assert len(splits) == runs and all(n == b // 2 for b, n in splits)
+    assert static == plain
+    _assert_matches_transformers(ckpt, static)
+
+
 def test_engine_falls_back_to_eager_when_capture_fails(v2_greedy_ckpt: HFCheckpoint) -> None:
     """A capture failure (planted: CPU cannot capture) turns graphs off for the engine and the
     step runs eagerly; no request fails and the tokens are the eager engine's."""
@@ -333,17 +395,19 @@ def test_engine_falls_back_to_eager_when_capture_fails(v2_greedy_ckpt: HFCheckpo
 
 @needs_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("tbo", [False, True])
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("ckpt_name", ["v3_ckpt", "v2_greedy_ckpt"])
 def test_cuda_graphs_greedy_equals_eager_and_transformers(
-    request, ckpt_name: str, overlap: bool
+    request, ckpt_name: str, overlap: bool, tbo: bool
 ) -> None:
+    """With ``tbo`` the graphs hold both micro-batches."""
     ckpt = request.getfixturevalue(ckpt_name)
     vocab = ckpt.hf_model.config.vocab_size
     eager = _scenario(_engine(ckpt, "cuda", cuda_graphs=False), vocab)
-    engine = _engine(ckpt, "cuda", overlap_decode=overlap)
+    engine = _engine(ckpt, "cuda", overlap_decode=overlap, tbo=tbo)
     runner = engine.graph_runner
-    assert runner is not None and runner.use_graphs
+    assert runner is not None and runner.use_graphs and runner.tbo == tbo
     graphs = _scenario(engine, vocab)
     assert runner.num_replays > 10
     assert runner.keys_used <= set(runner.graphs)  # most captured at start-up

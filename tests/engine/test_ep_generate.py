@@ -1,8 +1,8 @@
 """Same greedy tokens at any EP size, on gloo process groups: EP 2 and 4, with and without
 redundant experts, V3-style and V2-Lite-style checkpoints, two-batch overlap, and decode
 through the CUDA-graph runner's forward (static all-to-all, group-agreed graph steps; run
-uncaptured on the CPU), against the single-rank engine and transformers. One process group
-per EP size runs every combination, to keep it fast."""
+uncaptured on the CPU), two-batch overlap included, against the single-rank engine and
+transformers. One process group per EP size runs every combination, to keep it fast."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from engine.cuda_graph import CudaGraphRunner
 from engine.ep.generate import generate_ep
 from engine.ep.runtime import EPConfig, build_ep_engine, free_port, init_group, run_lockstep
+from engine.forward_batch import ForwardBatch
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.tiny_model import make_tiny_model
@@ -27,6 +28,7 @@ from engine.tiny_model import make_tiny_model
 pytestmark = pytest.mark.timeout(400)
 PARAMS = SamplingParams(max_new_tokens=10, ignore_eos=True)
 ARCHES = ("v3", "v2-lite")
+_SPLIT_ROWS = ForwardBatch.split_rows
 
 
 def prompts() -> list[list[int]]:
@@ -61,19 +63,51 @@ def references(checkpoints) -> dict[str, list[list[int]]]:
     return refs
 
 
+def _count_graph_work(engine: LLMEngine) -> dict[str, int]:
+    """Counters, filled as the engine runs: runner forwards split into two micro-batches,
+    static (fixed-shape) dispatches, and idle graph steps of this rank."""
+    counts = {"splits": 0, "static": 0, "idle": 0}
+
+    def split(batch: ForwardBatch, n: int) -> tuple[ForwardBatch, ForwardBatch]:
+        counts["splits"] += 1
+        return _SPLIT_ROWS(batch, n)
+
+    def counted(key: str, fn):
+        def wrapper(*args):
+            counts[key] += 1
+            return fn(*args)
+
+        return wrapper
+
+    ForwardBatch.split_rows = split  # this rank's process only
+    dispatcher = engine.model.moe_layers()[0].dispatcher  # every MoE layer's
+    dispatcher._dispatch_static = counted("static", dispatcher._dispatch_static)
+    engine._idle_graph_step = counted("idle", engine._idle_graph_step)
+    return counts
+
+
 def _group_main(rank: int, ep_size: int, port: int, jobs, results) -> None:
-    """Every (arch, redundant) job on one group: DP attention over the prompts."""
+    """Every (arch, redundant) job on one group: DP attention over the prompts. A job with
+    ``chunk`` prefills at most that many tokens a step, so a rank with short prompts is done
+    (idle) while another still decodes."""
     ep0 = EPConfig(ep_size, 0, master_port=port)
     init_group(ep0, rank, torch.device("cpu"))
     try:
-        for arch, path, redundant, tbo, graphs in jobs:
+        for arch, path, redundant, tbo, graphs, chunk in jobs:
             ep = EPConfig(ep_size, redundant, master_port=port)
-            config = EngineConfig(model=path, page_size=4, max_total_tokens=4096, tbo=tbo)
+            config = EngineConfig(
+                model=path,
+                page_size=4,
+                max_total_tokens=4096,
+                tbo=tbo,
+                max_batch_tokens=chunk or EngineConfig.max_batch_tokens,
+            )
             engine = build_ep_engine(config, ep, rank)
             if graphs:  # the CUDA path's runner, without capture (CPU)
                 engine.graph_runner = CudaGraphRunner(
-                    engine.model, engine.kv_pool, 8, 512, use_graphs=False
+                    engine.model, engine.kv_pool, 8, 512, use_graphs=False, tbo=tbo
                 )
+                counts = _count_graph_work(engine)
             mine = {}
             for i, p in enumerate(prompts()):
                 if i % ep_size == rank:
@@ -87,9 +121,9 @@ def _group_main(rank: int, ep_size: int, port: int, jobs, results) -> None:
                 results[(arch, redundant, tbo, graphs, i)] = req.output_ids
             results[(arch, redundant, tbo, graphs, "bytes", rank)] = expert_bytes
             if graphs:
-                results[(arch, redundant, tbo, graphs, "runs", rank)] = (
-                    engine.graph_runner.num_eager
-                )
+                counts["runs"] = engine.graph_runner.num_eager
+                counts["moe_layers"] = len(engine.model.moe_layers())
+                results[(arch, redundant, tbo, graphs, "runs", rank)] = counts
             assert engine.num_pages_in_use == 0
     finally:
         dist.destroy_process_group()
@@ -100,12 +134,16 @@ def test_ep_generate_equals_single_rank_and_transformers(
     checkpoints, references, ep_size: int
 ) -> None:
     jobs = [
-        (arch, str(checkpoints[arch]), r, tbo, False)
+        (arch, str(checkpoints[arch]), r, tbo, False, None)
         for arch in ARCHES
         for r in (0, ep_size)
         for tbo in (False, True)
     ]
-    jobs += [("v3", str(checkpoints["v3"]), r, False, True) for r in (0, ep_size)]
+    jobs += [("v3", str(checkpoints["v3"]), r, False, True, None) for r in (0, ep_size)]
+    if ep_size == 2:  # TBO in the runner; rank 0 prefills 118 tokens 32 a step, rank 1 12
+        jobs += [
+            (arch, str(checkpoints[arch]), r, True, True, 32) for arch in ARCHES for r in (0, 2)
+        ]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with mp.get_context("spawn").Manager() as manager:
         results = manager.dict()
@@ -116,12 +154,19 @@ def test_ep_generate_equals_single_rank_and_transformers(
             start_method="spawn",
         )
         results = dict(results)
-    for arch, _, redundant, tbo, graphs in jobs:
+    for arch, _, redundant, tbo, graphs, chunk in jobs:
         got = [results[(arch, redundant, tbo, graphs, i)] for i in range(len(prompts()))]
         assert got == references[arch], (arch, ep_size, redundant, tbo, graphs)
         if graphs:  # every rank ran its decode steps through the runner, idle ones too
-            runs = [results[(arch, redundant, tbo, graphs, "runs", r)] for r in range(ep_size)]
-            assert min(runs) >= 9, runs
+            counts = [results[(arch, redundant, tbo, graphs, "runs", r)] for r in range(ep_size)]
+            assert min(c["runs"] for c in counts) >= 9, counts
+            for c in counts:  # each runner forward dispatched statically, per micro-batch
+                assert c["static"] == c["moe_layers"] * (c["runs"] + c["splits"]), c
+                assert (c["splits"] >= 5) if tbo else (c["splits"] == 0), c
+            # the ranks agree on each bucket, so they split the same forwards
+            assert len({c["splits"] for c in counts}) == 1, counts
+            if chunk:  # rank 1 is done while rank 0 decodes: it pads the agreed graph steps
+                assert counts[1]["idle"] >= 2 and counts[0]["idle"] == 0, counts
         # each rank holds (16 + R) / N of the 16 logical experts' weights
         full = LLMEngine(EngineConfig(model=str(checkpoints[arch]))).model.moe_layers()[0]
         total = sum(t.numel() * t.element_size() for t in (full.experts.w13, full.experts.w2))
