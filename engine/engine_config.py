@@ -143,8 +143,6 @@ class EngineConfig:
         forced = self.spec_forced_acceptance
         if forced is not None and not 0 <= forced <= 1:
             raise ValueError(f"spec_forced_acceptance must be in [0, 1], got {forced}")
-        if self.speculative is not None and self.tbo:
-            raise ValueError("speculative decoding does not run with two-batch overlap (tbo)")
 
 
 def resolve_model_dir(model: str | None) -> Path:

@@ -275,6 +275,7 @@ class LLMEngine:
             forced_acceptance=cfg.spec_forced_acceptance,
             attention_mode=cfg.attention_mode,
             page_size=cfg.page_size,
+            tbo=cfg.tbo,
         )
         speculator = MTPSpeculator(
             spec_config,

@@ -64,6 +64,9 @@ class SpeculativeConfig:
     forced_acceptance: float | None = None
     attention_mode: str = "auto"
     page_size: int = 16
+    # the target's forwards as two micro-batches (EngineConfig.tbo); the MTP layer's draft
+    # forwards run as one batch
+    tbo: bool = False
 
 
 @dataclass
@@ -250,7 +253,8 @@ class MTPSpeculator:
                     raise
                 log.exception("CUDA graphs off for speculative steps; they run eagerly")
                 self.graphs = None
-        hidden = self.model.hidden_states(self._batch(seqs), self.kv_pool, self._mode)
+        batch = self._batch(seqs)
+        hidden = self.model.hidden_states(batch, self.kv_pool, self._mode, self.config.tbo)
         self._hidden = hidden
 
         # Rows whose logits are needed: every verify row, the last row of a finished prompt.

@@ -27,6 +27,7 @@ from engine.config import load_config
 from engine.cuda_graph import CudaGraphRunner
 from engine.ep.generate import generate_ep
 from engine.ep.runtime import EPConfig, build_ep_engine, free_port, init_group, run_lockstep
+from engine.forward_batch import ForwardBatch
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
 from tests.engine.hf_checkpoints import add_mtp_layer, make_hf_v3, random_prompts
@@ -48,12 +49,14 @@ LAYOUTS = {"uneven": (0, 1, 0, 0, 0), "idle": (0, 0, 0, 0, 0)}
 # "host-chain" (the runners, the decode backend planning on the host as FlashInfer does: the
 # chained drafts run after the step's sync). variant: "greedy"; "mixed" (MIXED's params);
 # "plain-rank" (speculative_max_batch 2: rank 0's four requests decode plainly while rank 1
-# speculates, so rank 0 pads every draft forward)
+# speculates, so rank 0 pads every draft forward); "tbo" (two-batch overlap: the target's
+# forwards as two micro-batches, their all-to-alls started before the other computes)
 EAGER_JOBS = [
     (1, "uneven", "eager", "greedy"),
     (2, "uneven", "eager", "greedy"),
     (2, "idle", "eager", "greedy"),
     (2, "uneven", "eager", "plain-rank"),
+    (2, "uneven", "eager", "tbo"),
 ]
 RUNNER_JOBS = [
     (1, "uneven", "runners", "greedy"),
@@ -63,6 +66,7 @@ RUNNER_JOBS = [
     (2, "uneven", "host-chain", "greedy"),
     (2, "uneven", "runners", "mixed"),
     (2, "uneven", "runners", "plain-rank"),
+    (2, "idle", "runners", "tbo"),
 ]
 JOBS = EAGER_JOBS + RUNNER_JOBS
 
@@ -80,7 +84,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[PreTrainedMode
     return model, path
 
 
-def _config(path: Path, k: int | None, max_batch: int = 64) -> EngineConfig:
+def _config(path: Path, k: int | None, max_batch: int = 64, tbo: bool = False) -> EngineConfig:
     return EngineConfig(
         model=str(path),
         page_size=PAGE,
@@ -88,6 +92,7 @@ def _config(path: Path, k: int | None, max_batch: int = 64) -> EngineConfig:
         speculative=None if k is None else "mtp",
         num_draft_tokens=k or 1,
         speculative_max_batch=max_batch,
+        tbo=tbo,
     )
 
 
@@ -121,11 +126,26 @@ def _count_forwards(module: torch.nn.Module) -> Callable[[], int]:
     return lambda: count[0]
 
 
+def _count_splits() -> Callable[[], int]:
+    """How many forwards have run as two micro-batches (two-batch overlap) since this call
+    (patches ForwardBatch.split in this rank's process)."""
+    count = [0]
+    split = getattr(ForwardBatch.split, "__wrapped__", ForwardBatch.split)
+
+    def counted(batch: ForwardBatch) -> tuple[ForwardBatch, ForwardBatch]:
+        count[0] += 1
+        return split(batch)
+
+    counted.__wrapped__ = split  # type: ignore[attr-defined]
+    ForwardBatch.split = counted  # type: ignore[method-assign]
+    return lambda: count[0]
+
+
 def _on_runners(engine: LLMEngine, k: int, host_chain: bool) -> None:
     """The CUDA path's runners, uncaptured, for a CPU rank (which has none): rows for five
-    requests of K + 1 verify rows each."""
+    requests of K + 1 verify rows each (two micro-batches each with ``tbo``)."""
     engine.graph_runner = CudaGraphRunner(
-        engine.model, engine.kv_pool, 5 * (k + 1), 512, use_graphs=False
+        engine.model, engine.kv_pool, 5 * (k + 1), 512, use_graphs=False, tbo=engine.config.tbo
     )
     if host_chain:
         engine.model.decode_backend.plans_on_host = True  # the draft shares the backend
@@ -140,7 +160,8 @@ def _group_main(rank: int, port: int, path: str, results) -> None:
         for job in JOBS:
             k, layout, path_kind, variant = job
             max_batch = 2 if variant == "plain-rank" else 64
-            engine = build_ep_engine(_config(Path(path), k, max_batch), ep, rank)
+            config = _config(Path(path), k, max_batch, tbo=variant == "tbo")
+            engine = build_ep_engine(config, ep, rank)
             if path_kind != "eager":
                 _on_runners(engine, k, path_kind == "host-chain")
             forwards = _count_forwards(engine.draft)
@@ -151,7 +172,9 @@ def _group_main(rank: int, port: int, path: str, results) -> None:
                     mine[i] = engine.make_request(p, per[i], request_id=f"p{i}")
                     engine.requests[f"p{i}"] = mine[i]
                     engine.scheduler.add(mine[i])
+            splits = _count_splits()
             run_lockstep(engine)
+            results[(job, "splits", rank)] = splits()
             for i, req in mine.items():
                 results[(job, i)] = (
                     req.output_ids,
@@ -203,6 +226,11 @@ def _check_job(job: tuple, results: dict, references: dict, num_experts: int) ->
         assert results[(job, "pages", rank)] == 0, job
     forwards = [results[(job, "draft_forwards", rank)] for rank in (0, 1)]
     assert forwards[0] == forwards[1] > 0, (job, forwards)
+    splits = [results[(job, "splits", rank)] for rank in (0, 1)]
+    if variant == "tbo":  # every target forward of both ranks, the idle rank's too
+        assert splits[0] == splits[1] > 5, (job, splits)
+    else:
+        assert splits == [0, 0], (job, splits)
 
 
 def test_ep_speculative_equals_single_rank_and_plain(checkpoint, references, group_results) -> None:

@@ -622,3 +622,47 @@ def test_captured_speculative_decoding_equals_eager_speculative_decoding(
         assert engine.speculator.graphs is graphs  # no capture failed
         assert graphs.target.num_replays > 10 and graphs.draft.num_replays > 10
         assert engine.num_pages_in_use == 0
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_speculative_decoding_with_two_batch_overlap(
+    v3_mtp_small_vocab_ckpt: HFCheckpoint, k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``tbo`` prompt forwards run as two micro-batches and decode-only steps (plain or
+    the verify of a speculative one) through the runner's two-batch overlap forward; the
+    greedy tokens stay plain decoding's, and eager or on the runners the drafts and their
+    acceptance equal speculation without tbo."""
+    ckpt = v3_mtp_small_vocab_ckpt
+    prompts = random_prompts([1, 6, 19, 40], 4, seed=k)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = _engine(ckpt, None).generate(prompts, params)
+    spec = _engine(ckpt, k)
+    spec.generate(prompts, params)
+    eager = _engine(ckpt, k, tbo=True)
+    runners = _engine(ckpt, k, tbo=True)
+    rows = 4 * (k + 1)
+    runners.graph_runner = CudaGraphRunner(
+        runners.model, runners.kv_pool, max_batch=rows, max_tokens_per_request=512,
+        use_graphs=False, tbo=True,
+    )  # fmt: skip
+    assert runners.speculator is not None
+    runners.speculator.attach_graphs(runners.graph_runner)
+    splits: list[int] = []  # rows of every batch run as two micro-batches
+    split = ForwardBatch.split
+
+    def counted(batch: ForwardBatch) -> tuple[ForwardBatch, ForwardBatch]:
+        splits.append(batch.num_tokens)
+        return split(batch)
+
+    monkeypatch.setattr(ForwardBatch, "split", counted)
+    for engine in (eager, runners):
+        splits.clear()
+        got = engine.generate(prompts, params)
+        assert [r.output_ids for r in got] == [r.output_ids for r in plain]
+        assert engine.spec_stats == spec.spec_stats
+        assert engine.num_pages_in_use == 0
+        assert sum(splits) >= sum(map(len, prompts))  # the prompts at least, in two halves
+    # on the runners, the verify forwards too: buckets of rows x (1 + k)
+    assert any(n % (k + 1) == 0 and n >= 2 * (k + 1) for n in splits[-5:])
+    graphs = runners.speculator.graphs
+    assert graphs is not None and graphs.target.num_eager > 10  # verify forwards on the runner
