@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypeVar
 
 import torch
+from torch import nn
 
 from engine.config import ModelConfig, load_config
 from engine.expert_location import ExpertLocation
@@ -13,6 +15,8 @@ from engine.model import DeepseekForCausalLM
 from engine.moe import MoEGate
 from engine.moe_dispatch import MoEDispatcher
 from engine.weights import load_weights
+
+M = TypeVar("M", bound=nn.Module)
 
 
 def build_model(
@@ -30,13 +34,20 @@ def build_model(
     """
     with torch.device("meta"):
         model = DeepseekForCausalLM(cfg, expert_location, dispatcher, ep_rank)
-    model = model.to(dtype)
-    for module in model.modules():
-        if isinstance(module, MoEGate):
-            module.float()
-    model = model.to_empty(device=device)
+    model = materialize(model, dtype, device)
     model.model.rotary.reset_buffers()
     return model.eval()
+
+
+def materialize(module: M, dtype: torch.dtype, device: torch.device | str) -> M:
+    """``module``, built on the meta device, as uninitialised storage in ``dtype`` on
+    ``device``, its routers (``MoEGate``) in float32 as in the reference implementation.
+    Buffers computed at construction (rotary tables) must be computed again after."""
+    module = module.to(dtype)
+    for sub in module.modules():
+        if isinstance(sub, MoEGate):
+            sub.float()
+    return module.to_empty(device=device)
 
 
 def load_model(

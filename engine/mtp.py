@@ -31,9 +31,10 @@ from engine.expert_location import ExpertLocation
 from engine.forward_batch import ForwardBatch
 from engine.kernel_choice import KernelChoice
 from engine.kv_cache import MLAKVPool
+from engine.loader import materialize
 from engine.mla_decode_backend import MLADecodeBackend, TorchMLADecode
 from engine.model import DecoderLayer, DeepseekForCausalLM
-from engine.moe import DeepseekMoE, DenseMLP, MoEGate
+from engine.moe import DeepseekMoE, DenseMLP
 from engine.moe_dispatch import LocalDispatcher, MoEDispatcher, static_mode
 from engine.norm import RMSNorm
 from engine.rope import RotaryEmbedding
@@ -182,11 +183,7 @@ def build_mtp(
     router weights stay float32); the placement arguments as :class:`MTPDraft`'s."""
     with torch.device("meta"):
         draft = MTPDraft(cfg, expert_location, dispatcher, ep_rank)
-    draft = draft.to(dtype)
-    for module in draft.modules():
-        if isinstance(module, MoEGate):
-            module.float()
-    draft = draft.to_empty(device=device)
+    draft = materialize(draft, dtype, device)
     draft.rotary.reset_buffers()
     return draft.eval()
 
