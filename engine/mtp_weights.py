@@ -21,6 +21,7 @@ from engine.weights import (
     _SCALE_SUFFIX,
     WeightError,
     _copy,
+    _copy_expert,
     _open_all,
     _read,
     checkpoint_files,
@@ -65,16 +66,8 @@ def load_mtp_weights(draft: MTPDraft, checkpoint_dir: str | Path) -> None:
         if em is None:
             _copy(params[local], tensor, name)
             continue
-        experts = draft.layers[index].mlp.experts
-        proj = em.group(2)
-        inter = experts.intermediate_size
-        for j in slots[(index, int(em.group(1)))]:  # each local copy of the expert
-            if proj == "gate_proj":
-                _copy(experts.w13[j, :inter], tensor, name)
-            elif proj == "up_proj":
-                _copy(experts.w13[j, inter:], tensor, name)
-            else:
-                _copy(experts.w2[j], tensor, name)
+        targets = slots[(index, int(em.group(1)))]  # each local copy of the expert
+        _copy_expert(draft.layers[index].mlp.experts, em.group(2), targets, tensor, name)
     missing = sorted(expected - seen)
     if missing:
         i, rest = missing[0].split(".", 2)[1:]

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.model import DeepseekForCausalLM
+from engine.moe import RoutedExperts
 from kernels.fp8 import dequantize_fp8_block
 
 _EXPERT_RE = re.compile(
@@ -121,7 +122,8 @@ def load_weights(
             if not targets:
                 continue  # not placed on this rank
             tensor = _read(names, name, block, model, keep_fp8)
-            _copy_expert(model, name, layer, em.group(3), targets, tensor, cfg)
+            experts = model.model.layers[layer].mlp.experts
+            _copy_expert(experts, em.group(3), targets, tensor, name)
             continue
         tensor = _read(names, name, block, model, keep_fp8)
         _copy(params[name], tensor, name)
@@ -177,16 +179,11 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 
 
 def _copy_expert(
-    model: DeepseekForCausalLM,
-    name: str,
-    layer: int,
-    proj: str,
-    targets: list[int],
-    tensor: torch.Tensor,
-    cfg,
+    experts: RoutedExperts, proj: str, targets: list[int], tensor: torch.Tensor, name: str
 ) -> None:
-    experts = model.model.layers[layer].mlp.experts
-    inter = cfg.moe.moe_intermediate_size
+    """Checkpoint tensor ``name`` (an expert's ``proj``: gate, up or down) into each of
+    ``experts``' local copies ``targets`` of that expert (w13 holds gate then up)."""
+    inter = experts.intermediate_size
     for j in targets:
         if proj == "gate_proj":
             _copy(experts.w13[j, :inter], tensor, name)
