@@ -200,11 +200,17 @@ def test_stop_tokens_and_max_tokens_cut_inside_an_accepted_run(
 def test_no_page_leaks_with_aborts_mid_run_and_retraction(
     v3_mtp_small_vocab_ckpt: HFCheckpoint,
 ) -> None:
-    ckpt = v3_mtp_small_vocab_ckpt
+    # a pool so small that the decode steps' lookahead pages force retractions
+    engine = _engine(v3_mtp_small_vocab_ckpt, 3, max_total_tokens=160, prefix_cache=True)
+    _abort_two_mid_run(v3_mtp_small_vocab_ckpt, engine)
+
+
+def _abort_two_mid_run(ckpt: HFCheckpoint, engine: LLMEngine) -> None:
+    """Six requests of 40 tokens; two abort after the sixth step. The pool was too small
+    (retractions), every page comes back, and the survivors' output equals plain decoding's,
+    each token streamed once."""
     prompts = random_prompts([5, 12, 21, 30, 7, 16], 4, seed=12)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    # a pool so small that the decode steps' lookahead pages force retractions
-    engine = _engine(ckpt, 3, max_total_tokens=160, prefix_cache=True)
     ids = [engine.add_request(p, params) for p in prompts]
     outputs: dict[str, list[int]] = {}
     steps = 0
@@ -216,7 +222,6 @@ def test_no_page_leaks_with_aborts_mid_run_and_retraction(
             assert engine.abort(ids[1]) and engine.abort(ids[4])
     assert engine.num_pages_in_use == 0
     assert engine.stats.num_retractions > 0
-    # the survivors' output equals plain decoding's, each token streamed once
     want = _engine(ckpt, None).generate([prompts[i] for i in (0, 2, 3, 5)], params)
     for i, res in zip((0, 2, 3, 5), want, strict=True):
         assert outputs[ids[i]] == res.output_ids
@@ -566,26 +571,10 @@ def test_runners_with_aborts_and_retractions_leak_no_page(
     """A pool so small that chains get clamped into short pages, steps fall back to the
     host's chain and requests are retracted; two requests abort mid-run. The survivors'
     tokens are plain decoding's and every page comes back."""
-    ckpt = v3_mtp_small_vocab_ckpt
-    prompts = random_prompts([5, 12, 21, 30, 7, 16], 4, seed=12)
-    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    engine = _engine(ckpt, 3, max_total_tokens=160, prefix_cache=True)
+    engine = _engine(v3_mtp_small_vocab_ckpt, 3, max_total_tokens=160, prefix_cache=True)
     _on_runners(engine, 6 * 4, host_chain)
-    ids = [engine.add_request(p, params) for p in prompts]
-    outputs: dict[str, list[int]] = {}
-    steps = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-        steps += 1
-        if steps == 6:
-            assert engine.abort(ids[1]) and engine.abort(ids[4])
-    assert engine.num_pages_in_use == 0
-    assert engine.stats.num_retractions > 0
+    _abort_two_mid_run(v3_mtp_small_vocab_ckpt, engine)
     assert engine.speculator is not None and engine.speculator.graphs is not None
-    want = _engine(ckpt, None).generate([prompts[i] for i in (0, 2, 3, 5)], params)
-    for i, res in zip((0, 2, 3, 5), want, strict=True):
-        assert outputs[ids[i]] == res.output_ids
 
 
 @needs_cuda
