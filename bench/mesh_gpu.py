@@ -116,6 +116,35 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+def free_port_run(count: int) -> int:
+    """The first of ``count`` consecutive free loopback ports."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count > 65535:
+            continue
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(base, base + count):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def metrics_urls(up_args: list[str]) -> dict[str, str]:
+    """Each engine instance's /metrics URL, by name, for these ``dsmesh up`` flags."""
+    from dsmesh.cli.main import build_parser
+    from dsmesh.cli.supervisor import LOOPBACK, instance_metrics_ports
+    from dsmesh.cli.up import mesh_config_from
+
+    config = mesh_config_from(build_parser().parse_args(["up", *up_args]))
+    ports = instance_metrics_ports(config)
+    return {name: f"http://{LOOPBACK}:{port}/metrics" for name, port in ports.items()}
+
+
 def scrape(url: str) -> dict[str, float]:
     try:
         with urllib.request.urlopen(url, timeout=5) as resp:

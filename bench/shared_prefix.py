@@ -19,8 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.mesh_gpu import mesh_up, scrape
-from bench.no_max_tokens import free_port_run, metrics_urls
+from bench.mesh_gpu import free_port_run, mesh_up, metrics_urls, scrape
 
 KEYS = ("output_throughput", "total_throughput", "mean_cached_tokens", "cache_hit_rate")
 # the engine instances' counters over the run (their /metrics, summed over instances)
