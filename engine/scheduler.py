@@ -305,8 +305,9 @@ class Scheduler:
         """Names of the prompt pages that running requests have still to compute; empty
         without a prefix cache (no one could take them from it)."""
         names: set[int] = set()
-        for req in self.running:
-            names.update(self._uncomputed_page_names(req))
+        if self.prefix_cache is not None:
+            for req in self.running:
+                names.update(self._uncomputed_page_names(req))
         return names
 
     def _waits_for_prefix(self, request: Request, computing: set[int]) -> bool:
