@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import socket
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -180,8 +181,22 @@ def test_rebalances_under_load_keep_outputs_and_raise_balancedness(live) -> None
     def measured() -> float | None:
         return metric(port, "dsmesh_expert_balancedness", 'instance="decode-live",when="measured"')
 
+    # The decode's balancedness as eplb measured it before its first swap: eplb measures at
+    # each tick (every 2 s) and a swap follows the tick that decides it, so a thread watches
+    # while the rounds run (a round can outlast a tick), keeping a value read while no swap
+    # had been applied on either side of the read.
+    first: list[float] = []
+    watching = threading.Event()
+
+    def watch() -> None:
+        while not watching.wait(0.05) and applied("decode") == 0:
+            value = measured()
+            if value is not None and applied("decode") == 0:
+                first[:] = [value]
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     rounds = 0
-    first_measured: float | None = None
     forced = False
     deadline = time.monotonic() + 240
     while True:
@@ -190,8 +205,6 @@ def test_rebalances_under_load_keep_outputs_and_raise_balancedness(live) -> None
         got = asyncio.run(_generate(live["gateway"].address, batch))  # every request succeeds
         assert got == want, f"round {rounds}: outputs differ from the offline engine"
         rounds += 1
-        if first_measured is None and applied("decode") == 0:
-            first_measured = measured()
         if not forced and min(applied("prefill"), applied("decode")) >= 1:
             response = asyncio.run(_force_rebalance(live["eplb"].address))
             assert {p.instance_id for p in response.placements} == {"prefill-live", "decode-live"}
@@ -211,7 +224,10 @@ def test_rebalances_under_load_keep_outputs_and_raise_balancedness(live) -> None
     for role in ("prefill", "decode"):
         total = metric(port, "dsmesh_eplb_rebalances_total", f'instance="{role}-live"')
         assert total is not None and total >= 2
-    assert first_measured is not None, "no load was measured before the first swap"
+    watching.set()
+    watcher.join(5)
+    assert first, "no load was measured before the first swap"
+    first_measured = first[0]
     final = measured()
     print(f"decode balancedness measured {first_measured} -> {final} after {rounds} rounds")
     assert final is not None and final > first_measured + 0.2, (first_measured, final)
