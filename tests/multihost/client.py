@@ -53,13 +53,15 @@ def request(ids: list[int], max_new_tokens: int, request_id: str = "") -> pb.Gen
 
 
 async def grpc_streams(address: str, requests: list[pb.GenerateRequest]) -> list[list[int]]:
-    """Every request's tokens; raises the first stream's failure."""
+    """Every request's tokens; raises the first stream's failure. Each call waits for the
+    channel to connect (``wait_for_ready``) as a client on a lossy link retries a lost SYN;
+    a status the gateway sends still fails it."""
     async with channel(address) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
 
         async def one(req: pb.GenerateRequest) -> list[int]:
             tokens: list[int] = []
-            async for msg in stub.Generate(req, timeout=120):
+            async for msg in stub.Generate(req, timeout=120, wait_for_ready=True):
                 tokens += msg.token_ids
             return tokens
 
