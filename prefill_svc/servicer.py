@@ -61,6 +61,9 @@ class PrefillLimits:
     broker_rpc_timeout_s: float = 5.0
     # new prompts wait while the KV writes queued would take longer than this to drain
     max_transfer_backlog_s: float = 1.0
+    # while writes to a decode complete, a handoff waiting on them reports at this period:
+    # its kv_broker deadline follows the lane's pace (docs/PD.md, "Deadlines")
+    progress_refresh_s: float = 2.0
 
 
 @dataclass
@@ -71,6 +74,9 @@ class _Job:
     remote: RemotePool | None = None  # decode's pool, once resolved
     cached_tokens: int = 0  # prompt tokens the prefix cache served (set when prefilled)
     write_s: float = 0.0  # time the transfer lane spent writing this request's KV
+    tokens_written: int = 0  # reported to kv_broker with the bytes (cumulative)
+    bytes_written: int = 0
+    reported_at: float = 0.0  # monotonic time of the last deadline report (Resolve, Progress)
     # the first token's logprobs, when the request asks for them (set when prefilled)
     first_logprobs: TokenLogprobs | None = None
     # speculative decoding: the tokens drafted after the first one, for decode's first step
@@ -227,6 +233,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             expected_ms=self._expected_ms(job),
         )
         try:
+            job.reported_at = time.monotonic()
             res = await self.broker.Resolve(
                 req, timeout=self.limits.resolve_wait_s + self.limits.broker_rpc_timeout_s
             )
@@ -452,8 +459,34 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def _on_chunk(self, rid: str, tokens: int, nbytes: int) -> None:
         self._drained.set()
         job = self.jobs.get(rid)
-        if job is not None and not job.handoff.stopped:
-            self._background.spawn(self._progress(job, tokens, nbytes, self._expected_ms(job)))
+        if job is None or job.handoff.stopped:
+            return
+        job.tokens_written, job.bytes_written = tokens, nbytes
+        self._report(job, time.monotonic())
+        if job.remote is not None:
+            self._refresh_waiting(job.remote.session)
+
+    def _refresh_waiting(self, session: str) -> None:
+        """A write to ``session`` landed: the handoffs still waiting for their writes to it
+        (in the engine, behind other writes, or for room in the lanes) report again, at most
+        once per ``progress_refresh_s``, so their deadlines follow the lane's measured pace.
+        A lane that makes no progress (its peer gone dark) extends no deadline."""
+        now = time.monotonic()
+        for job in self.jobs.values():
+            if (
+                job.remote is not None
+                and job.remote.session == session
+                and not job.handoff.stopped
+                and not job.done.done()
+                and now - job.reported_at >= self.limits.progress_refresh_s
+            ):
+                self._report(job, now)
+
+    def _report(self, job: _Job, now: float) -> None:
+        job.reported_at = now
+        self._background.spawn(
+            self._progress(job, job.tokens_written, job.bytes_written, self._expected_ms(job))
+        )
 
     async def _progress(self, job: _Job, tokens: int, nbytes: int, expected_ms: int) -> None:
         req = kb.ProgressRequest(

@@ -46,9 +46,10 @@ ENGINE = EngineConfig(page_size=16, max_total_tokens=4096, max_batch_tokens=32, 
 class MemoryTransport(KVTransport):
     """Copies pages between pools of this process (a test stand-in for Mooncake)."""
 
-    def __init__(self, signature: str = "memory/copy") -> None:
+    def __init__(self, signature: str = "memory/copy", write_s: float = 0.0) -> None:
         self._signature = signature
         self._pools: dict[int, MLAKVPool] = {}
+        self.write_s = write_s  # each write takes this long: a slow link
 
     @property
     def session_id(self) -> str:
@@ -67,6 +68,7 @@ class MemoryTransport(KVTransport):
         self, pool: MLAKVPool, remote: RemotePool, local_pages: list[int], remote_pages: list[int]
     ) -> int:
         pool_segments(pool, remote, local_pages, remote_pages)  # the checks a real one makes
+        time.sleep(self.write_s)
         target = self._pools[remote.base_ptr].buffer
         target[:, remote_pages] = pool.buffer[:, local_pages]
         return len(local_pages) * pool.page_bytes * pool.num_layers
@@ -95,14 +97,20 @@ class Pair:
 
 
 @contextlib.asynccontextmanager
-async def serving_pair(decode_signature: str = "memory/copy") -> AsyncIterator[Pair]:
+async def serving_pair(
+    decode_signature: str = "memory/copy",
+    write_s: float = 0.0,
+    handoff_timeout_s: float = 10.0,
+    progress_refresh_s: float = 2.0,
+) -> AsyncIterator[Pair]:
     """kv_broker, then a prefill and a decode servicer built complete, each behind its own
-    gRPC server and attached to the broker through its link."""
+    gRPC server and attached to the broker through its link. Each KV write takes
+    ``write_s``."""
     async with running_broker() as broker, contextlib.AsyncExitStack() as stack:
         engines = await asyncio.gather(
             asyncio.to_thread(LLMEngine, ENGINE), asyncio.to_thread(LLMEngine, ENGINE)
         )
-        transport = MemoryTransport()
+        transport = MemoryTransport(write_s=write_s)
         workers = [EngineWorker(engine) for engine in engines]
         for worker in workers:
             worker.start()
@@ -117,7 +125,7 @@ async def serving_pair(decode_signature: str = "memory/copy") -> AsyncIterator[P
             kb_grpc.KVBrokerStub(p_channel),
             layout_of(p_engine, transport.signature),
             transport,
-            PrefillLimits("p1", resolve_wait_s=5.0),
+            PrefillLimits("p1", resolve_wait_s=5.0, progress_refresh_s=progress_refresh_s),
         )
         stack.callback(prefill.close)
         decode = DecodeServicer(
@@ -125,7 +133,7 @@ async def serving_pair(decode_signature: str = "memory/copy") -> AsyncIterator[P
             kb_grpc.KVBrokerStub(d_channel),
             layout_of(d_engine, decode_signature),
             d_pool,
-            DecodeLimits("d1", handoff_timeout_s=10.0),
+            DecodeLimits("d1", handoff_timeout_s=handoff_timeout_s),
             DecodeHandoffs(reserve_wait_s=2.0, release_quarantine_s=1.0),
         )
         links = [
@@ -214,6 +222,38 @@ def test_in_process_pair_matches_the_offline_engine() -> None:
             return got
 
     assert asyncio.run(main()) == expected
+
+
+@pytest.mark.parametrize("refresh", [True, False])
+def test_handoffs_waiting_behind_slow_writes_keep_their_deadlines_ahead(refresh: bool) -> None:
+    """Eight prompts share one lane whose writes take 0.2 s each (about 5 s in all) under a
+    1 s handoff timeout. While writes land, the handoffs waiting behind them report again
+    and all eight serve the offline engine's tokens; without those reports (a refresh period
+    longer than the run), a handoff still waiting a second after its Resolve times out."""
+    ids = [p for p in prompts(3) for _ in range(3)][:8]
+    reference = LLMEngine(ENGINE)
+    params = [SamplingParams(max_new_tokens=3, ignore_eos=True)] * len(ids)
+    expected = [r.output_ids for r in reference.generate(ids, params)]
+
+    async def main() -> list[list[int] | PDError]:
+        async with serving_pair(
+            write_s=0.2, handoff_timeout_s=1.0, progress_refresh_s=0.1 if refresh else 1e9
+        ) as pair:
+            got = await asyncio.gather(
+                *[run(pair, f"slow-{i}", p, 3) for i, p in enumerate(ids)],
+                return_exceptions=True,
+            )
+            await pair.pages_free(within=15.0)
+            return got  # type: ignore[return-value]
+
+    got = asyncio.run(main())
+    if refresh:
+        assert got == expected
+    else:
+        failed = [g for g in got if isinstance(g, PDError)]
+        assert failed and len(failed) + sum(g in expected for g in got) == len(ids), got
+        assert all(f.code == grpc.StatusCode.DEADLINE_EXCEEDED for f in failed), failed
+        assert all("HANDOFF_TIMED_OUT" in str(f) for f in failed), failed
 
 
 def test_layout_mismatch_is_failed_precondition_on_both_sides() -> None:
