@@ -10,7 +10,13 @@ The same V2-Lite-shaped engine decodes four ways, in one process, back to back:
 - ``ep_eager``: the same dispatcher in its dynamic (host-sized) mode, uncaptured;
 - ``ep_tbo_graphs``: ``ep_graphs`` with two-batch overlap (both micro-batches captured,
   their all-to-alls on the dispatcher's communication stream);
-- ``ep_tbo_eager``: ``ep_eager`` with two-batch overlap.
+- ``ep_tbo_eager``: ``ep_eager`` with two-batch overlap;
+- ``ep_local_graphs`` (diagnostic): ``ep_graphs`` with each all-to-all replaced by a device
+  copy of the send buffer into the receive buffer (what a one-rank exchange moves), which
+  splits the EP path's cost into the collectives' and the dispatcher's own work.
+
+``--profile`` prints CUDA kernel tables of one uncaptured forward and of one graph replay
+at the largest batch, for the plain and the EP path.
 
 Prints one JSON line: per batch, mean step milliseconds of each, and ``ep_graphs`` over
 ``graphs``. Usage: ``python3 -m bench.ep_graphs --batches 32,256 --context 2000``.
@@ -58,6 +64,37 @@ def kernel_table(engine, batch: int, rows: int = 25) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
 
 
+def replay_table(engine, batch: int, rows: int = 25) -> str:
+    """CUDA kernel times inside one replay of the graph captured for ``batch``'s bucket."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = engine.graph_runner
+    keys = [k for k in runner.graphs if k[0] >= batch]
+    if not keys or engine.device.type != "cuda":
+        return ""
+    graph, _ = runner.graphs[min(keys)]
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+
+
+def local_exchange_dispatcher(num_local: int):
+    """The all-to-all dispatcher whose static exchange is a device copy (what a one-rank
+    all-to-all moves), for ``ep_local_graphs``: bench-only, never served."""
+    from engine.ep.all_to_all import AllToAllDispatcher
+    from engine.moe_dispatch import Pending
+
+    class LocalExchange(AllToAllDispatcher):
+        def _exchange_static(self, out: torch.Tensor, src: torch.Tensor) -> Pending:
+            out.copy_(src)
+            return Pending(lambda: None)
+
+    return LocalExchange(num_local)
+
+
 def main(argv: list[str] | None = None) -> dict[str, object]:
     from engine.ep.all_to_all import AllToAllDispatcher
     from engine.ep.runtime import GroupVote, free_port
@@ -92,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     tables = {}
     if args.profile:
         tables["graphs"] = kernel_table(engine, max(batches))
+        tables["graphs replay"] = replay_table(engine, max(batches))
     decode("eager", False)
     dispatcher = AllToAllDispatcher(model.moe_layers()[0].experts.num_local)
     for moe in model.moe_layers():
@@ -102,7 +140,18 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     decode("ep_graphs", True)
     if args.profile:
         tables["ep_graphs"] = kernel_table(engine, max(batches))
+        tables["ep_graphs replay"] = replay_table(engine, max(batches))
     decode("ep_eager", False)
+    local = local_exchange_dispatcher(model.moe_layers()[0].experts.num_local)
+    for moe in model.moe_layers():
+        moe.dispatcher = local
+    if engine.graph_runner is not None:
+        engine.graph_runner.reset()
+        decode("ep_local_graphs", True)
+        if args.profile:
+            tables["ep_local_graphs replay"] = replay_table(engine, max(batches))
+    for moe in model.moe_layers():
+        moe.dispatcher = dispatcher
     # two-batch overlap; kernels chosen again for it (Triton decode attention)
     engine.config = dataclasses.replace(engine.config, tbo=True)
     if engine.graph_runner is not None:
@@ -112,6 +161,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     decode("ep_tbo_eager", False)
     for row in rows.values():
         row["ep_graphs_over_graphs"] = row["ep_graphs_ms"] / row["graphs_ms"]
+        if "ep_local_graphs_ms" in row:
+            row["ep_local_graphs_over_graphs"] = row["ep_local_graphs_ms"] / row["graphs_ms"]
         row["graphs_speedup_over_eager"] = row["eager_ms"] / row["graphs_ms"]
     out = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
