@@ -122,14 +122,14 @@ class RoutedExperts(nn.Module):
     def forward_rows(
         self, hidden: torch.Tensor, expert_ids: torch.Tensor, fused: bool
     ) -> torch.Tensor:
-        """hidden [N, H] in any order, row i for local expert ``expert_ids[i]`` (-1: padding,
-        its output row is left unspecified) -> [N, H]. ``fused``: one fused MoE launch
-        (kernels.moe_fused; each row a single pair of weight 1), else grouped by expert."""
+        """hidden [N, H] in any order (rows may be strided), row i for local expert
+        ``expert_ids[i]`` ([N], may be strided; -1: padding, its output row is left
+        unspecified) -> [N, H]. ``fused``: one fused MoE launch (kernels.moe_fused; each row a
+        single pair of weight 1, read in place), else grouped by expert."""
         if fused and self.fp8 is None:
             from kernels.moe_fused import fused_moe
 
-            ones = torch.ones(hidden.shape[0], 1, dtype=torch.float32, device=hidden.device)
-            return fused_moe(hidden, self.w13, self.w2, expert_ids[:, None], ones)
+            return fused_moe(hidden, self.w13, self.w2, expert_ids[:, None], None)
         key = torch.where(expert_ids < 0, self.num_local, expert_ids)
         perm = torch.argsort(key, stable=True)  # padding last, past every expert's rows
         counts = torch.zeros(self.num_local + 1, dtype=torch.int64, device=hidden.device)
@@ -211,6 +211,7 @@ class DeepseekMoE(nn.Module):
     def set_kernels(self, kernels: KernelChoice, device: torch.device) -> None:
         self.kernels = kernels
         self.experts.triton = kernels.triton
+        self.dispatcher.triton = kernels.triton  # shared by the layers: the same choice
         self.expert_map = DeviceExpertMap(self._location, self.moe_layer_idx, device)
         self.gate.prepare(self.experts.w13.dtype)
 

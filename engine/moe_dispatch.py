@@ -21,7 +21,8 @@ from kernels._triton import use_triton
 class DispatchOutput:
     """What a rank's local experts must process.
 
-    hidden: [N, hidden] tokens received, grouped by local expert (expert 0's first).
+    hidden: [N, hidden] tokens received, grouped by local expert (expert 0's first); may be
+        a view with a row stride larger than ``hidden`` (rows of a receive buffer).
     tokens_per_expert: [num_local_experts] int64, sums to N.
     handle: backend state that ``combine`` needs; opaque to the caller.
     expert_ids: when set ([N] int64), the rows are not grouped: row i is for local expert
@@ -57,6 +58,9 @@ class MoEDispatcher(ABC):
 
     capturable: bool = False
     static: bool = False  # the fixed-shape mode, set around captured forwards
+    # dsmesh's Triton kernels for the dispatcher's own packing and combining, else the torch
+    # references; set once with the model's KernelChoice (DeepseekMoE.set_kernels)
+    triton: bool = False
 
     @abstractmethod
     def dispatch(

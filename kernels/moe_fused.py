@@ -79,17 +79,22 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def align_kernel(ids_ptr, sorted_ptr, starts_ptr, counts_ptr, n_pairs, BLOCK: tl.constexpr):
+    def align_kernel(
+        ids_ptr, sorted_ptr, starts_ptr, counts_ptr, n_pairs, top_k, stride_it, stride_ik,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
         e = tl.program_id(0)
         start = tl.sum(tl.zeros([BLOCK], tl.int32), axis=0)
         for c in range(0, n_pairs, BLOCK):
             offs = c + tl.arange(0, BLOCK)
-            ids = tl.load(ids_ptr + offs, mask=offs < n_pairs, other=-1)
+            at = (offs // top_k).to(tl.int64) * stride_it + (offs % top_k) * stride_ik
+            ids = tl.load(ids_ptr + at, mask=offs < n_pairs, other=-1)
             start += tl.sum(((ids >= 0) & (ids < e)).to(tl.int32), axis=0)
         pos = start
         for c in range(0, n_pairs, BLOCK):
             offs = c + tl.arange(0, BLOCK)
-            ids = tl.load(ids_ptr + offs, mask=offs < n_pairs, other=-1)
+            at = (offs // top_k).to(tl.int64) * stride_it + (offs % top_k) * stride_ik
+            ids = tl.load(ids_ptr + at, mask=offs < n_pairs, other=-1)
             hit = (ids == e).to(tl.int32)
             rank = tl.cumsum(hit, axis=0) - 1
             tl.store(sorted_ptr + pos + rank, offs, mask=hit > 0)
@@ -200,6 +205,7 @@ def _kernels():
         BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr,
         PRECISION: tl.constexpr,
+        HAS_WEIGHTS: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -210,7 +216,10 @@ def _kernels():
             start = tl.load(starts_ptr + e)
             rmask = r < count
             pair = tl.load(sorted_ptr + start + r, mask=rmask, other=0)
-            w = tl.load(weights_ptr + pair, mask=rmask, other=0.0).to(tl.float32)
+            if HAS_WEIGHTS:
+                w = tl.load(weights_ptr + pair, mask=rmask, other=0.0).to(tl.float32)
+            else:
+                w = tl.full((BLOCK_M,), 1.0, tl.float32)
             b_base = w_ptr + e.to(tl.int64) * stride_we
             wn = stride_wn
         else:
@@ -253,6 +262,8 @@ def _kernels():
         num_tokens,
         hidden,
         num_experts,
+        stride_it,
+        stride_ik,
         stride_add,
         stride_out,
         TOP_K: tl.constexpr,
@@ -265,7 +276,7 @@ def _kernels():
         cmask = cols < hidden
         acc = tl.zeros((BLOCK_N,), tl.float32)
         for j in tl.static_range(TOP_K):
-            eid = tl.load(ids_ptr + t * TOP_K + j)
+            eid = tl.load(ids_ptr + t * stride_it + j * stride_ik)
             ok = (eid >= 0) & (eid < num_experts)
             acc += tl.load(part_ptr + (t * TOP_K + j) * hidden + cols, mask=cmask & ok, other=0.0)
         for s in tl.static_range(NUM_SHARED):
@@ -279,11 +290,13 @@ def _kernels():
 
 
 def _check_ids(topk_ids: torch.Tensor) -> torch.Tensor:
+    """topk_ids [T, k] int32/int64 with any strides (e.g. ids read from a column of a row
+    buffer): the kernels index them through their strides, so no copy."""
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be [tokens, k], got shape {tuple(topk_ids.shape)}")
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    return topk_ids.contiguous()
+    return topk_ids
 
 
 def moe_align(
@@ -302,7 +315,10 @@ def moe_align(
     starts = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     counts = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     block = min(max(next_pow2(n_pairs), 16), 1024)
-    _kernels()[0][(num_experts,)](ids.view(-1), sorted_pairs, starts, counts, n_pairs, BLOCK=block)
+    _kernels()[0][(num_experts,)](
+        ids, sorted_pairs, starts, counts, n_pairs, max(ids.shape[1], 1), ids.stride(0),
+        ids.stride(1), BLOCK=block,
+    )  # fmt: skip
     return sorted_pairs, starts, counts
 
 
@@ -327,7 +343,7 @@ def fused_moe(
     w13: torch.Tensor,
     w2: torch.Tensor,
     topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
+    topk_weights: torch.Tensor | None,
     add: torch.Tensor | None = None,
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     gate_up_config: dict | None = None,
@@ -336,8 +352,9 @@ def fused_moe(
     """Routed SwiGLU experts plus shared experts plus ``add``:
     ``sum_j w[t,j] * E_{ids[t,j]}(x[t]) + S(x[t]) + add[t]``.
 
-    x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; topk_ids [T, k] (local
-    expert ids; others are skipped); topk_weights [T, k]; ``shared`` the shared experts'
+    x [T, H] (rows may be strided); w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I];
+    topk_ids [T, k] (local expert ids, any strides; others are skipped); topk_weights [T, k],
+    or None for weight 1 on every pair; ``shared`` the shared experts'
     (gate [S*I, H], up [S*I, H], down [H, S*I]) weights as a DenseMLP holds them, run as S
     more experts of width I on every token with weight 1 (no copy); add [T, H] or None
     -> [T, H] in x's dtype."""
@@ -351,10 +368,10 @@ def fused_moe(
         raise ValueError(f"w13 {tuple(w13.shape)} does not fit x {tuple(x.shape)}")
     if w2.shape != (num_experts, hidden, inter):
         raise ValueError(f"w2 {tuple(w2.shape)} must be ({num_experts}, {hidden}, {inter})")
-    if ids.shape[0] != t or topk_weights.shape != ids.shape:
+    if ids.shape[0] != t or (topk_weights is not None and topk_weights.shape != ids.shape):
+        shape = None if topk_weights is None else tuple(topk_weights.shape)
         raise ValueError(
-            f"topk_ids {tuple(ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
-            f"must both be [{t}, k]"
+            f"topk_ids {tuple(ids.shape)} and topk_weights {shape} must both be [{t}, k]"
         )
     if add is not None and add.shape != x.shape:
         raise ValueError(f"add {tuple(add.shape)} must match x {tuple(x.shape)}")
@@ -368,7 +385,8 @@ def fused_moe(
     x = x if x.stride(1) == 1 else x.contiguous()
     w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
-    weights = topk_weights.reshape(-1).contiguous()
+    has_weights = topk_weights is not None
+    weights = topk_weights.reshape(-1).contiguous() if has_weights else x
     sorted_pairs, starts, counts = moe_align(ids, num_experts)
     _, gate_up, down, combine = _kernels()
     precision = _precision(x.dtype)
@@ -396,14 +414,15 @@ def fused_moe(
         hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), inter, sd.stride(0),
         part.stride(0),
         BLOCK_M=c2["block_m"], BLOCK_N=c2["block_n"], BLOCK_K=c2["block_k"],
-        EVEN_K=inter % c2["block_k"] == 0, PRECISION=precision,
+        EVEN_K=inter % c2["block_k"] == 0, PRECISION=precision, HAS_WEIGHTS=has_weights,
         num_warps=c2["num_warps"], num_stages=c2["num_stages"],
     )  # fmt: skip
 
     block_n = min(next_pow2(hidden), 1024)
     add_t = add if add is not None else out
     combine[(t, math.ceil(hidden / block_n))](
-        part, ids.view(-1), add_t, out, t, hidden, num_experts, add_t.stride(0), out.stride(0),
+        part, ids, add_t, out, t, hidden, num_experts, ids.stride(0), ids.stride(1),
+        add_t.stride(0), out.stride(0),
         TOP_K=top_k, NUM_SHARED=num_shared, HAS_ADD=add is not None, BLOCK_N=block_n,
     )  # fmt: skip
     return out
@@ -441,11 +460,12 @@ def fused_moe_ref(
     w13: torch.Tensor,
     w2: torch.Tensor,
     topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
+    topk_weights: torch.Tensor | None,
     add: torch.Tensor | None = None,
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Per (token, slot) pair in float32; ids outside [0, E) contribute nothing."""
+    """Per (token, slot) pair in float32; ids outside [0, E) contribute nothing; no
+    ``topk_weights``: weight 1."""
     num_experts = w13.shape[0]
     if shared is not None:
         gate, up, down = (w.float() for w in shared)
@@ -459,7 +479,8 @@ def fused_moe_ref(
             if not 0 <= e < num_experts:
                 continue
             gate, up = F.linear(xf[t], w13[e].float()).chunk(2)
-            acc[t] += float(topk_weights[t, j]) * F.linear(F.silu(gate) * up, w2[e].float())
+            w = 1.0 if topk_weights is None else float(topk_weights[t, j])
+            acc[t] += w * F.linear(F.silu(gate) * up, w2[e].float())
     if add is not None:
         acc += add.float()
     return acc.to(x.dtype)

@@ -36,6 +36,8 @@ __all__ = [
     "fp8_expert_backend",
     "fp8_grouped_gemm",
     "fp8_grouped_gemm_ref",
+    "gather_combine",
+    "gather_combine_ref",
     "grouped_gemm",
     "grouped_gemm_ref",
     "grouped_mm_supported",
@@ -94,7 +96,7 @@ def _combine_kernel():
 
     @triton.jit
     def combine_kernel(
-        rows_ptr, inv_ptr, w_ptr, out_ptr, hidden, stride_r, stride_o,
+        rows_ptr, index_ptr, w_ptr, out_ptr, hidden, stride_r, stride_o,
         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
@@ -102,7 +104,7 @@ def _combine_kernel():
         mask = cols < hidden
         acc = tl.zeros((BLOCK_N,), tl.float32)
         for j in tl.static_range(TOP_K):
-            row = tl.load(inv_ptr + t * TOP_K + j).to(tl.int64)
+            row = tl.load(index_ptr + t * TOP_K + j).to(tl.int64)
             w = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
             x = tl.load(rows_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
             acc += w * x
@@ -125,20 +127,46 @@ def unpermute_combine(
         )
     if order.shape != (num_tokens * top_k,):
         raise ValueError(f"order {tuple(order.shape)} must be [{num_tokens * top_k}]")
-    if not can_launch(expert_out):
-        raise RuntimeError("unpermute_combine needs a CUDA tensor (or TRITON_INTERPRET=1)")
-    hidden = expert_out.shape[1]
-    out = torch.empty((num_tokens, hidden), dtype=expert_out.dtype, device=expert_out.device)
-    if num_tokens == 0:
-        return out
-    if expert_out.stride(1) != 1:
-        expert_out = expert_out.contiguous()
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
+    return gather_combine(expert_out, inv, weights)
+
+
+def gather_combine_ref(
+    rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """rows [N, H]; index [T*k]: the row of each flat (token, slot) pair; weights [T, k]
+    -> [T, H] in rows' dtype: ``out[t] = sum_j weights[t, j] * rows[index[t * k + j]]``,
+    summed with ``index_add_`` in rows' dtype, pairs in flat order."""
+    num_tokens, top_k = weights.shape
+    pairs = rows.index_select(0, index) * weights.reshape(-1)[:, None].to(rows.dtype)
+    out = torch.zeros((num_tokens, rows.shape[1]), dtype=rows.dtype, device=rows.device)
+    token = torch.arange(num_tokens * top_k, device=rows.device) // top_k
+    return out.index_add_(0, token, pairs)
+
+
+def gather_combine(rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """:func:`gather_combine_ref` in one Triton launch: one program per (token, column block)
+    reads its ``k`` rows and sums them in float32, rounding once (no atomics). Rows may be
+    any subset of ``rows`` (unread rows may hold anything) and ``rows`` may have a row
+    stride."""
+    num_tokens, top_k = weights.shape
+    if rows.dim() != 2:
+        raise ValueError(f"rows {tuple(rows.shape)} must be [N, hidden]")
+    if index.shape != (num_tokens * top_k,):
+        raise ValueError(f"index {tuple(index.shape)} must be [{num_tokens * top_k}]")
+    if not can_launch(rows):
+        raise RuntimeError("gather_combine needs a CUDA tensor (or TRITON_INTERPRET=1)")
+    hidden = rows.shape[1]
+    out = torch.empty((num_tokens, hidden), dtype=rows.dtype, device=rows.device)
+    if num_tokens == 0:
+        return out
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
     block = min(next_pow2(hidden), 1024)
     _combine_kernel()[(num_tokens, -(-hidden // block))](
-        expert_out, inv, weights.contiguous(), out, hidden, expert_out.stride(0), out.stride(0),
-        TOP_K=top_k, BLOCK_N=block,
+        rows, index.contiguous(), weights.contiguous(), out, hidden, rows.stride(0),
+        out.stride(0), TOP_K=top_k, BLOCK_N=block,
     )  # fmt: skip
     return out
 

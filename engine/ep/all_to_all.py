@@ -12,7 +12,9 @@ order, also with zero tokens: the collectives pair up across ranks. Two modes:
   sends every other rank ``T * k`` rows (room for all its pairs), each carrying its local
   expert id in its last 8 bytes (-1 marks padding), so the shapes are known on the host,
   nothing synchronises and each MoE layer makes two collectives (rows there, results back):
-  CUDA graphs capture them and the experts between. ``*_start`` returns while they run: on
+  CUDA graphs capture them and the experts between. With Triton, packing is one launch
+  and the weighted sum back one more (kernels.ep_static, kernels.moe_gemm.gather_combine);
+  the experts read the received rows in place. ``*_start`` returns while they run: on
   CUDA on this dispatcher's communication stream, forked from the current stream by an event
   and joined back by another at ``wait()`` (a capture records both streams, so two-batch
   overlap runs inside the graph), on CPU as gloo's asynchronous work.
@@ -26,6 +28,8 @@ import torch
 import torch.distributed as dist
 
 from engine.moe_dispatch import DispatchOutput, MoEDispatcher, Pending
+from kernels.ep_static import ids_of, pack_static, pack_static_ref
+from kernels.moe_gemm import gather_combine, gather_combine_ref
 
 
 @dataclass
@@ -41,11 +45,8 @@ class _A2AHandle:
 
 @dataclass
 class _StaticHandle:
-    order: torch.Tensor  # [T*k] (token, slot) pairs grouped by destination rank
-    slot: torch.Tensor  # [T*k] row of each pair (in ``order``) in the send buffer
-    weights: torch.Tensor  # [T*k] routing weights in ``order``, float32
-    num_tokens: int
-    top_k: int
+    slot: torch.Tensor  # [T*k] row of each flat (token, slot) pair in the send buffer
+    weights: torch.Tensor  # [T, k] routing weights, float32
 
 
 class AllToAllDispatcher(MoEDispatcher):
@@ -141,34 +142,19 @@ class AllToAllDispatcher(MoEDispatcher):
     def _dispatch_static(
         self, hidden: torch.Tensor, physical_ids: torch.Tensor, weights: torch.Tensor
     ) -> Pending:
-        num_tokens, top_k = physical_ids.shape
-        cap = num_tokens * top_k  # rows for each destination: room for every pair
-        device = hidden.device
-        flat = physical_ids.reshape(-1)
-        dest = flat // self.num_local
-        order = torch.argsort(dest, stable=True)  # pairs grouped by destination rank
-        counts = torch.zeros(self.ep_size, dtype=torch.int64, device=device)
-        counts.scatter_add_(0, dest, torch.ones_like(dest))
-        sorted_dest = dest[order]
-        rank_in_dest = torch.arange(cap, device=device) - (counts.cumsum(0) - counts)[sorted_dest]
-        slot = sorted_dest * cap + rank_in_dest
         # One collective for rows and expert ids: each row carries its local expert id in
-        # the bytes of its last columns (int64 over 8 bytes of the hidden dtype).
-        h = hidden.shape[1]
-        extra = 8 // hidden.element_size()
-        send = hidden.new_empty((self.ep_size * cap, h + extra))
-        local = (flat % self.num_local)[order]
-        rows = torch.cat([hidden.index_select(0, order // top_k), _as_columns(local, hidden)], 1)
-        _ids_of(send).fill_(-1)
-        send.index_copy_(0, slot, rows)
+        # the bytes of its last columns (kernels.ep_static has the layout).
+        pack = pack_static if self.triton else pack_static_ref
+        send, slot = pack(hidden, physical_ids, self.num_local, self.ep_size)
         recv = torch.empty_like(send)
         exchange = self._exchange_static(recv, send)
-        w = weights.reshape(-1)[order].to(torch.float32)
-        handle = _StaticHandle(order, slot, w, num_tokens, top_k)
+        handle = _StaticHandle(slot, weights)
+        h = hidden.shape[1]
 
         def finish() -> DispatchOutput:
             exchange.wait()
-            return DispatchOutput(recv[:, :h].contiguous(), None, handle, expert_ids=_ids_of(recv))
+            # the experts read the rows and the ids in place, through the row stride
+            return DispatchOutput(recv[:, :h], None, handle, expert_ids=ids_of(recv))
 
         return Pending(finish)
 
@@ -176,12 +162,11 @@ class AllToAllDispatcher(MoEDispatcher):
         """Padding rows hold anything: only the pairs' own slots are read back."""
         back = torch.empty_like(expert_out)
         exchange = self._exchange_static(back, expert_out)
+        combine = gather_combine if self.triton else gather_combine_ref
 
         def finish() -> torch.Tensor:
             exchange.wait()
-            pairs = back.index_select(0, h.slot)
-            out = torch.zeros((h.num_tokens, back.shape[1]), dtype=back.dtype, device=back.device)
-            return out.index_add_(0, h.order // h.top_k, pairs * h.weights[:, None].to(pairs.dtype))
+            return combine(back, h.slot, h.weights)
 
         return Pending(finish)
 
@@ -210,15 +195,3 @@ class AllToAllDispatcher(MoEDispatcher):
             current.wait_event(done)
 
         return Pending(join)
-
-
-def _as_columns(ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """int64 ``ids`` [N] as [N, 8 // itemsize] columns of ``like``'s dtype (the same bytes)."""
-    return ids.to(torch.int64).contiguous().view(like.dtype).view(ids.shape[0], -1)
-
-
-def _ids_of(rows: torch.Tensor) -> torch.Tensor:
-    """The int64 ids carried in the last 8 bytes of each row of ``rows`` [N, H + extra], as a
-    view [N] (writes go through to ``rows``)."""
-    extra = 8 // rows.element_size()
-    return rows[:, rows.shape[1] - extra :].view(torch.int64)[:, 0]

@@ -157,3 +157,30 @@ def test_shared_experts_run_as_extra_experts_without_a_copy(tokens, num_shared, 
     )
     with pytest.raises(ValueError, match="shared down"):
         fused_moe(*on, shared=(shared[0], shared[1], shared[2][:, :-1]))
+
+
+@needs_triton
+def test_fused_moe_reads_received_rows_in_place_with_unit_weights(device) -> None:
+    """The static all-to-all's layout: rows and their int64 expert ids share one buffer, read
+    through its row stride; each row is one pair of weight 1 (None), -1 marking padding."""
+    from kernels.ep_static import ids_of
+
+    experts, hidden, inter, rows = 4, 32, 16, 11
+    w13, w2 = _weights(experts, hidden, inter, torch.float32)
+    g = torch.Generator().manual_seed(9)
+    buf = torch.randn(rows, hidden + 2, generator=g)  # 2 float32 columns carry the id
+    ids = ids_of(buf)
+    ids.copy_(torch.randint(0, experts, (rows,), generator=g))
+    ids[3] = -1
+    ids[7] = -1
+    x, topk_ids = buf[:, :hidden], ids[:, None]
+    assert x.stride(0) == hidden + 2 and topk_ids.stride(0) == (hidden + 2) // 2
+    cfg = {"block_m": 16, "block_n": 16, "block_k": 16, "num_stages": 1}
+    on = buf.to(device)  # sliced there, so the strides travel
+    got = fused_moe(
+        on[:, :hidden], w13.to(device), w2.to(device), ids_of(on)[:, None], None,
+        gate_up_config=cfg, down_config=cfg,
+    ).cpu()  # fmt: skip
+    want = fused_moe_ref(x, w13, w2, topk_ids.clone(), None)
+    real = ids >= 0
+    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
