@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         tables["graphs replay"] = replay_table(engine, max(batches))
     decode("eager", False)
     dispatcher = AllToAllDispatcher(model.moe_layers()[0].experts.num_local)
+    dispatcher.triton = model.kernels.triton  # as DeepseekMoE.set_kernels sets it
     for moe in model.moe_layers():
         moe.dispatcher = dispatcher
     if engine.graph_runner is not None:
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         tables["ep_graphs replay"] = replay_table(engine, max(batches))
     decode("ep_eager", False)
     local = local_exchange_dispatcher(model.moe_layers()[0].experts.num_local)
+    local.triton = model.kernels.triton
     for moe in model.moe_layers():
         moe.dispatcher = local
     if engine.graph_runner is not None:
