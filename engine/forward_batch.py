@@ -8,6 +8,7 @@ tokens; a decode step is ``extend_len == 1``. One call may mix all three.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +80,12 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @functools.cached_property
+    def prefill_ids(self) -> list[int]:
+        """Indices of the requests feeding more than one token (prefill chunks), ascending:
+        the requests every layer sends to the prefill backend, listed once per forward."""
+        return [i for i, n in enumerate(self.extend_lens) if n > 1]
 
     @classmethod
     def empty(cls, device: torch.device | str) -> ForwardBatch:

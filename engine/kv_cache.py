@@ -99,6 +99,8 @@ class MLAKVPool:
             (num_layers, num_pages, page_size, kv_dim), dtype=dtype, device=device
         )
         self._flat = self.buffer.view(num_layers, num_pages * page_size, kv_dim)
+        # one view per layer, made once: indexing _flat per call would dispatch a select op
+        self._layers = self._flat.unbind(0)
         self.allocator = PageAllocator(num_pages)
 
     @property
@@ -108,15 +110,15 @@ class MLAKVPool:
 
     def layer_slots(self, layer: int) -> torch.Tensor:
         """The ``layer``'s cache as [num_pages * page_size, kv_dim] (a view, writable)."""
-        return self._flat[layer]
+        return self._layers[layer]
 
     def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """Store ``kv`` [T, kv_dim] at flat ``slots`` [T] of ``layer``."""
-        self._flat[layer].index_copy_(0, slots, kv.to(self.buffer.dtype))
+        self._layers[layer].index_copy_(0, slots, kv.to(self.buffer.dtype))
 
     def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Gather [len(slots), kv_dim] from ``layer``."""
-        return self._flat[layer].index_select(0, slots)
+        return self._layers[layer].index_select(0, slots)
 
 
 def slots_for(page_table: torch.Tensor, start: int, end: int, page_size: int) -> torch.Tensor:

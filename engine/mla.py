@@ -94,8 +94,9 @@ class MLAttention(nn.Module):
             q = self.q_proj if self.q_lora_rank is None else self.q_a_proj
             return q(x), self.kv_a_proj_with_mqa(x)
         both = F.linear(x, weight)
-        split = weight.shape[0] - self.kv_a_proj_with_mqa.weight.shape[0]
-        return both[:, :split], both[:, split:]
+        kv_width = self.kv_a_proj_with_mqa.weight.shape[0]
+        q, kv_a = both.split([weight.shape[0] - kv_width, kv_width], dim=1)  # one op, two views
+        return q, kv_a
 
     def forward(
         self,
@@ -130,7 +131,7 @@ class MLAttention(nn.Module):
         elif meta.rows is None:
             prefill = []  # every row decodes (decode-only steps: no per-layer host loop)
         else:
-            prefill = [i for i, n in enumerate(batch.extend_lens) if n > 1]
+            prefill = batch.prefill_ids
         if prefill:
             absorbed = mode == "absorbed"
             self.prefill_backend.forward(

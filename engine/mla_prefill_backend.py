@@ -86,7 +86,9 @@ class TritonMLAPrefill(MLAPrefillBackend):
             plan = batch.plans[key] = _RaggedPlan.of(batch, requests, q_nope.device)
         index = plan.rows
         ctx = kv_pool.read(attn.layer_idx, plan.slots)
-        latent, k_pe = ctx.to(q_nope.dtype).split([attn.kv_lora_rank, attn.rope_dim], dim=-1)
+        if ctx.dtype != q_nope.dtype:
+            ctx = ctx.to(q_nope.dtype)
+        latent, k_pe = ctx.split([attn.kv_lora_rank, attn.rope_dim], dim=-1)
         kv = attn.kv_b_proj(latent).view(-1, attn.num_heads, attn.nope_dim + attn.v_dim)
         k_nope, v = kv.split([attn.nope_dim, attn.v_dim], dim=-1)
         res = self._kernel(
@@ -99,10 +101,9 @@ class TritonMLAPrefill(MLAPrefillBackend):
             plan.cu_k,
             attn.scale,
             plan.max_q,
+            out=out if index is None else None,  # every row: the kernel writes in place
         )
-        if index is None:
-            out.copy_(res)
-        else:
+        if index is not None:
             out.index_copy_(0, index, res)
 
 

@@ -53,24 +53,25 @@ class MoEGate(nn.Module):
         # bf16), set by prepare(): one GEMM with float32 output then replaces casting the
         # input to float32 and a float32 GEMM (the same exact products, summed in float32).
         self.low_weight: torch.Tensor | None = None
+        self._low_weight_t: torch.Tensor | None = None  # its transpose, a view made once
 
     @torch.no_grad()
     def prepare(self, dtype: torch.dtype) -> None:
         """Keep a ``dtype`` copy of the weight when it is exact and this torch has
         ``torch.mm(..., out_dtype=torch.float32)`` for it on the weight's device (CUDA)."""
         w = self.weight
-        self.low_weight = None
+        self.low_weight = self._low_weight_t = None
         if w.device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
             return
         low = w.to(dtype)
         if torch.equal(low.float(), w) and _mm_out_dtype_works(w.device, dtype):
-            self.low_weight = low
+            self.low_weight, self._low_weight_t = low, low.t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> router logits [T, n_routed] float32."""
-        low = self.low_weight
-        if low is not None and x.dtype == low.dtype:
-            return torch.mm(x, low.t(), out_dtype=torch.float32)
+        low_t = self._low_weight_t
+        if low_t is not None and x.dtype == low_t.dtype:
+            return torch.mm(x, low_t, out_dtype=torch.float32)
         return F.linear(x.to(torch.float32), self.weight.to(torch.float32))
 
 

@@ -28,7 +28,8 @@ class RMSNorm(nn.Module):
         as [T, dim] (strided rows included) and autograd is not involved; torch otherwise."""
         x2d = self._as_rows(x) if self.triton else None
         if x2d is not None:
-            return rms_norm(x2d, self.weight, self.eps).view(x.shape)
+            out = rms_norm(x2d, self.weight, self.eps)
+            return out if x2d is x else out.view(x.shape)
         return rms_norm_ref(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -48,6 +49,8 @@ class RMSNorm(nn.Module):
             return None
         if x.numel() == 0:
             return None
+        if x.dim() == 2:
+            return x  # already [T, dim]: no view op
         try:
             return x.view(-1, x.shape[-1])
         except RuntimeError:  # rows that are not one stride apart

@@ -184,11 +184,19 @@ def grouped_gemm_ref(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.
     return out
 
 
-def grouped_gemm(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor):
-    """x [M, K] grouped by expert, w [E, N, K] -> [M, N]: one ``torch._grouped_mm``."""
+def grouped_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    offs: torch.Tensor | None = None,
+):
+    """x [M, K] grouped by expert, w [E, N, K] -> [M, N]: one ``torch._grouped_mm``.
+    ``offs``: the groups' ends [E] int32 (``tokens_per_expert.cumsum(0)``), when the caller
+    has them already."""
     aligned = all(d * x.element_size() % 16 == 0 for d in (x.shape[1], w.shape[1]))
     if x.shape[0] and aligned and grouped_mm_supported(x.dtype, x.device.type):
-        offs = tokens_per_expert.cumsum(0).to(torch.int32)
+        if offs is None:
+            offs = tokens_per_expert.cumsum(0, dtype=torch.int32)
         return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
     return grouped_gemm_ref(x, w, tokens_per_expert)
 
@@ -198,7 +206,8 @@ def expert_ffn(
 ) -> torch.Tensor:
     """SwiGLU experts: w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I]; [M, H] -> [M, H].
     On CUDA the SwiGLU between the GEMMs is one Triton pass (:mod:`kernels.activation`)."""
-    gate_up = grouped_gemm(hidden, w13, tokens_per_expert)
+    offs = tokens_per_expert.cumsum(0, dtype=torch.int32)  # both GEMMs' group ends, once
+    gate_up = grouped_gemm(hidden, w13, tokens_per_expert, offs)
     if use_triton(gate_up):
         from kernels.activation import silu_mul
 
@@ -206,7 +215,7 @@ def expert_ffn(
     else:
         gate, up = gate_up.chunk(2, dim=-1)
         h = F.silu(gate) * up
-    return grouped_gemm(h, w2, tokens_per_expert)
+    return grouped_gemm(h, w2, tokens_per_expert, offs)
 
 
 def expert_ffn_ref(

@@ -164,6 +164,7 @@ def test_forward_batch_uses_the_slot_mapping() -> None:
     assert batch.kv_slots[1].tolist() == [24, 25]
     assert batch.last_rows.tolist() == [2, 4]
     assert (batch.num_requests, batch.num_tokens) == (2, 5)
+    assert batch.prefill_ids == [0, 1]
     with pytest.raises(ValueError, match="cannot hold"):
         ForwardBatch.build([SequenceChunk([1, 2], 3, torch.tensor([0]))], page_size, "cpu")
 
@@ -199,6 +200,33 @@ def test_pool_stores_in_its_dtype() -> None:
     out = pool.read(0, torch.tensor([3]))
     assert out.dtype == torch.bfloat16
     assert out.float().tolist() == [[1.0, 3.0, -0.5]]
+
+
+def test_forward_batch_lists_its_prefill_requests_once() -> None:
+    """Requests of more than one new token, as every attention layer used to list them."""
+    chunks = [
+        SequenceChunk([1], 3, torch.tensor([0])),
+        SequenceChunk([2, 3], 0, torch.tensor([1])),
+        SequenceChunk([4], 0, torch.tensor([2])),
+        SequenceChunk([5, 6, 7], 1, torch.tensor([3])),
+    ]
+    batch = ForwardBatch.build(chunks, 4, "cpu")
+    want = [i for i, n in enumerate(batch.extend_lens) if n > 1]
+    assert batch.prefill_ids == want == [1, 3]
+    assert batch.prefill_ids is batch.prefill_ids  # computed once per batch
+    assert ForwardBatch.build(chunks[:1], 4, "cpu").prefill_ids == []
+
+
+def test_pool_layer_views_are_the_buffer() -> None:
+    """layer_slots (what the Triton cache write gets) views the buffer: writes through it
+    are what read and the transfer engines see."""
+    pool = MLAKVPool(3, 2, 4, 5, torch.float32)
+    for layer in range(3):
+        view = pool.layer_slots(layer)
+        assert view.shape == (8, 5) and view.data_ptr() == pool.buffer[layer].data_ptr()
+        view[6] = float(layer + 1)
+        assert torch.equal(pool.buffer[layer, 1, 2], torch.full((5,), float(layer + 1)))
+        assert torch.equal(pool.read(layer, torch.tensor([6])), view[6:7])
 
 
 def test_pool_buffer_is_never_reallocated() -> None:

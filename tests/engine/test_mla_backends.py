@@ -147,9 +147,11 @@ def test_triton_decode_backend_equals_the_torch_reference() -> None:
     assert got is out and relative_error(got, want) < 1e-5
 
 
-def test_triton_prefill_backend_equals_the_torch_reference(v2_greedy_ckpt) -> None:
+@pytest.mark.parametrize("decode_row", [True, False])
+def test_triton_prefill_backend_equals_the_torch_reference(v2_greedy_ckpt, decode_row) -> None:
     """A ragged batch (two prompts, a chunk continuing from a prefix, a decode row left to
-    the decode backend) through both prefill backends of one attention layer."""
+    the decode backend) through both prefill backends of one attention layer. Without the
+    decode row every request is a prefill one and the kernel writes ``out`` in place."""
     pytest.importorskip("triton")
     import tests.kernels.conftest  # noqa: F401
 
@@ -165,7 +167,10 @@ def test_triton_prefill_backend_equals_the_torch_reference(v2_greedy_ckpt) -> No
         SequenceChunk([3] * 3, 6, torch.tensor([4, 5, 6])),
         SequenceChunk([4] * 12, 0, torch.tensor([7, 8, 9])),
     ]
+    if not decode_row:
+        del chunks[1]
     batch = ForwardBatch.build(chunks, 4, device)
+    assert batch.prefill_ids == ([0, 2, 3] if decode_row else [0, 1, 2])
     g = torch.Generator().manual_seed(2)
     t, h = batch.num_tokens, attn.num_heads
     q_nope = torch.randn(t, h, attn.nope_dim, generator=g).to(device)
@@ -174,9 +179,10 @@ def test_triton_prefill_backend_equals_the_torch_reference(v2_greedy_ckpt) -> No
     for backend in (TorchMLAPrefill(), TritonMLAPrefill()):
         out = torch.zeros(t, h, attn.v_dim, device=device)
         with torch.inference_mode():
-            backend.forward(attn, q_nope, q_pe, pool, batch, [0, 2, 3], out)
+            backend.forward(attn, q_nope, q_pe, pool, batch, batch.prefill_ids, out)
         outs.append(out)
-    assert not bool(outs[0][7].any()) and not bool(outs[1][7].any())  # the decode row
+    if decode_row:
+        assert not bool(outs[0][7].any()) and not bool(outs[1][7].any())  # left alone
     assert relative_error(outs[1].cpu(), outs[0].cpu()) < 1e-5
 
 
