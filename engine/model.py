@@ -142,6 +142,10 @@ class DeepseekForCausalLM(nn.Module):
                     module.fuse_input_projections()
             elif isinstance(module, DeepseekMoE):
                 module.set_kernels(kernels, device)
+            elif isinstance(module, DenseMLP):  # dense layers and shared experts
+                module.triton = kernels.triton
+                if module.gate_up_weight is None:
+                    module.fuse_gate_up()
         self.kernels = kernels
         self.decode_backend = decode_backend
 

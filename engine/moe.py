@@ -32,9 +32,42 @@ class DenseMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        # One weight for gate and up, made by fuse_gate_up when the kernels are set; the two
+        # modules keep views of it. ``triton``: SwiGLU in one pass (kernels.activation).
+        self.gate_up_weight: torch.Tensor | None = None
+        self.triton = False
+
+    @torch.no_grad()
+    def fuse_gate_up(self) -> bool:
+        """Move gate and up into one weight, so one GEMM computes both (three launches a
+        forward instead of five); the modules keep views of it, so no memory is added and
+        every reader (the fused MoE kernel's shared experts too) sees the same values. Only
+        for bias-free plain Linear layers of one dtype and device. Returns whether fused."""
+        gate, up = self.gate_proj, self.up_proj
+        plain = all(type(m) is nn.Linear and m.bias is None for m in (gate, up))
+        if (
+            not plain
+            or gate.weight.dtype != up.weight.dtype
+            or gate.weight.device != up.weight.device
+        ):
+            return False
+        split = gate.weight.shape[0]
+        weight = torch.cat([gate.weight, up.weight])
+        gate.weight.data, up.weight.data = weight[:split], weight[split:]
+        self.gate_up_weight = weight
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        weight = self.gate_up_weight
+        if weight is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = F.linear(x, weight)
+        if self.triton and gate_up.dim() == 2 and gate_up.is_cuda:
+            from kernels.activation import silu_mul
+
+            return self.down_proj(silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class MoEGate(nn.Module):

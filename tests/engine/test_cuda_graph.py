@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.cuda_graph import CudaGraphRunner, GraphCaptureError, graph_support_problem
 from engine.forward_batch import ForwardBatch, SequenceChunk
@@ -23,6 +24,7 @@ from engine.kv_cache import MLAKVPool, pages_for
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.loader import load_model
 from engine.mla_decode_backend import make_decode_backend
+from engine.moe import DenseMLP
 from engine.moe_dispatch import LocalDispatcher
 from engine.sampling_params import SamplingParams
 from tests.engine.hf_checkpoints import HFCheckpoint, random_prompts, relative_error
@@ -66,6 +68,31 @@ def test_host_sized_dispatchers_are_refused_with_a_reason(v3_ckpt: HFCheckpoint)
     pool = MLAKVPool(cfg.num_hidden_layers, 8, 4, cfg.mla.kv_cache_dim, torch.float32)
     with pytest.raises(ValueError, match="dispatcher HostSized"):
         CudaGraphRunner(model, pool, max_batch=2, max_tokens_per_request=32)
+
+
+@pytest.mark.parametrize("ckpt_name", ["v3_ckpt", "v2_greedy_ckpt"])
+def test_gate_and_up_share_one_weight(request, ckpt_name: str) -> None:
+    """At load, each dense MLP's (dense layers and shared experts) gate and up weights move
+    into one tensor for one GEMM; the modules keep views with the checkpoint's values, the
+    output equals the two-GEMM forward, and choosing kernels again keeps the weight."""
+    ckpt = request.getfixturevalue(ckpt_name)
+    model = load_model(ckpt.path)
+    hf = ckpt.hf_model.state_dict()
+    mlps = {n: m for n, m in model.named_modules() if isinstance(m, DenseMLP)}
+    assert any(n.endswith("shared_experts") for n in mlps) and any(n.endswith(".mlp") for n in mlps)
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    for name, mlp in mlps.items():
+        weight = mlp.gate_up_weight
+        assert weight is not None
+        split = mlp.gate_proj.weight.shape[0]
+        assert torch.equal(weight[:split], hf[f"{name}.gate_proj.weight"])
+        assert torch.equal(weight[split:], hf[f"{name}.up_proj.weight"])
+        assert mlp.gate_proj.weight.data_ptr() == weight.data_ptr()
+        assert mlp.up_proj.weight.data_ptr() == weight[split:].data_ptr()
+        two_gemms = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+        torch.testing.assert_close(mlp(x), two_gemms, rtol=1e-6, atol=1e-6)
+    model.set_kernels(KernelChoice.reference())
+    assert all(m.gate_up_weight is mlps[n].gate_up_weight for n, m in mlps.items())
 
 
 @pytest.mark.parametrize("ckpt_name", ["v3_ckpt", "v2_greedy_ckpt"])
