@@ -580,26 +580,30 @@ def test_runners_with_aborts_and_retractions_leak_no_page(
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("k", "host_chain"), [(1, False), (2, False), (3, False), (3, True)],
-    ids=["k1", "k2", "k3", "k3-host-chain"],
+    ("k", "host_chain", "tbo"),
+    [(1, False, False), (2, False, False), (3, False, False), (3, True, False),
+     (1, False, True), (2, False, True)],
+    ids=["k1", "k2", "k3", "k3-host-chain", "k1-tbo", "k2-tbo"],
 )  # fmt: skip
 def test_captured_speculative_decoding_equals_eager_speculative_decoding(
-    v3_mtp_small_vocab_ckpt: HFCheckpoint, k: int, host_chain: bool
+    v3_mtp_small_vocab_ckpt: HFCheckpoint, k: int, host_chain: bool, tbo: bool
 ) -> None:
     """Real graphs (float32: torch attention, masked experts): verify and draft replays give
     the eager speculative engine's greedy tokens, plain decoding's and, under forced
-    acceptance, the eager engine's tokens and counters."""
+    acceptance, the eager engine's tokens and counters. With ``tbo`` the verify graphs hold
+    both micro-batches, and the eager engine splits its forwards the same way."""
     ckpt = v3_mtp_small_vocab_ckpt
     prompts = random_prompts([1, 6, 19, 40, 9, 27, 3], 4, seed=k)
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     cuda = {"device": "cuda", "dtype": "float32"}
     plain = _engine(ckpt, None, **cuda).generate(prompts, params)
     for forced in (None, 0.7):
-        eager = _engine(ckpt, k, cuda_graphs=False, spec_forced_acceptance=forced, **cuda)
+        eager = _engine(ckpt, k, cuda_graphs=False, spec_forced_acceptance=forced, tbo=tbo, **cuda)
         want = eager.generate(prompts, params)
-        engine = _engine(ckpt, k, spec_forced_acceptance=forced, **cuda)
+        engine = _engine(ckpt, k, spec_forced_acceptance=forced, tbo=tbo, **cuda)
         graphs = engine.speculator.graphs
         assert graphs is not None and graphs.target.use_graphs and graphs.draft.use_graphs
+        assert graphs.target.tbo == tbo
         if host_chain:
             engine.model.decode_backend.plans_on_host = True
         got = engine.generate(prompts, params)
