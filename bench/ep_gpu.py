@@ -1,7 +1,7 @@
 """Expert parallelism on GPUs over NCCL: correctness against EP 1, and per-GPU throughput.
 
   python -m bench.ep_gpu check --ep-size 2          # greedy tokens, EP N vs EP 1, on CUDA
-  python -m bench.ep_gpu bench --ep-size 2 --layers 3 --out ep.json
+  python -m bench.ep_gpu bench --ep-size 2 --layers 3 --out ep.json [--graphs]
 
 ``check`` runs the tiny V3 and V2-Lite checkpoints in float32 on CUDA: EP N over NCCL with
 R = 0 and R = N, TBO off and on (four combinations over the two checkpoints), against
@@ -9,9 +9,11 @@ the single-GPU engine (which the CPU tests tie to transformers). ``bench`` build
 random-weight DeepSeek-V3 layers (hidden 7168, 256 experts top-8, MLA 128 heads, bf16) with
 each rank holding its experts only, and times one prefill
 step of 2000-token prompts and decode steps of ``--decode-batch`` sequences at 2000-token
-contexts per GPU, TBO off and on; ``--ep-size 1`` is the single-GPU baseline. Figures are
-per GPU and per layer, next to the seed's (6.5k input / 2.8k output tokens/s per H100 for
-61-layer V3, i.e. 397k / 171k layer-tokens/s).
+contexts per GPU, TBO off and on; ``--ep-size 1`` is the single-GPU baseline. With
+``--graphs`` the decode steps replay CUDA graphs, agreed across the group as under serving
+(the all-to-all in its static mode inside the graphs; with TBO both micro-batches
+captured). Figures are per GPU and per layer, next to the seed's (6.5k input / 2.8k output
+tokens/s per H100 for 61-layer V3, i.e. 397k / 171k layer-tokens/s).
 """
 
 from __future__ import annotations
@@ -105,22 +107,52 @@ def _rank_bench(rank: int, args: argparse.Namespace, port: int, results) -> None
         max_total_tokens=max(args.decode_batch * per_decode, args.prefill_prompts * 2048 + page),
         max_running_requests=max(args.decode_batch, args.prefill_prompts),
         max_batch_tokens=args.prefill_prompts * args.prompt_len,
-        cuda_graphs=False,
+        cuda_graphs=args.graphs,
+        cuda_graph_max_batch=args.decode_batch,
     )
     engine = LLMEngine(engine_cfg, model=model)
+    if args.graphs:
+        _decode_graphs(engine, args.decode_batch, n)
     gen = torch.Generator(device=device).manual_seed(1)
     engine.kv_pool.buffer.normal_(0.0, 1.0, generator=gen)
-    row: dict = {"rank": rank, "expert_weights_gb": round(expert_gb, 2)}
+    row: dict = {"rank": rank, "expert_weights_gb": round(expert_gb, 2), "graphs": args.graphs}
     for tbo in (False, True):
         engine.config = dataclasses.replace(engine_cfg, tbo=tbo)
+        if args.graphs:  # the runner captures both micro-batches; kernels chosen again for it
+            engine.graph_runner.tbo = tbo
+            engine.switch_kernels()
         key = "tbo" if tbo else "no_tbo"
         t = bench_prefill(engine, cfg.vocab_size, args.prompt_len, args.prefill_prompts, 3)
         row[f"prefill_{key}_step_s"] = t
         t = bench_decode(
-            engine, cfg.vocab_size, args.decode_batch, args.context, args.steps, 3, graphs=False
+            engine, cfg.vocab_size, args.decode_batch, args.context, args.steps, 3, args.graphs
         )
         row[f"decode_{key}_step_s"] = t
+    if args.graphs:  # decode forwards the runner ran (replays on CUDA): the path was taken
+        runner = engine.graph_runner
+        row["runner_replays"], row["runner_eager"] = runner.num_replays, runner.num_eager
     results[rank] = row
+
+
+def _decode_graphs(engine, max_batch: int, ep_size: int) -> None:
+    """Decode steps through the graph runner, agreed across the group as under serving
+    (``LLMEngine.join_group``): captured on CUDA, the static all-to-all inside the graphs;
+    on CPU (``--tiny``) the same static path uncaptured."""
+    from engine.cuda_graph import CudaGraphRunner
+    from engine.ep.runtime import GroupVote
+
+    if engine.graph_runner is None and engine.device.type == "cpu":
+        engine.graph_runner = CudaGraphRunner(
+            engine.model,
+            engine.kv_pool,
+            max_batch,
+            min(engine.max_context, engine.kv_pool.num_pages * engine.config.page_size),
+            use_graphs=False,
+        )
+    if engine.graph_runner is None:
+        raise RuntimeError("--graphs: the engine built no graph runner (see its log)")
+    if ep_size > 1:
+        engine.join_group(GroupVote(engine.device, num_flags=3))
 
 
 def run_bench(args: argparse.Namespace) -> dict:
@@ -146,6 +178,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         "prefill_prompts_per_gpu": args.prefill_prompts,
         "decode_batch_per_gpu": args.decode_batch,
         "context": args.context,
+        "graphs": args.graphs,
         "ranks": rows,
     }
     for key in ("no_tbo", "tbo"):
@@ -179,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--out", default=None)
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    p.add_argument(
+        "--graphs", action="store_true", help="decode through CUDA graphs (static all-to-all)"
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available() and not args.tiny:
         print("bench.ep_gpu needs CUDA GPUs (or --tiny for a CPU smoke run)", file=sys.stderr)
