@@ -20,6 +20,7 @@ from engine.config import ModelConfig
 from engine.forward_batch import DecodeMeta, ForwardBatch
 from engine.kernel_choice import KernelChoice
 from engine.kv_cache import MLAKVPool
+from engine.linear_fusion import fuse_linears
 from engine.mla_decode_backend import MLADecodeBackend, TorchMLADecode
 from engine.mla_prefill_backend import MLAPrefillBackend, TorchMLAPrefill
 from engine.norm import RMSNorm
@@ -70,22 +71,13 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, -1)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
-    @torch.no_grad()
     def fuse_input_projections(self) -> bool:
         """Move the two projections of the layer input into one weight, so that one GEMM
-        computes both; the modules keep views of it, so no memory is added and every path
-        reads the same values. Only for bias-free plain Linear layers of one dtype and
-        device (FP8-quantised or biased projections keep two GEMMs). Returns whether fused."""
+        computes both (engine/linear_fusion.py; FP8-quantised or biased projections keep two
+        GEMMs). Returns whether fused."""
         q = self.q_proj if self.q_lora_rank is None else self.q_a_proj
-        kv = self.kv_a_proj_with_mqa
-        plain = all(type(m) is nn.Linear and m.bias is None for m in (q, kv))
-        if not plain or q.weight.dtype != kv.weight.dtype or q.weight.device != kv.weight.device:
-            return False
-        split = q.weight.shape[0]
-        weight = torch.cat([q.weight, kv.weight])
-        q.weight.data, kv.weight.data = weight[:split], weight[split:]
-        self.fused_input_weight = weight
-        return True
+        self.fused_input_weight = fuse_linears(q, self.kv_a_proj_with_mqa)
+        return self.fused_input_weight is not None
 
     def _project_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q or q_a, kv_a) of the layer input ``x`` [T, hidden]."""

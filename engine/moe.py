@@ -16,6 +16,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.expert_location import DeviceExpertMap, ExpertLocation
 from engine.kernel_choice import KernelChoice
+from engine.linear_fusion import fuse_linears
 from engine.moe_dispatch import DispatchOutput, LocalDispatcher, MoEDispatcher, Pending
 from engine.routing import routing_config, select_experts
 from kernels.fp8 import Fp8ExpertWeights
@@ -37,25 +38,12 @@ class DenseMLP(nn.Module):
         self.gate_up_weight: torch.Tensor | None = None
         self.triton = False
 
-    @torch.no_grad()
     def fuse_gate_up(self) -> bool:
         """Move gate and up into one weight, so one GEMM computes both (three launches a
-        forward instead of five); the modules keep views of it, so no memory is added and
-        every reader (the fused MoE kernel's shared experts too) sees the same values. Only
-        for bias-free plain Linear layers of one dtype and device. Returns whether fused."""
-        gate, up = self.gate_proj, self.up_proj
-        plain = all(type(m) is nn.Linear and m.bias is None for m in (gate, up))
-        if (
-            not plain
-            or gate.weight.dtype != up.weight.dtype
-            or gate.weight.device != up.weight.device
-        ):
-            return False
-        split = gate.weight.shape[0]
-        weight = torch.cat([gate.weight, up.weight])
-        gate.weight.data, up.weight.data = weight[:split], weight[split:]
-        self.gate_up_weight = weight
-        return True
+        forward instead of five; engine/linear_fusion.py): every reader, the fused MoE
+        kernel's shared experts too, sees the same values. Returns whether fused."""
+        self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)
+        return self.gate_up_weight is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.gate_up_weight
