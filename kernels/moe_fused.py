@@ -315,9 +315,11 @@ def moe_align(
     starts = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     counts = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     block = min(max(next_pow2(n_pairs), 16), 1024)
+    # Contiguous ids (the router's) read as one flat run: pair i at i, with no per-pair
+    # division (Triton specialises the 1s); strided ids through their strides.
+    k, stride_t, stride_k = (1, 1, 0) if ids.is_contiguous() else (ids.shape[1], *ids.stride())
     _kernels()[0][(num_experts,)](
-        ids, sorted_pairs, starts, counts, n_pairs, max(ids.shape[1], 1), ids.stride(0),
-        ids.stride(1), BLOCK=block,
+        ids, sorted_pairs, starts, counts, n_pairs, k, stride_t, stride_k, BLOCK=block,
     )  # fmt: skip
     return sorted_pairs, starts, counts
 
