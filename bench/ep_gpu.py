@@ -138,17 +138,10 @@ def _decode_graphs(engine, max_batch: int, ep_size: int) -> None:
     """Decode steps through the graph runner, agreed across the group as under serving
     (``LLMEngine.join_group``): captured on CUDA, the static all-to-all inside the graphs;
     on CPU (``--tiny``) the same static path uncaptured."""
-    from engine.cuda_graph import CudaGraphRunner
+    from bench.gpu import add_cpu_graph_runner
     from engine.ep.runtime import GroupVote
 
-    if engine.graph_runner is None and engine.device.type == "cpu":
-        engine.graph_runner = CudaGraphRunner(
-            engine.model,
-            engine.kv_pool,
-            max_batch,
-            min(engine.max_context, engine.kv_pool.num_pages * engine.config.page_size),
-            use_graphs=False,
-        )
+    add_cpu_graph_runner(engine, max_batch)
     if engine.graph_runner is None:
         raise RuntimeError("--graphs: the engine built no graph runner (see its log)")
     if ep_size > 1:

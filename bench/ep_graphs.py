@@ -49,34 +49,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def kernel_table(engine, batch: int, rows: int = 25) -> str:
     """CUDA kernel times of one uncaptured forward of the runner at ``batch``'s bucket."""
-    from torch.profiler import ProfilerActivity, profile
-
     runner = engine.graph_runner
     keys = [k for k in runner.keys_used if k[0] >= batch]
     if not keys or engine.device.type != "cuda":
         return ""
-    b, p = min(keys)
-    runner.forward(b, p)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        runner.forward(b, p)
-        torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+    return _profiled(lambda: runner.forward(*min(keys)), rows)
 
 
 def replay_table(engine, batch: int, rows: int = 25) -> str:
     """CUDA kernel times inside one replay of the graph captured for ``batch``'s bucket."""
-    from torch.profiler import ProfilerActivity, profile
-
     runner = engine.graph_runner
     keys = [k for k in runner.graphs if k[0] >= batch]
     if not keys or engine.device.type != "cuda":
         return ""
     graph, _ = runner.graphs[min(keys)]
-    graph.replay()
+    return _profiled(graph.replay, rows)
+
+
+def _profiled(run, rows: int) -> str:
+    """``run()`` once to warm, then once under torch.profiler: its CUDA kernels' table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
+        run()
         torch.cuda.synchronize()
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
 

@@ -349,6 +349,23 @@ def kv_bytes(cfg: ModelConfig, batch: int, context: int, elem: int) -> float:
 # ---- dsmesh engine runs ----------------------------------------------------------------------
 
 
+def add_cpu_graph_runner(engine, max_batch: int) -> None:
+    """On CPU (no CUDA, so no runner): the graph runner's static decode path, run without
+    capture, so ``--tiny`` smoke runs cover it."""
+    if engine.graph_runner is not None or engine.device.type != "cpu":
+        return
+    from engine.cuda_graph import CudaGraphRunner
+
+    pool = engine.kv_pool
+    engine.graph_runner = CudaGraphRunner(
+        engine.model,
+        pool,
+        max_batch,
+        min(engine.max_context, pool.num_pages * pool.page_size),
+        use_graphs=False,
+    )
+
+
 def make_engine(model, device, max_batch: int, args):
     """An engine whose pool holds ``max_batch`` decode requests of ``args.context`` tokens
     (plus the steps) and one prefill forward of ``args.prefill_prompts`` prompts."""
@@ -369,17 +386,7 @@ def make_engine(model, device, max_batch: int, args):
         cuda_graph_max_batch=max_batch,
     )
     engine = LLMEngine(cfg, model=model)
-    if engine.graph_runner is None and device.type == "cpu":
-        # No CUDA: the same static decode path, run without capture, so --tiny covers it.
-        from engine.cuda_graph import CudaGraphRunner
-
-        engine.graph_runner = CudaGraphRunner(
-            model,
-            engine.kv_pool,
-            max_batch,
-            min(engine.max_context, engine.kv_pool.num_pages * page_size),
-            use_graphs=False,
-        )
+    add_cpu_graph_runner(engine, max_batch)
     gen = torch.Generator(device=device).manual_seed(1)
     engine.kv_pool.buffer.normal_(0.0, 1.0, generator=gen)  # "prefilled" KV: random values
     return engine
