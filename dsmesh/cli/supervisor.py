@@ -37,6 +37,8 @@ from typing import TextIO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from dsmesh.cli.gpu_sharing import MODES as SHARING_MODES
+from dsmesh.cli.gpu_sharing import MpsDaemon, start_sharing
 from dsmesh.cli.launcher import LaunchError, ServiceProcess, dsmesh_command, start_service
 from dsmesh.cli.placement import (
     EngineInstance,
@@ -128,6 +130,10 @@ class MeshConfig:
     unified_gpus: GpuList | None = None
     mem_fraction: float = DEFAULT_MEM_FRACTION
     visible_gpus: tuple[str, ...] | None = None
+    # how engine processes on one GPU share it (dsmesh/cli/gpu_sharing.py), and the
+    # environment that connects them to the mesh's MPS daemon (set once it runs)
+    gpu_sharing: str = "auto"
+    mps_env: tuple[tuple[str, str], ...] = ()
     # role-specific flags (reliability bounds, admission limits), forwarded as given
     broker_args: tuple[str, ...] = ()
     prefill_args: tuple[str, ...] = ()
@@ -180,6 +186,9 @@ class MeshConfig:
                 "expert-parallel flags (--ep-size, --num-redundant-experts, --tbo, --eplb) "
                 "apply to prefill and decode instances; a --unified instance is one process"
             )
+        if self.gpu_sharing not in SHARING_MODES:
+            modes = ", ".join(SHARING_MODES)
+            raise ValueError(f"--gpu-sharing must be one of {modes}, got {self.gpu_sharing!r}")
         if not 0 < self.mem_fraction <= 1:
             raise ValueError(f"--mem-fraction must be in (0, 1], got {self.mem_fraction}")
         if not 0 < self.http_port <= 65535:
@@ -334,6 +343,7 @@ def instance_stage(config: MeshConfig, addresses: dict[str, str]) -> list[Servic
             args += ("--device", "cuda", "--mem-fraction", fraction_arg(fraction))
             gpu_ids = placement.gpu_ids[inst.name]
             env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(gpu_ids, config.visible_gpus or ())
+            env.update(config.mps_env)
         elif config.device is not None:
             args += ("--device", config.device)
         specs.append(ServiceSpec(inst.name, (*args, *own.get(inst.role, ())), env=env))
@@ -710,6 +720,32 @@ def placement_lines(config: MeshConfig) -> list[str]:
     return lines
 
 
+def share_gpus(
+    config: MeshConfig, log_dir: Path, console: Console
+) -> tuple[MeshConfig, MpsDaemon | None]:
+    """On a CUDA mesh, how its engine processes share GPUs (dsmesh/cli/gpu_sharing.py): the
+    config with the environment that connects them to the MPS daemon started here, if any."""
+    placement = mesh_placement(config)
+    if placement is None:
+        return config, None
+    per_gpu = placement.processes_per_gpu
+    sharing, daemon = start_sharing(
+        config.gpu_sharing, per_gpu, config.visible_gpus or tuple(per_gpu), log_dir / "mps"
+    )
+    if max(per_gpu.values(), default=0) > 1 or config.gpu_sharing != "auto":
+        console.info(f"dsmesh up: GPU sharing {SHARING_LABELS[sharing]}")
+    if daemon is None:
+        return config, None
+    return dataclasses.replace(config, mps_env=tuple(daemon.env().items())), daemon
+
+
+SHARING_LABELS = {
+    "mps": "MPS (a daemon of this mesh's own)",
+    "user-mps": "MPS (the daemon of CUDA_MPS_PIPE_DIRECTORY)",
+    "time-slice": "time slices (no MPS)",
+}
+
+
 def default_log_dir() -> Path:
     from engine.tiny_model import cache_root
 
@@ -769,6 +805,7 @@ def run_mesh(config: MeshConfig, console: Console | None = None) -> int:
     log_dir = Path(config.log_dir) if config.log_dir is not None else default_log_dir()
     log_dir.mkdir(parents=True, exist_ok=True)
     console.info(f"dsmesh up: model {config.model}\ndsmesh up: logs  {log_dir}")
+    config, daemon = share_gpus(config, log_dir, console)
     supervisor = Supervisor(config, log_dir, console)
     begin = time.monotonic()
     started = False
@@ -783,6 +820,8 @@ def run_mesh(config: MeshConfig, console: Console | None = None) -> int:
             if supervisor.stages:
                 console.info("dsmesh up: stopping")
             supervisor.stop()
+            if daemon is not None:
+                daemon.stop()
     if started or supervisor.stop_requested:
         console.info("dsmesh up: stopped")
         return 0

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from dsmesh.cli import argtypes
 from dsmesh.cli.common import add_engine_args, add_security_args, api_keys_from, tls_config_from
+from dsmesh.cli.gpu_sharing import MODES as SHARING_MODES
 from dsmesh.cli.placement import parse_gpu_list
 from dsmesh.runtime.security import ENV_API_KEYS
 from engine.kv_budget import DEFAULT_MEM_FRACTION
@@ -186,6 +187,15 @@ def register(sub: argparse._SubParsersAction) -> None:
             metavar="LIST",
             help=f"as --prefill-gpus, for the {role} instances",
         )
+    g.add_argument(
+        "--gpu-sharing",
+        choices=SHARING_MODES,
+        default=d.gpu_sharing,
+        help="how engine processes placed on one GPU share it: mps runs them side by side "
+        "under NVIDIA MPS (a daemon of the mesh's own), time-slice lets the driver switch "
+        "between them; auto: MPS when a GPU runs more than one engine process and "
+        "nvidia-cuda-mps-control is on the PATH (docs/PD.md)",
+    )
     add_security_args(p, api_keys=True)
     add_engine_args(
         p,
@@ -313,6 +323,7 @@ def mesh_config_from(args: argparse.Namespace) -> MeshConfig:
         decode_gpus=args.decode_gpus,
         unified_gpus=args.unified_gpus,
         mem_fraction=args.mem_fraction if args.mem_fraction is not None else DEFAULT_MEM_FRACTION,
+        gpu_sharing=args.gpu_sharing,
         broker_args=role_flags(args, "broker"),
         prefill_args=role_flags(args, "prefill"),
         decode_args=role_flags(args, "decode"),
