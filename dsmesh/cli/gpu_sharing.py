@@ -32,6 +32,7 @@ MODES = ("auto", "mps", "time-slice")
 CONTROL = "nvidia-cuda-mps-control"
 PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
 LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
+THREAD_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"  # a client's share of the SMs
 
 
 class GpuSharingError(ValueError):

@@ -38,7 +38,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dsmesh.cli.gpu_sharing import MODES as SHARING_MODES
-from dsmesh.cli.gpu_sharing import MpsDaemon, start_sharing
+from dsmesh.cli.gpu_sharing import PIPE_ENV, THREAD_PERCENTAGE_ENV, MpsDaemon, start_sharing
 from dsmesh.cli.launcher import LaunchError, ServiceProcess, dsmesh_command, start_service
 from dsmesh.cli.placement import (
     EngineInstance,
@@ -134,6 +134,8 @@ class MeshConfig:
     # environment that connects them to the mesh's MPS daemon (set once it runs)
     gpu_sharing: str = "auto"
     mps_env: tuple[tuple[str, str], ...] = ()
+    # under MPS, the percentage of a GPU's SMs each decode instance may use (None: all)
+    decode_sm_percent: int | None = None
     # role-specific flags (reliability bounds, admission limits), forwarded as given
     broker_args: tuple[str, ...] = ()
     prefill_args: tuple[str, ...] = ()
@@ -189,6 +191,15 @@ class MeshConfig:
         if self.gpu_sharing not in SHARING_MODES:
             modes = ", ".join(SHARING_MODES)
             raise ValueError(f"--gpu-sharing must be one of {modes}, got {self.gpu_sharing!r}")
+        if self.decode_sm_percent is not None:
+            if not 1 <= self.decode_sm_percent <= 100:
+                raise ValueError(
+                    f"--decode-sm-percent must be in 1..100, got {self.decode_sm_percent}"
+                )
+            if self.gpu_sharing == "time-slice":
+                raise ValueError(
+                    "--decode-sm-percent limits decode under MPS: not with --gpu-sharing time-slice"
+                )
         if not 0 < self.mem_fraction <= 1:
             raise ValueError(f"--mem-fraction must be in (0, 1], got {self.mem_fraction}")
         if not 0 < self.http_port <= 65535:
@@ -344,6 +355,8 @@ def instance_stage(config: MeshConfig, addresses: dict[str, str]) -> list[Servic
             gpu_ids = placement.gpu_ids[inst.name]
             env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(gpu_ids, config.visible_gpus or ())
             env.update(config.mps_env)
+            if config.mps_env and inst.role == "decode" and config.decode_sm_percent is not None:
+                env[THREAD_PERCENTAGE_ENV] = str(config.decode_sm_percent)
         elif config.device is not None:
             args += ("--device", config.device)
         specs.append(ServiceSpec(inst.name, (*args, *own.get(inst.role, ())), env=env))
@@ -734,6 +747,8 @@ def share_gpus(
     )
     if max(per_gpu.values(), default=0) > 1 or config.gpu_sharing != "auto":
         console.info(f"dsmesh up: GPU sharing {SHARING_LABELS[sharing]}")
+    if sharing == "user-mps":  # the children inherit it; named so that decode's limit applies
+        return dataclasses.replace(config, mps_env=((PIPE_ENV, os.environ[PIPE_ENV]),)), None
     if daemon is None:
         return config, None
     return dataclasses.replace(config, mps_env=tuple(daemon.env().items())), daemon

@@ -196,6 +196,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "between them; auto: MPS when a GPU runs more than one engine process and "
         "nvidia-cuda-mps-control is on the PATH (docs/PD.md)",
     )
+    g.add_argument(
+        "--decode-sm-percent",
+        type=int,
+        default=None,
+        metavar="PCT",
+        help="under MPS, the percentage of a GPU's SMs each decode instance may use, so that "
+        "a prefill on the same GPU keeps the rest (default: no limit)",
+    )
     add_security_args(p, api_keys=True)
     add_engine_args(
         p,
@@ -324,6 +332,7 @@ def mesh_config_from(args: argparse.Namespace) -> MeshConfig:
         unified_gpus=args.unified_gpus,
         mem_fraction=args.mem_fraction if args.mem_fraction is not None else DEFAULT_MEM_FRACTION,
         gpu_sharing=args.gpu_sharing,
+        decode_sm_percent=args.decode_sm_percent,
         broker_args=role_flags(args, "broker"),
         prefill_args=role_flags(args, "prefill"),
         decode_args=role_flags(args, "decode"),

@@ -13,7 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from dsmesh.cli.gpu_sharing import CONTROL, PIPE_ENV, GpuSharingError, choose
+from dsmesh.cli.gpu_sharing import (
+    CONTROL,
+    PIPE_ENV,
+    THREAD_PERCENTAGE_ENV,
+    GpuSharingError,
+    choose,
+)
 from dsmesh.cli.main import build_parser
 from dsmesh.cli.supervisor import Console, MeshConfig, instance_stage, share_gpus
 from dsmesh.cli.up import mesh_config_from
@@ -120,7 +126,7 @@ def test_a_users_daemon_is_inherited_not_started(
     monkeypatch.setenv(PIPE_ENV, str(tmp_path / "theirs"))
     out = io.StringIO()
     config, daemon = share_gpus(gpu_config(), tmp_path, Console(out, io.StringIO()))
-    assert daemon is None and config.mps_env == ()
+    assert daemon is None and config.mps_env == ((PIPE_ENV, str(tmp_path / "theirs")),)
     assert "CUDA_MPS_PIPE_DIRECTORY" in out.getvalue()
     assert not calls.exists()
 
@@ -143,3 +149,19 @@ def test_cpu_mesh_has_no_gpu_sharing(tmp_path: Path, path_with) -> None:
     c = dataclasses.replace(c, visible_gpus=())
     assert share_gpus(c, tmp_path, quiet()) == (c, None)
     assert not calls.exists()
+
+
+def test_decode_sm_percent_limits_decode_only_and_only_under_mps(tmp_path: Path, path_with) -> None:
+    path_with()
+    config, daemon = share_gpus(gpu_config("--decode-sm-percent", "40"), tmp_path, quiet())
+    assert daemon is not None
+    try:
+        envs = {s.name: s.env for s in instance_stage(config, {"kv-broker": "127.0.0.1:7"})}
+    finally:
+        daemon.stop()
+    assert envs["decode-0"][THREAD_PERCENTAGE_ENV] == "40"
+    assert THREAD_PERCENTAGE_ENV not in envs["prefill-0"]
+    with pytest.raises(ValueError, match="--decode-sm-percent limits decode under MPS"):
+        gpu_config("--decode-sm-percent", "40", "--gpu-sharing", "time-slice")
+    with pytest.raises(ValueError, match="--decode-sm-percent must be in 1..100"):
+        gpu_config("--decode-sm-percent", "0")
