@@ -236,6 +236,14 @@ class DecodeHandoffs:
         if self._calls.get(handoff.request_id) is handoff:
             del self._calls[handoff.request_id]
 
+    def get(self, request_id: str) -> DecodeHandoff | None:
+        return self._calls.get(request_id)
+
+    @property
+    def line(self) -> list[DecodeHandoff]:
+        """The requests waiting for pages or a running slot, first come first."""
+        return list(self._line)
+
     def first_in_line(self, handoff: DecodeHandoff) -> bool:
         return bool(self._line) and self._line[0] is handoff
 

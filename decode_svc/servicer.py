@@ -35,6 +35,7 @@ from dsmesh.runtime.transfer import RemotePool
 from dsmesh.v1 import decode_pb2, decode_pb2_grpc, generation_pb2, prefill_pb2
 from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
+from engine.errors import InvalidRequestError
 from engine.kv_cache import OutOfPagesError
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.request import RequestStatus
@@ -77,6 +78,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.metrics = metrics
         self._clock = clock
         self._room_freed = asyncio.Event()  # pages or a slot may have come free
+        # requests in line for pages, and the reservations made for them (_reserve_line)
+        self._asks: dict[str, _Ask] = {}
+        self._granted: dict[str, Reservation | InvalidRequestError] = {}
         self._background = BackgroundTasks()
 
     # ---- Decode ---------------------------------------------------------------------------
@@ -114,24 +118,54 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self, handoff: DecodeHandoff, prompt: list[int], params: SamplingParams
     ) -> Reservation:
         """Pages (and a running slot) for the request, once every request before it has
-        them; RESOURCE_EXHAUSTED when none come within the reserve wait."""
+        them; RESOURCE_EXHAUSTED when none come within the reserve wait. The first in line
+        reserves for the whole line in one engine command (:meth:`_reserve_line`): requests
+        that arrive together are not reserved one engine step apart."""
         rid = handoff.request_id
+        self._asks[rid] = _Ask(rid, prompt, params)
         try:
             while True:
                 why = None
-                if self.handoffs.first_in_line(handoff):
-                    got = await self.worker.call(lambda e: _try_reserve(e, prompt, params, rid))
-                    if isinstance(got, Reservation):
-                        handoff.reserved()
-                        return got
-                    why = got
+                if rid not in self._granted and self.handoffs.first_in_line(handoff):
+                    why = await self._reserve_line()
+                granted = self._granted.pop(rid, None)
+                if isinstance(granted, InvalidRequestError):
+                    raise granted
+                if granted is not None:
+                    handoff.reserved()
+                    return granted
                 wait_s = self.handoffs.wait_for_room(handoff, why, self._clock())
                 self._room_freed.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._room_freed.wait(), wait_s)
         finally:
+            # A grant not picked up (the call was cancelled first): the handoff is still
+            # RESERVING, so its end frees the pages with a command after the reserving one.
+            self._asks.pop(rid, None)
+            self._granted.pop(rid, None)
             self.handoffs.leave_line(handoff)
             self._room_freed.set()  # the next in line tries now
+
+    async def _reserve_line(self) -> str | None:
+        """Reserve for the requests in line, in order, in one engine command, up to the
+        first that finds no room: why it found none (None when every one got its pages).
+        Each request picks up its grant in :meth:`_reserve` and leaves the line now, so that
+        the next batch does not reserve for it again. The grants go out even if the caller
+        is cancelled meanwhile (the others' pages are taken by then)."""
+        line = [self._asks[h.request_id] for h in self.handoffs.line if h.request_id in self._asks]
+        return await asyncio.shield(asyncio.ensure_future(self._grant(line)))
+
+    async def _grant(self, line: list[_Ask]) -> str | None:
+        granted, why = await self.worker.call(lambda e: _try_reserve_line(e, line))
+        for ask, result in zip(line, granted, strict=False):
+            handoff = self.handoffs.get(ask.request_id)
+            if handoff is None or ask.request_id not in self._asks:
+                continue  # its call ended meanwhile: its end frees the pages after this
+            self._granted[ask.request_id] = result
+            self.handoffs.leave_line(handoff)
+        if granted:
+            self._room_freed.set()
+        return why
 
     async def _handoff(
         self,
@@ -391,6 +425,34 @@ def _end_of(status: kb.HandoffStatus) -> HandoffEnd:
         prefill_instance_id=status.prefill_instance_id,
         prefill_released=status.prefill_released,
     )
+
+
+@dataclass(frozen=True)
+class _Ask:
+    """A request in line for pages: what reserving them takes."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+
+
+def _try_reserve_line(
+    engine: LLMEngine, line: list[_Ask]
+) -> tuple[list[Reservation | InvalidRequestError], str | None]:
+    """Engine thread: :func:`_try_reserve` for each request of ``line`` in order, up to the
+    first that finds no room. Its results (an invalid request gets its error, and the line
+    goes on past it), and why the line stopped (None: every request got its pages)."""
+    results: list[Reservation | InvalidRequestError] = []
+    for ask in line:
+        try:
+            got = _try_reserve(engine, ask.prompt, ask.params, ask.request_id)
+        except InvalidRequestError as exc:
+            results.append(exc)
+            continue
+        if isinstance(got, str):
+            return results, got
+        results.append(got)
+    return results, None
 
 
 def _try_reserve(

@@ -256,6 +256,54 @@ def test_handoffs_waiting_behind_slow_writes_keep_their_deadlines_ahead(refresh:
         assert all("HANDOFF_TIMED_OUT" in str(f) for f in failed), failed
 
 
+def test_requests_in_line_are_reserved_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Twelve requests arrive while decode's engine thread is busy (a 1 s command). The first
+    reserves alone; the next in line then reserves for all eleven behind it in one engine
+    command, not one per engine step (on the H200 that capped PD at about 35 requests/s).
+    One of them is cancelled while that command runs: its pages still come back, and the
+    others serve the offline engine's tokens."""
+    import decode_svc.servicer as servicer
+
+    lines: list[int] = []
+    real = servicer._try_reserve_line
+    calls: list[asyncio.Future[list[int]]] = []
+    loop: list[asyncio.AbstractEventLoop] = []
+
+    def counted(engine: LLMEngine, line: list) -> tuple:
+        lines.append(len(line))
+        if len(line) > 1:  # the batch: cancel a request in it, and let the cancel land
+            loop[0].call_soon_threadsafe(calls[5].cancel)
+            time.sleep(0.3)
+        return real(engine, line)
+
+    monkeypatch.setattr(servicer, "_try_reserve_line", counted)
+    ids = [p for p in prompts(3) for _ in range(4)]
+    reference = LLMEngine(ENGINE)
+    params = [SamplingParams(max_new_tokens=3, ignore_eos=True)] * len(ids)
+    expected = [r.output_ids for r in reference.generate(ids, params)]
+
+    async def main() -> list[list[int] | BaseException]:
+        loop.append(asyncio.get_running_loop())
+        async with serving_pair() as pair:
+            busy = asyncio.ensure_future(pair.decode.worker.call(lambda e: time.sleep(1.0)))
+            await asyncio.sleep(0.05)
+            calls.extend(
+                asyncio.ensure_future(run(pair, f"line-{i}", p, 3)) for i, p in enumerate(ids)
+            )
+            while pair.decode.handoffs.num_in_line < len(ids):
+                await asyncio.sleep(0.005)
+            await busy
+            got = await asyncio.gather(*calls, return_exceptions=True)
+            await pair.pages_free()
+            assert "line-5" not in pair.decode.handoffs
+            return got
+
+    got = asyncio.run(main())
+    assert isinstance(got[5], asyncio.CancelledError)
+    assert [g for i, g in enumerate(got) if i != 5] == [e for i, e in enumerate(expected) if i != 5]
+    assert lines[:2] == [1, 11], lines  # 12 requests: 2 engine commands, not 12
+
+
 def test_layout_mismatch_is_failed_precondition_on_both_sides() -> None:
     async def main() -> None:
         async with serving_pair(decode_signature="other/transport") as pair:
