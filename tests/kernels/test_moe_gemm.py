@@ -193,7 +193,11 @@ def test_model_with_fp8_experts_on_gpu() -> None:
     from engine.forward_batch import ForwardBatch, SequenceChunk
     from engine.kv_cache import MLAKVPool
 
+    from engine.kernel_choice import KernelChoice
+
     model = tiny_fp8_model().to("cuda")
+    # Triton glue: the FP8 experts run only where kernels were chosen with Triton on
+    model.set_kernels(KernelChoice(triton=True, decode_attention="torch", fused_moe=False))
     cfg = model.config
     batch = ForwardBatch.build([SequenceChunk(list(range(1, 40)), 0, torch.arange(3))], 16, "cuda")
 
