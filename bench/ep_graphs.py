@@ -42,7 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke test")
     ap.add_argument("--batches", default="32,256")
     ap.add_argument("--context", type=int, default=2000)
-    ap.add_argument("--steps", type=int, default=10)
+    # 50: with 10, one slow step moves a block's mean by milliseconds
+    ap.add_argument("--steps", type=int, default=50, help="timed decode steps per block")
     ap.add_argument("--profile", action="store_true", help="kernel tables at the largest batch")
     return ap.parse_args(argv)
 

@@ -38,7 +38,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dsmesh.cli.gpu_sharing import MODES as SHARING_MODES
-from dsmesh.cli.gpu_sharing import PIPE_ENV, THREAD_PERCENTAGE_ENV, MpsDaemon, start_sharing
+from dsmesh.cli.gpu_sharing import (
+    PIPE_ENV,
+    THREAD_PERCENTAGE_ENV,
+    GpuSharingError,
+    MpsDaemon,
+    start_sharing,
+)
 from dsmesh.cli.launcher import LaunchError, ServiceProcess, dsmesh_command, start_service
 from dsmesh.cli.placement import (
     EngineInstance,
@@ -742,9 +748,14 @@ def share_gpus(
     if placement is None:
         return config, None
     per_gpu = placement.processes_per_gpu
-    sharing, daemon = start_sharing(
-        config.gpu_sharing, per_gpu, config.visible_gpus or tuple(per_gpu), log_dir / "mps"
-    )
+    visible = config.visible_gpus or tuple(per_gpu)
+    try:
+        sharing, daemon = start_sharing(config.gpu_sharing, per_gpu, visible, log_dir / "mps")
+    except GpuSharingError as exc:
+        if config.gpu_sharing != "auto":
+            raise
+        console.warn(f"{exc}; going on without MPS")  # auto: time slices still work
+        sharing, daemon = "time-slice", None
     if max(per_gpu.values(), default=0) > 1 or config.gpu_sharing != "auto":
         console.info(f"dsmesh up: GPU sharing {SHARING_LABELS[sharing]}")
     if sharing == "user-mps":  # the children inherit it; named so that decode's limit applies

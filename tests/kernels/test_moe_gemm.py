@@ -191,9 +191,8 @@ def test_model_with_fp8_experts_on_gpu() -> None:
     """On CUDA an MoE layer with attached FP8 experts equals routing + permutation + the FP8
     torch reference + shared experts; the whole model runs and stays near its dense logits."""
     from engine.forward_batch import ForwardBatch, SequenceChunk
-    from engine.kv_cache import MLAKVPool
-
     from engine.kernel_choice import KernelChoice
+    from engine.kv_cache import MLAKVPool
 
     model = tiny_fp8_model().to("cuda")
     # Triton glue: the FP8 experts run only where kernels were chosen with Triton on

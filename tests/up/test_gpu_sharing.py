@@ -141,6 +141,12 @@ def test_a_daemon_that_fails_to_start_is_a_clear_error(
     with pytest.raises(GpuSharingError, match="--gpu-sharing time-slice"):
         share_gpus(gpu_config("--gpu-sharing", "mps"), tmp_path, quiet())
     assert list(scratch.iterdir()) == []  # its pipe folder removed
+    # the default (auto) goes on in time slices, and says so
+    err = io.StringIO()
+    config, daemon = share_gpus(gpu_config(), tmp_path, Console(io.StringIO(), err))
+    assert daemon is None and config.mps_env == ()
+    assert "going on without MPS" in err.getvalue()
+    assert list(scratch.iterdir()) == []
 
 
 def test_cpu_mesh_has_no_gpu_sharing(tmp_path: Path, path_with) -> None:
