@@ -63,6 +63,7 @@ async def _serve(
         config.metrics_port,
         config.host,
         lambda load: handoffs.num_waiting + load.num_waiting,
+        in_line=lambda: handoffs.num_in_line,
     )
     broker_channel = channel(config.broker_address)
     servicer = DecodeServicer(

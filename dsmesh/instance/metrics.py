@@ -32,10 +32,13 @@ def queued(load: EngineLoad) -> int:
 
 
 class _EngineGauges(Collector):
-    def __init__(self, engine: LLMEngine, role: str, waiting: Waiting) -> None:
+    def __init__(
+        self, engine: LLMEngine, role: str, waiting: Waiting, in_line: Callable[[], int] | None
+    ) -> None:
         self.engine = engine
         self.role = role
         self.waiting = waiting
+        self.in_line = in_line
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         load = self.engine.load()
@@ -56,6 +59,14 @@ class _EngineGauges(Collector):
         ):
             family = GaugeMetricFamily(name, doc, labels=labels)
             family.add_metric([self.role], value)
+            yield family
+        if self.in_line is not None:
+            family = GaugeMetricFamily(
+                "dsmesh_requests_in_line",
+                "requests in line for KV pages and a running slot (decode)",
+                labels=labels,
+            )
+            family.add_metric([self.role], self.in_line())
             yield family
 
 
@@ -178,12 +189,19 @@ class _SpecCounters(Collector):
 
 
 class InstanceMetrics:
-    """``waiting``: the requests-waiting gauge, from the engine's load (default: its queue)."""
+    """``waiting``: the requests-waiting gauge, from the engine's load (default: its queue);
+    ``in_line``: decode's requests in line for pages (``dsmesh_requests_in_line``)."""
 
-    def __init__(self, engine: LLMEngine, role: str, waiting: Waiting = queued) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        role: str,
+        waiting: Waiting = queued,
+        in_line: Callable[[], int] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        r.register(_EngineGauges(engine, role, waiting))
+        r.register(_EngineGauges(engine, role, waiting, in_line))
         r.register(_CacheCounters(engine, role))
         r.register(_SpecCounters(engine, role))
         self.prompt_tokens = Counter(
@@ -228,13 +246,18 @@ class InstanceMetrics:
 
 
 def start_metrics(
-    engine: LLMEngine, role: str, port: int, host: str, waiting: Waiting = queued
+    engine: LLMEngine,
+    role: str,
+    port: int,
+    host: str,
+    waiting: Waiting = queued,
+    in_line: Callable[[], int] | None = None,
 ) -> InstanceMetrics | None:
     """An instance's metrics, served on ``port`` at ``host``; None when ``port`` is 0
     (``--metrics-port`` off)."""
     if not port:
         return None
-    metrics = InstanceMetrics(engine, role, waiting)
+    metrics = InstanceMetrics(engine, role, waiting, in_line)
     bound = metrics.serve(port, host)
     log.info("%s metrics on http://%s:%d/metrics", role, host, bound)
     return metrics

@@ -24,13 +24,13 @@ def engine() -> LLMEngine:
     return LLMEngine(EngineConfig(page_size=4, max_total_tokens=1024, prefix_cache=True))
 
 
-def samples(metrics: InstanceMetrics) -> dict[str, float]:
+def samples(metrics: InstanceMetrics, role: str = "unified") -> dict[str, float]:
     text = generate_latest(metrics.registry).decode()
     return {
         s.name: s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
-        if s.labels == {"role": "unified"}
+        if s.labels == {"role": role}
     }
 
 
@@ -74,3 +74,10 @@ def test_without_a_prefix_cache_only_retractions_show() -> None:
     got = samples(InstanceMetrics(engine, "unified"))
     assert "dsmesh_retractions_total" in got
     assert not any(name.startswith(("dsmesh_prefix_cache", "dsmesh_prefix_waits")) for name in got)
+
+
+def test_decode_reports_its_line_for_pages(engine: LLMEngine) -> None:
+    line = [1, 2, 3]
+    got = samples(InstanceMetrics(engine, "decode", in_line=lambda: len(line)), "decode")
+    assert got["dsmesh_requests_in_line"] == 3
+    assert "dsmesh_requests_in_line" not in samples(InstanceMetrics(engine, "unified"))
