@@ -35,7 +35,13 @@ from typing import TYPE_CHECKING, Protocol
 from opentelemetry.context import Context
 
 from dsmesh.runtime import telemetry
-from dsmesh.runtime.transfer import KVTransport, LayoutMismatch, RemotePool, TransferError
+from dsmesh.runtime.transfer import (
+    KVTransport,
+    LayoutMismatch,
+    RemotePool,
+    TransferError,
+    page_runs,
+)
 from dsmesh.v1 import kv_broker_pb2 as kb
 from engine.kv_cache import MLAKVPool
 from prefill_svc.estimate import RateMeter
@@ -241,6 +247,8 @@ class TransferQueue:
         if self.metrics is not None:
             self.metrics.transfer_bytes.inc(n)
             self.metrics.transfer_seconds.observe(seconds)
+            self.metrics.transfer_pages.inc(len(job.local_pages))
+            self.metrics.transfer_page_runs.inc(len(page_runs(job.local_pages, job.remote_pages)))
         with self._lock:
             self.total_bytes += n
             self.pending_bytes -= self.job_bytes(job)

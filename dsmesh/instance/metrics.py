@@ -213,6 +213,15 @@ class InstanceMetrics:
         self.transfer_bytes = Counter(
             "dsmesh_kv_transfer_bytes", "KV bytes written into decode pages", registry=r
         )
+        self.transfer_pages = Counter(
+            "dsmesh_kv_transfer_pages", "KV pages written into decode pages", registry=r
+        )
+        self.transfer_page_runs = Counter(
+            "dsmesh_kv_transfer_page_runs",
+            "runs of pages consecutive on both sides among them: one copy per layer each "
+            "(pages / runs near 1: scattered pages, a copy per page)",
+            registry=r,
+        )
         self.transfer_seconds = Histogram(
             "dsmesh_kv_transfer_seconds",
             "time of one KV chunk write (all layers)",

@@ -426,6 +426,12 @@ def test_instance_metrics_move(mesh) -> None:
     assert value(after_p, "dsmesh_kv_transfer_seconds_count") > value(
         before_p, "dsmesh_kv_transfer_seconds_count"
     )
+    pages, runs = (
+        value(after_p, name) - value(before_p, name)
+        for name in ("dsmesh_kv_transfer_pages_total", "dsmesh_kv_transfer_page_runs_total")
+    )
+    # 40 tokens: up to 3 pages of 16 (fewer where decode's prefix cache holds them already)
+    assert 1 <= runs <= pages, (pages, runs)
     # decode counts the tokens it generated (the first came from prefill)
     assert value(after_d, "dsmesh_generated_tokens_total") - value(
         before_d, "dsmesh_generated_tokens_total"

@@ -8,7 +8,13 @@ from importlib.machinery import ModuleSpec
 import pytest
 import torch
 
-from dsmesh.runtime.transfer import RemotePool, make_transport, page_segments, pool_segments
+from dsmesh.runtime.transfer import (
+    RemotePool,
+    make_transport,
+    page_runs,
+    page_segments,
+    pool_segments,
+)
 from engine.kv_cache import MLAKVPool
 
 LOCAL = 1_000_000
@@ -148,3 +154,10 @@ def test_missing_rdma_libraries_say_what_to_apt_get(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(sys, "meta_path", [_NoVerbs(), *sys.meta_path])
     with pytest.raises(ImportError, match="apt-get install libibverbs1 libnuma1"):
         make_transport("mooncake")
+
+
+def test_page_runs_follow_both_sides() -> None:
+    assert page_runs([4, 5, 6], [10, 11, 12]) == [(4, 10, 3)]
+    assert page_runs([4, 5, 6], [10, 12, 13]) == [(4, 10, 1), (5, 12, 2)]
+    assert page_runs([7, 3], [0, 1]) == [(7, 0, 1), (3, 1, 1)]
+    assert page_runs([], []) == []

@@ -13,6 +13,7 @@ from dsmesh.runtime.transfer.base import (
     LayoutMismatch,
     RemotePool,
     TransferError,
+    page_runs,
     page_segments,
     pool_segments,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "RemotePool",
     "TransferError",
     "make_transport",
+    "page_runs",
     "page_segments",
     "pool_segments",
     "rdma_devices",

@@ -83,16 +83,7 @@ def page_segments(
     elif len(layers) and (min(layers) < 0 or max(layers) >= remote.num_layers):
         raise ValueError(f"layers {layers} exceed the pool's {remote.num_layers} layers")
 
-    # Runs (local_start, remote_start, num_pages) of pages consecutive on both sides.
-    runs: list[tuple[int, int, int]] = []
-    for lp, rp in zip(local_pages, remote_pages, strict=True):
-        if runs:
-            l0, r0, n = runs[-1]
-            if lp == l0 + n and rp == r0 + n:
-                runs[-1] = (l0, r0, n + 1)
-                continue
-        runs.append((lp, rp, 1))
-
+    runs = page_runs(local_pages, remote_pages)
     page_bytes = remote.page_bytes
     segments: list[tuple[int, int, int]] = []
     for layer in layers:
@@ -103,6 +94,21 @@ def page_segments(
                 (local_layer + l0 * page_bytes, remote_layer + r0 * page_bytes, n * page_bytes)
             )
     return segments
+
+
+def page_runs(local_pages: list[int], remote_pages: list[int]) -> list[tuple[int, int, int]]:
+    """Runs ``(local_start, remote_start, num_pages)`` of the pairs ``(local_pages[i],
+    remote_pages[i])`` that are consecutive on both sides, in order: each run is one copy
+    per layer. Pure."""
+    runs: list[tuple[int, int, int]] = []
+    for lp, rp in zip(local_pages, remote_pages, strict=True):
+        if runs:
+            l0, r0, n = runs[-1]
+            if lp == l0 + n and rp == r0 + n:
+                runs[-1] = (l0, r0, n + 1)
+                continue
+        runs.append((lp, rp, 1))
+    return runs
 
 
 def pool_segments(
