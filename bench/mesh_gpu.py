@@ -20,7 +20,10 @@ the same checkpoint, in one command.
 3. ``--overload CONCURRENCY:PROMPTS`` sends a burst larger than the KV pool to each mesh
    target and counts refusals (RESOURCE_EXHAUSTED / 429) apart from other failures.
 4. Reports req/s, output and total tokens/s, TTFT and TPOT p50 / p99, per request handoff
-   time and KV bytes/s (from the gateway's /metrics), as a table and ``DIR/mesh_gpu.json``.
+   time and KV bytes/s (from the gateway's /metrics), as a table and ``DIR/mesh_gpu.json``;
+   per run also each engine's gauges sampled every 0.25 s (requests queued, decode's line for
+   pages: where requests wait) and the KV pages per copy run of the handoffs (from the
+   engines' /metrics, ``--instance-metrics-port``).
 
 ``--variant NAME:KIND:FLAGS`` adds a mesh of kind ``pd`` or ``unified`` with more
 ``dsmesh up`` flags (an A/B in the same run); ``--py-spy SECONDS`` samples every engine
@@ -45,6 +48,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -166,6 +170,65 @@ def handoff_figures(before: dict[str, float], after: dict[str, float]) -> dict[s
         "kv_bytes_per_request": nbytes / count if count else 0.0,
         "kv_GBps": nbytes / write_s / 1e9 if write_s > 0 else 0.0,
     }
+
+
+# Each engine instance's gauges sampled during a run: where the requests wait.
+INSTANCE_GAUGES = (
+    "dsmesh_requests_running",
+    "dsmesh_requests_waiting",  # prefill / unified: queued; decode: waiting for KV
+    "dsmesh_requests_in_line",  # decode: in line for pages and a slot
+)
+PAGE_COUNTERS = ("dsmesh_kv_transfer_pages_total", "dsmesh_kv_transfer_page_runs_total")
+
+
+class GaugeSampler:
+    """Scrapes every engine instance's /metrics every ``period_s`` on a thread while the
+    block runs; :meth:`summary` gives each gauge's mean and max per instance."""
+
+    def __init__(self, urls: dict[str, str], period_s: float = 0.25) -> None:
+        self.urls = urls
+        self.period_s = period_s
+        self.samples: dict[str, dict[str, list[float]]] = {name: {} for name in urls}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> GaugeSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            for name, url in self.urls.items():
+                got = scrape(url)
+                for gauge in INSTANCE_GAUGES:
+                    if gauge in got:
+                        self.samples[name].setdefault(gauge, []).append(got[gauge])
+
+    def summary(self) -> dict[str, dict[str, dict[str, float]]]:
+        return {
+            name: {
+                gauge.removeprefix("dsmesh_requests_"): {
+                    "mean": sum(values) / len(values),
+                    "max": max(values),
+                }
+                for gauge, values in gauges.items()
+                if values
+            }
+            for name, gauges in self.samples.items()
+        }
+
+
+def pages_per_run(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> float:
+    """KV pages written per run of pages consecutive on both sides, over all prefills, from
+    their counters' deltas (1.0: every page its own copy per layer; 0.0: nothing written)."""
+    pages, runs = (
+        sum(after[n].get(c, 0.0) - before[n].get(c, 0.0) for n in after) for c in PAGE_COUNTERS
+    )
+    return pages / runs if runs else 0.0
 
 
 # ---- running a mesh ----------------------------------------------------------------------------
@@ -333,20 +396,30 @@ def bench_mesh(
     up_args += shlex.split(args.pd_args if kind == "pd" else args.unified_args) + extra
     if kind == "unified":
         up_args += ["--prefill", "0", "--decode", "0", "--unified", "1"]
+    if "--instance-metrics-port" not in up_args:  # the engines' gauges and counters
+        up_args += ["--instance-metrics-port", str(free_port_run(16))]
+    urls = metrics_urls(up_args)
     result: dict[str, Any] = {"up_args": up_args, "levels": []}
     with mesh_up(model, up_args, out / "logs" / target, args.start_timeout) as mesh:
         for i, level in enumerate(args.levels):
             runs = []
             for repeat in range(level.repeats):
                 before = scrape(mesh.metrics_url)
+                engines_before = {name: scrape(url) for name, url in urls.items()}
+                sampler = GaugeSampler(urls)
                 path = out / f"{target}-c{level.concurrency}-r{repeat}.json"
                 spies = []
                 if args.py_spy and repeat == 0 and level.concurrency == args.py_spy_level:
                     spies = py_spy(mesh.log, out / f"pyspy-{target}", args.py_spy)
-                run = condense(dsmesh_bench(mesh.grpc_addr, level, run_seed(i, repeat), args, path))
+                with sampler:
+                    raw = dsmesh_bench(mesh.grpc_addr, level, run_seed(i, repeat), args, path)
+                run = condense(raw)
                 for spy in spies:
                     spy.wait(60)
                 run["handoff"] = handoff_figures(before, scrape(mesh.metrics_url))
+                engines_after = {name: scrape(url) for name, url in urls.items()}
+                run["handoff"]["kv_pages_per_run"] = pages_per_run(engines_before, engines_after)
+                run["engines"] = sampler.summary()
                 runs.append(run)
                 print(f"  {target} c={level.concurrency} run {repeat}: {brief(run)}", flush=True)
             result["levels"].append(
@@ -393,10 +466,23 @@ def py_spy(up_log: Path, prefix: Path, seconds: float) -> list[subprocess.Popen]
 
 
 def brief(run: dict[str, Any]) -> str:
+    waits = [
+        f"{name} {gauge} {v['mean']:.1f}/{v['max']:.0f}"
+        for name, gauges in run.get("engines", {}).items()
+        for gauge, v in gauges.items()
+        if gauge != "running"
+    ]
     return (
         f"{run['output_throughput']:.0f} out tok/s, TTFT p50 {run['ttft_ms']['p50']:.0f} ms, "
         f"TPOT mean {run['tpot_ms']['mean']:.2f} ms, {run['duration_s']:.1f} s, "
-        f"{run['outcomes']}" + (f"\n    steps {run['steps']}" if "steps" in run else "")
+        f"{run['outcomes']}"
+        + (f"\n    steps {run['steps']}" if "steps" in run else "")
+        + (f"\n    waiting (mean/max): {', '.join(waits)}" if waits else "")
+        + (
+            f"; KV pages per copy run {run['handoff']['kv_pages_per_run']:.1f}"
+            if run.get("handoff", {}).get("kv_pages_per_run")
+            else ""
+        )
     )
 
 
