@@ -57,7 +57,9 @@ def forward(tuns: dict[int, str], delay_s: float, loss: float, seed: int) -> Non
         now = time.monotonic()
         while due and due[0][0] <= now:
             _, _, out, packet = heapq.heappop(due)
-            with contextlib.suppress(BlockingIOError):  # a full queue: a loss like any other
+            # A full queue (BlockingIOError) or a device that is down (EIO, as at teardown):
+            # the packet is lost like any other, and the forwarder goes on.
+            with contextlib.suppress(OSError):
                 os.write(out, packet)
 
 

@@ -185,17 +185,21 @@ def user_space_impairment(
     try:
         for _, _, tun in ends:
             fds.append(_open_tun(tun))
-        argv = [sys.executable, "-m", "tests.multihost.impair", "--delay-ms", str(delay_ms)]
-        argv += ["--loss", str(loss_percent / 100), "--seed", str(seed)]
-        argv += [f"{fd}={address}" for fd, (_, address, _) in zip(fds, ends, strict=True)]
-        root = Path(__file__).resolve().parents[2]
-        forwarder = subprocess.Popen(argv, stdin=subprocess.PIPE, pass_fds=fds, cwd=root)
-        for namespace, address, tun in ends:
+        # Every device up before the forwarder starts: a packet written to a device that is
+        # not up yet fails (EIO), which once killed the forwarder and cut every link mid-test.
+        for namespace, _, tun in ends:
             inside: tuple[str, ...] = ()
             if namespace is not None:
                 ip("link", "set", tun, "netns", namespace)
                 inside = ("-n", namespace)
             ip(*inside, "link", "set", tun, "up")
+        argv = [sys.executable, "-m", "tests.multihost.impair", "--delay-ms", str(delay_ms)]
+        argv += ["--loss", str(loss_percent / 100), "--seed", str(seed)]
+        argv += [f"{fd}={address}" for fd, (_, address, _) in zip(fds, ends, strict=True)]
+        root = Path(__file__).resolve().parents[2]
+        forwarder = subprocess.Popen(argv, stdin=subprocess.PIPE, pass_fds=fds, cwd=root)
+        for namespace, address, tun in ends:  # then the routes through them
+            inside = ("-n", namespace) if namespace is not None else ()
             for _, other, _ in ends:
                 if other != address:
                     ip(*inside, "route", "add", f"{other}/32", "dev", tun, "src", address)
