@@ -114,6 +114,9 @@ class DecodeHandoff:
         self._quarantine_s = quarantine_s
         self._quarantine_ends: float | None = None
         self._may_write = False  # the call was cancelled mid-handoff: prefill may be writing
+        # Decode's Abort found the request reserved, not yet in the running batch. Set and
+        # read on the engine thread only, so the activation cannot slip past the Abort.
+        self.aborted = False
 
     def reserved(self) -> None:
         """The engine gave the request its pages and a running slot."""
@@ -148,6 +151,12 @@ class DecodeHandoff:
             return end.first_token_id
         self._end(Release.AFTER_PREFILL if end.prefill_may_write else Release.NOW)
         raise handoff_failed(end.state, end.cause, end.message)
+
+    def abort_before_start(self) -> None:
+        """The client aborted the request while its pages are reserved and it has not joined
+        the running batch: a handoff that still ends DONE ends the request "abort" at its
+        activation, which frees the pages, instead of decoding it (engine thread)."""
+        self.aborted = True
 
     def finished(self) -> None:
         """The last token is out; the engine freed the pages."""

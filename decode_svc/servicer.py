@@ -270,7 +270,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         finished = False
         spec: tuple[int, int, int] | None = None  # speculation counts so far
         try:
-            async for out in self._outputs(rid, end):
+            async for out in self._outputs(handoff, end):
                 if not out.new_token_ids and not out.finished:
                     continue  # a recompute chunk after a retraction: no token yet
                 finished = out.finished
@@ -297,14 +297,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 span.set_status(Status(StatusCode.ERROR, "stream ended before the last token"))
             span.end()
 
-    async def _outputs(self, rid: str, end: HandoffEnd) -> AsyncIterator[StepOutput]:
+    async def _outputs(self, handoff: DecodeHandoff, end: HandoffEnd) -> AsyncIterator[StepOutput]:
         """The request's step outputs from its activation (from the first token, its
         logprobs and the drafts after it, as the handoff ``end`` carries them) to its last
-        token."""
+        token; only a finished "abort" output when decode's Abort came before the
+        activation."""
+        rid = handoff.request_id
         loop = asyncio.get_running_loop()
         streams: list[asyncio.Queue[StepOutput]] = []
 
         def activate(engine: LLMEngine) -> StepOutput:
+            if handoff.aborted:  # the handoff is DONE: no prefill writes its pages any more
+                engine.abort(rid)
+                return StepOutput(rid, [], True, "abort")
             streams.append(self.worker.stream(rid, loop))
             out = engine.activate(
                 rid, end.first_token_id, end.first_token_logprobs, end.draft_token_ids
@@ -380,14 +385,23 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         # A call waiting for its handoff sees it ABORTED and frees safely; a running request
         # is stopped here, and its stream ends with finish_reason "abort".
         await self._broker_call("Abort", kb.HandoffRequest(request_id=rid))
+        handoff = self.handoffs.get(rid)
 
-        def stop_running(engine: LLMEngine) -> bool:
-            req = engine.get(rid)  # running, or retracted and waiting to recompute
-            if req is None or req.status not in (RequestStatus.RUNNING, RequestStatus.WAITING):
+        def stop(engine: LLMEngine) -> bool:
+            req = engine.get(rid)
+            if req is None or req.status is RequestStatus.FINISHED:
                 return False
+            if req.status is RequestStatus.RESERVED:
+                # Not in the batch yet. Its handoff may have ended DONE before the Abort
+                # reached kv_broker: then its activation, a later engine command, ends it.
+                if handoff is None:
+                    return False
+                handoff.abort_before_start()
+                return True
+            # running, or retracted and waiting to recompute
             return self.worker.abort_request(engine, rid)
 
-        aborted = await self.worker.call(stop_running)
+        aborted = await self.worker.call(stop)
         return generation_pb2.AbortResponse(aborted=aborted or rid in self.handoffs)
 
     @unary

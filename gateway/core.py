@@ -153,6 +153,9 @@ class GenerationCore:
         # Abort with the client's id reaches them all
         self.choice_groups: dict[str, ChoiceGroup] = {}
         self._queued: dict[str, asyncio.Future[Placement]] = {}
+        # requests aborted between leaving the queue and their first call to an instance
+        # (admitted, or put back after a refusal): they end "abort" before that call
+        self._aborted_unplaced: set[str] = set()
         registry.on_update.append(self._pump)
 
     # ---- validation -------------------------------------------------------------------------
@@ -252,6 +255,10 @@ class GenerationCore:
                         placed, call_id=f"{inp.request_id}~requeued-{requeued}"
                     )
                 self.active[inp.request_id] = placed
+                if inp.request_id in self._aborted_unplaced:
+                    state["outcome"], state["held"] = "abort", False  # no instance saw it
+                    yield Delta([], "", "abort", len(inp.prompt_ids), 0)
+                    return
                 if not requeued:
                     m.prompt_tokens.inc(len(inp.prompt_ids))
                 if placed.prefill is None:
@@ -289,6 +296,7 @@ class GenerationCore:
             span.set_attribute("dsmesh.outcome", state["outcome"])
             span.end()
             self.active.pop(inp.request_id, None)
+            self._aborted_unplaced.discard(inp.request_id)
             self.admission.release(inp.request_id, time.monotonic(), held=state["held"])
             self._pump()  # what it held may let the next one in
             if state["waiting"]:
@@ -520,9 +528,12 @@ class GenerationCore:
             if not future.done():
                 future.set_exception(_AbortedInQueue())
             return True
-        placed = self.active.get(request_id)
-        if placed is None:
+        if request_id not in self.active:
             return False
+        placed = self.active[request_id]
+        if placed is None:  # admitted, its coroutine not yet resumed; or between attempts
+            self._aborted_unplaced.add(request_id)
+            return True
         from dsmesh.v1 import generation_pb2 as g
 
         req = g.AbortRequest(request_id=placed.call_id or request_id)

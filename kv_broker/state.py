@@ -152,7 +152,8 @@ class RemotePool:
 @dataclass
 class Handoff:
     """One request's handoff. ``layout``/``pool`` are None only for a tombstone: a request
-    aborted before decode reserved anything, kept so a late reserve or resolve fails fast."""
+    aborted or failed before decode reserved anything, kept so a late reserve or resolve
+    fails fast."""
 
     request_id: str
     state: HandoffState
@@ -339,6 +340,11 @@ class HandoffTable:
         if existing is not None:
             if existing.state is HandoffState.ABORTED:
                 raise HandoffError(ErrorCode.ABORTED, f"request {request_id!r} was aborted")
+            if existing.tombstone:  # failed before decode got here: no duplicate's handoff
+                raise HandoffError(
+                    ErrorCode.FAILED_PRECONDITION,
+                    f"request {request_id!r} failed: {existing.message}",
+                )
             raise HandoffError(
                 ErrorCode.ALREADY_EXISTS,
                 f"request {request_id!r} already has a handoff ({existing.state.name})",
@@ -383,7 +389,7 @@ class HandoffTable:
             aborted = h.state is HandoffState.ABORTED
             code = ErrorCode.ABORTED if aborted else ErrorCode.FAILED_PRECONDITION
             raise _state_error(h, "resolve", HandoffState.RESERVED, code)
-        assert h.layout is not None  # only tombstones lack a layout, and they are ABORTED
+        assert h.layout is not None  # only tombstones lack a layout, and they are terminal
         h.prefill_instance_id = prefill_instance_id
         diffs = layout.mismatches(h.layout)
         if diffs:
@@ -461,39 +467,31 @@ class HandoffTable:
         now: float,
         cause: HandoffCause = HandoffCause.UNSPECIFIED,
     ) -> Transition:
-        """Non-terminal -> FAILED for ``cause``; a terminal record is returned unchanged."""
-        h = self._lookup(request_id)
+        """Non-terminal -> FAILED for ``cause``; a terminal record is returned unchanged; an
+        unknown request gets a FAILED tombstone. The gateway fails a request whose prefill
+        it cannot reach before it cancels decode's call, and decode may not have reserved
+        yet: the tombstone refuses its late reserve, and decode's abort, when its call is
+        cancelled, leaves the handoff FAILED for ``cause`` rather than ABORTED."""
+        _require_id(request_id, "request_id")
+        reason = reason or "failed (no reason given)"
+        h = self._handoffs.get(request_id)
+        if h is None:
+            return self._tombstone(request_id, HandoffState.FAILED, reason, now, cause)
         if h.state.terminal:
             return _unchanged(h)
-        reason = reason or "failed (no reason given)"
         return self._finish(h, HandoffState.FAILED, reason, now, cause)
 
     def abort(self, request_id: str, now: float) -> Transition:
         """Non-terminal -> ABORTED; terminal records are returned unchanged; an unknown
         request gets an ABORTED tombstone so that its late reserve/resolve fails fast."""
         _require_id(request_id, "request_id")
+        message = "request was aborted"
         h = self._handoffs.get(request_id)
         if h is None:
-            h = Handoff(
-                request_id=request_id,
-                state=HandoffState.ABORTED,
-                decode_instance_id="",
-                layout=None,
-                pool=None,
-                page_ids=(),
-                num_tokens=0,
-                timeout_s=0.0,
-                deadline=now,
-                message="request was aborted",
-                cause=HandoffCause.CLIENT_ABORTED,
-                terminal_at=now,
-                prefill_released=True,
-            )
-            self._handoffs[request_id] = h
-            return Transition(h.snapshot(), None)
+            cause = HandoffCause.CLIENT_ABORTED
+            return self._tombstone(request_id, HandoffState.ABORTED, message, now, cause)
         if h.state.terminal:
             return _unchanged(h)
-        message = "request was aborted"
         return self._finish(h, HandoffState.ABORTED, message, now, HandoffCause.CLIENT_ABORTED)
 
     def release(self, request_id: str) -> Transition:
@@ -556,6 +554,34 @@ class HandoffTable:
         if h is None:
             raise HandoffError(ErrorCode.NOT_FOUND, f"no handoff for request {request_id!r}")
         return h
+
+    def _tombstone(
+        self,
+        request_id: str,
+        state: HandoffState,
+        message: str,
+        now: float,
+        cause: HandoffCause,
+    ) -> Transition:
+        """A terminal record for a request that decode has not reserved: no pages, no parties,
+        nothing for a prefill to write."""
+        h = Handoff(
+            request_id=request_id,
+            state=state,
+            decode_instance_id="",
+            layout=None,
+            pool=None,
+            page_ids=(),
+            num_tokens=0,
+            timeout_s=0.0,
+            deadline=now,
+            message=message,
+            cause=cause,
+            terminal_at=now,
+            prefill_released=True,
+        )
+        self._handoffs[request_id] = h
+        return Transition(h.snapshot(), None)
 
     def _move(self, h: Handoff, state: HandoffState, released: bool = False) -> Transition:
         old_state, old_released = h.state, h.prefill_released

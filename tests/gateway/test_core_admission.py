@@ -14,9 +14,9 @@ from engine.config import load_config
 from engine.sampling_params import SamplingParams
 from engine.tiny_model import default_model_dir
 from engine.tokenizer import Tokenizer
-from gateway.core import CoreLimits, GatewayError, GenerationCore
+from gateway.core import CoreLimits, GatewayError, GenerationCore, Placement
 from gateway.metrics import GatewayMetrics
-from gateway.registry import InstanceRegistry
+from gateway.registry import Instance, InstanceRegistry
 from tests.up.harness import free_port
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
@@ -72,3 +72,23 @@ async def test_abort_takes_a_request_out_of_the_queue() -> None:
     assert [(d.token_ids, d.finish_reason) for d in deltas] == [([], "abort")]
     assert core.admission.num_waiting == 0 and not core.active
     assert not await core.abort("r1")  # gone
+
+
+async def test_abort_between_admission_and_the_first_call_ends_the_request() -> None:
+    """An Abort that arrives after the queue handed the request its instance but before its
+    coroutine called that instance: the request ends "abort" without calling it."""
+    core = make_core(CoreLimits(route_wait_s=100))
+    task = asyncio.ensure_future(drain(core, "r1"))
+    while not core.admission.is_waiting("r1"):
+        await asyncio.sleep(0.01)
+    # what the pump does on dispatch: the ticket leaves the queue, the future gets a target
+    # whose stub must not be called
+    unusable = Instance("d0", 2, "127.0.0.1:1", None, stub=None)  # type: ignore[arg-type]
+    core.admission.is_waiting = lambda rid: False  # type: ignore[method-assign]
+    core._queued["r1"].set_result(Placement(unusable, None))
+    assert await core.abort("r1")  # the coroutine has not resumed yet
+    deltas = await task
+    assert [(d.token_ids, d.finish_reason) for d in deltas] == [([], "abort")]
+    assert not core.active and not core._aborted_unplaced
+    outcomes = core.metrics.registry.get_sample_value("dsmesh_requests_total", {"outcome": "abort"})
+    assert outcomes == 1

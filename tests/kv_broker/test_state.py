@@ -283,7 +283,30 @@ def test_fail_is_terminal_and_idempotent() -> None:
     assert table.abort("r1", now=4.0).new_state is HandoffState.FAILED
     reserve(table, "r2")
     assert table.fail("r2", "", now=1.0).handoff.message == "failed (no reason given)"
-    assert error(table.fail, "zz", "x", now=0.0).code is ErrorCode.NOT_FOUND
+    assert error(table.fail, "", "x", now=0.0).code is ErrorCode.INVALID_ARGUMENT
+
+
+def test_fail_before_reservation_leaves_a_failed_tombstone() -> None:
+    """The gateway fails a request whose prefill it lost before decode reserved: the late
+    reserve is refused (not as a duplicate), and decode's abort leaves the record FAILED."""
+    table = HandoffTable()
+    cause = HandoffCause.PREFILL_UNREACHABLE
+    t = table.fail("r1", "prefill unreachable: Socket closed", now=1.0, cause=cause)
+    assert t.old_state is None and t.new_state is HandoffState.FAILED and t.party_ids == ()
+    h = table.get("r1")
+    assert h.tombstone and (h.cause, h.prefill_released, h.terminal_at) == (cause, True, 1.0)
+    err = error(reserve, table, "r1", now=2.0)
+    assert err.code is ErrorCode.FAILED_PRECONDITION
+    assert err.message == "request 'r1' failed: prefill unreachable: Socket closed"
+    assert error(table.resolve, "r1", "p1", LAYOUT, now=2.0).code is ErrorCode.FAILED_PRECONDITION
+    aborted = table.abort("r1", now=3.0)
+    assert not aborted.changed and (aborted.new_state, aborted.handoff.cause) == (
+        HandoffState.FAILED,
+        cause,
+    )
+    assert not table.fail("r1", "again", now=4.0).changed
+    assert table.gc(now=61.0) == ["r1"]
+    reserve(table, "r1", now=62.0)  # the tombstone is gone: the id is free again
 
 
 def test_abort_reserved_and_transferring() -> None:

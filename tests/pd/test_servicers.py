@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -14,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from decode_svc.handoff import DecodeHandoffs
+from decode_svc.handoff import DecodeHandoffs, HandoffEnd
 from decode_svc.servicer import DecodeLimits, DecodeServicer
 from dsmesh.clients.broker import BrokerLink
 from dsmesh.clients.pd import PDError, generate_pd
@@ -34,6 +36,7 @@ from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
 from engine.kv_cache import MLAKVPool
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from prefill_svc.servicer import PrefillLimits, PrefillServicer
 from tests.kv_broker.conftest import running_broker
@@ -360,6 +363,97 @@ def test_abort_before_the_reservation_is_cancelled_at_once() -> None:
             await pair.pages_free()
 
     asyncio.run(main())
+
+
+def test_an_abort_between_the_handoff_and_the_activation_ends_the_request() -> None:
+    """The handoff ends DONE; decode's Abort comes while the request holds its reserved pages
+    and has not joined the running batch yet (its activation is held back here until the
+    Abort answered). The Abort still reaches it: the stream ends "abort" with no token, not
+    "length", and every page comes back."""
+
+    async def main() -> None:
+        async with serving_pair() as pair:
+            real = pair.decode._await_end
+            ended, go = asyncio.Event(), asyncio.Event()
+
+            async def held(rid: str) -> HandoffEnd:
+                end = await real(rid)
+                ended.set()
+                await go.wait()
+                return end
+
+            pair.decode._await_end = held  # type: ignore[method-assign]
+            sampling = generation_pb2.SamplingParams(max_new_tokens=64, ignore_eos=True)
+            stream = generate_pd(
+                pair.prefill_stub, pair.decode_stub, "late", prompts(2)[1], sampling, 60
+            )
+            messages = asyncio.ensure_future(_collect(stream))
+            await ended.wait()
+            status = await pair.broker.Get(kb.HandoffRequest(request_id="late"))
+            assert status.state == kb.HANDOFF_DONE
+            state = await pair.decode.worker.call(lambda e: e.get("late").status)
+            assert state is RequestStatus.RESERVED
+            answer = await pair.decode_stub.Abort(generation_pb2.AbortRequest(request_id="late"))
+            assert answer.aborted
+            go.set()
+            got = await asyncio.wait_for(messages, 30)
+            assert [(list(m.token_ids), m.finish_reason) for m in got] == [([], "abort")]
+            await pair.pages_free()
+            assert "late" not in pair.decode.handoffs
+            assert await pair.decode.worker.call(lambda e: e.get("late")) is None
+
+    asyncio.run(main())
+
+
+def test_prefill_unreachable_before_decode_registered_fails_the_handoff() -> None:
+    """Prefill cannot be reached while decode's engine is still reserving the request's pages
+    (busy here), so kv_broker has no handoff yet. The PD client fails it there before it
+    cancels decode's call: the record ends FAILED for PREFILL_UNREACHABLE (not missing, nor
+    ABORTED by decode's cancelled call), and decode's pages come back."""
+
+    async def main() -> None:
+        async with serving_pair() as pair:
+            with socket.socket() as s:  # a port that nothing listens on
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            dead = channel(f"127.0.0.1:{port}")
+            gate = threading.Event()
+            busy = asyncio.ensure_future(pair.decode.worker.call(lambda e: gate.wait(10)))
+            try:
+                sampling = generation_pb2.SamplingParams(max_new_tokens=4, ignore_eos=True)
+                stream = generate_pd(
+                    prefill_pb2_grpc.PrefillStub(dead),
+                    pair.decode_stub,
+                    "lost",
+                    prompts(1)[0],
+                    sampling,
+                    60,
+                    broker=pair.broker,
+                )
+                with pytest.raises(PDError) as err:
+                    await _collect(stream)
+                assert err.value.code == grpc.StatusCode.UNAVAILABLE
+                assert err.value.message.startswith("prefill: ")
+            finally:
+                gate.set()
+                await busy
+                await dead.close()
+            status = await pair.broker.Get(kb.HandoffRequest(request_id="lost"))
+            assert (status.state, status.cause, status.prefill_released) == (
+                kb.HANDOFF_FAILED,
+                kb.CAUSE_PREFILL_UNREACHABLE,
+                True,
+            )
+            assert status.message.startswith("prefill unreachable: ")
+            await pair.pages_free()
+            while "lost" in pair.decode.handoffs:
+                await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+
+
+async def _collect(stream: AsyncIterator[decode_pb2.DecodeResponse]) -> list:
+    return [msg async for msg in stream]
 
 
 def test_a_duplicate_id_is_refused_and_the_first_call_unharmed() -> None:
