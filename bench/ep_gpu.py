@@ -145,7 +145,7 @@ def _decode_graphs(engine, max_batch: int, ep_size: int) -> None:
     if engine.graph_runner is None:
         raise RuntimeError("--graphs: the engine built no graph runner (see its log)")
     if ep_size > 1:
-        engine.join_group(GroupVote(engine.device, num_flags=3))
+        engine.join_group(GroupVote(num_flags=3))
 
 
 def run_bench(args: argparse.Namespace) -> dict:

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         moe.dispatcher = dispatcher
     if engine.graph_runner is not None:
         engine.graph_runner.reset()
-    engine.join_group(GroupVote(engine.device, num_flags=3))
+    engine.join_group(GroupVote(num_flags=3))
     decode("ep_graphs", True)
     if args.profile:
         tables["ep_graphs"] = kernel_table(engine, max(batches))

@@ -375,8 +375,14 @@ class LLMEngine:
         up across ranks. Decode then replays CUDA graphs only in steps where every rank can
         (agreed through ``vote`` each step), every rank at the group's largest (rows, pages)
         bucket, so all ranks capture and replay the same graphs together; a rank with
-        nothing to run replays one row over a page of its own. No launching ahead
-        (overlap_decode): each step is agreed before it starts.
+        nothing to run replays one row over a page of its own.
+
+        Launching ahead (``overlap_decode``) is agreed too: in a graph step every rank votes,
+        once its forward is launched, whether it can launch the next step now (it is
+        certain, :meth:`_next_is_certain`, and at which bucket), and all launch it at the
+        largest bucket only when every rank can. The votes run on the host (GroupVote), so
+        the host work of a step overlaps the GPU's as on one rank. A rank that samples, has
+        a grammar, or has nothing to run declines, and the group steps one at a time.
 
         Speculative decoding: the draft's MoE is spread over the group too
         (engine/ep/runtime.py), so in a step where any rank speculates every rank runs the
@@ -677,6 +683,7 @@ class LLMEngine:
         if not chunks:
             if idle_forward and group_bucket is not None:
                 self._idle_graph_step(group_bucket)
+                self._decline_launch_ahead(group_bucket)
             elif idle_forward:
                 self.model(ForwardBatch.empty(self.device), self.kv_pool, tbo=self.config.tbo)
             self._pad_group_drafts()
@@ -684,12 +691,13 @@ class LLMEngine:
         spec = self.speculator
         if spec is not None and self._speculates(chunks):
             return self._step_speculative(spec, chunks)
-        if self._overlappable(chunks):
-            return self._decode_overlapped([c.request for c in chunks])
+        if self._overlappable(chunks, group_bucket):
+            return self._decode_overlapped([c.request for c in chunks], group_bucket)
         if any(_scores_prompt(c) for c in chunks):
             logits, scored = self._forward_scoring(chunks)
         else:
             logits, scored = self._forward(chunks, group_bucket), {}
+            self._decline_launch_ahead(group_bucket)
 
         due_rows: list[int] = []
         due: list[Request] = []
@@ -920,13 +928,16 @@ class LLMEngine:
 
     # ---- overlapped decode ----------------------------------------------------------------
 
-    def _overlappable(self, chunks: list[ScheduledChunk]) -> bool:
+    def _overlappable(
+        self, chunks: list[ScheduledChunk], group_bucket: tuple[int, int] | None
+    ) -> bool:
         """A decode-only step of the graph runner whose every row is a plain argmax of the
-        logits (greedy, no logit adjustment, no logprobs): the step to launch ahead from."""
+        logits (greedy, no logit adjustment, no logprobs): the step to launch ahead from.
+        In a group: a graph step (``group_bucket``) in which no rank speculates."""
         runner = self.graph_runner
         return (
             self.config.overlap_decode
-            and self._group is None  # a group agrees on each step before it starts
+            and (self._group is None or (group_bucket is not None and not self._group_drafts))
             and runner is not None
             and runner.can_run(len(chunks))
             and all(c.num_tokens == 1 and not c.request.is_prefilling for c in chunks)
@@ -947,15 +958,27 @@ class LLMEngine:
         return all(sched.try_grow(r, p + 1) for r, p in zip(reqs, positions, strict=True))
 
     def _launch(
-        self, reqs: list[Request], positions: list[int], device_ids: torch.Tensor | None
+        self,
+        reqs: list[Request],
+        positions: list[int],
+        device_ids: torch.Tensor | None,
+        bucket: tuple[int, int] | None,
     ) -> _Inflight:
         """Replay the decode graph for ``reqs`` at ``positions`` (input tokens from the
-        requests, or ``device_ids`` on the device) and start copying its greedy tokens to
-        the host; nothing here waits for the GPU."""
+        requests, or ``device_ids`` on the device; at least the group's ``bucket``) and
+        start copying its greedy tokens to the host; nothing here waits for the GPU."""
         runner = self.graph_runner
         assert runner is not None
         ids = [0] * len(reqs) if device_ids is not None else [r.pending_ids(1)[0] for r in reqs]
-        logits = runner.run(ids, positions, [r.pages_array() for r in reqs], device_ids)
+        rows, pages = bucket or (1, 1)
+        logits = runner.run(
+            ids,
+            positions,
+            [r.pages_array() for r in reqs],
+            device_ids,
+            min_rows=rows,
+            min_pages=pages,
+        )
         current = _Inflight(reqs, positions, logits)
         if all(r.grammar is None for r in reqs):
             self._resolve(current)
@@ -992,7 +1015,12 @@ class LLMEngine:
         rows = continuing
         reqs = [current.reqs[i] for i in rows]
         positions = [current.positions[i] + 1 for i in rows]
-        if not reqs or not self._next_is_certain(reqs, positions, leaving):
+        certain = bool(reqs) and self._next_is_certain(reqs, positions, leaving)
+        bucket = None
+        if self._group is not None:
+            bucket = self._agree_on_launch(certain, positions)
+            certain = bucket is not None
+        if not certain:
             return
         assert current.tokens is not None  # resolved before the next step launches
         if len(rows) == len(current.reqs):
@@ -1003,16 +1031,34 @@ class LLMEngine:
                 index = index.pin_memory().to(current.tokens.device, non_blocking=True)
             device_ids = current.tokens.index_select(0, index)
         try:
-            self._inflight = self._launch(reqs, positions, device_ids)
+            self._inflight = self._launch(reqs, positions, device_ids, bucket)
             self.num_launched_ahead += 1
             self.scheduler.count_unscheduled_step()
         except GraphCaptureError:
             log.exception("CUDA graphs off for this engine; decode continues eagerly")
             self.graph_runner = None
 
-    def _decode_overlapped(self, reqs: list[Request]) -> list[StepOutput]:
+    def _agree_on_launch(self, certain: bool, positions: list[int]) -> tuple[int, int] | None:
+        """One vote of the group (join_group): the (rows, pages) bucket at which every rank
+        launches its next decode step now, or None when any rank cannot (``certain``: this
+        rank can, feeding its rows at ``positions``)."""
+        assert self._group is not None and self.graph_runner is not None
+        pages = pages_for(max(positions, default=0) + 1, self.graph_runner.page_size)
+        flags = [int(not certain), len(positions), pages]
+        _, (refuse, rows, max_pages) = self._group.vote(False, flags)
+        return None if refuse else (max(rows, 1), max_pages)
+
+    def _decline_launch_ahead(self, group_bucket: tuple[int, int] | None) -> None:
+        """This rank's vote against launching ahead, in a group graph step it does not run
+        overlapped (every rank votes once in such a step: :meth:`_agree_on_launch`)."""
+        if self._group is not None and group_bucket is not None and not self._group_drafts:
+            self._agree_on_launch(False, [])
+
+    def _decode_overlapped(
+        self, reqs: list[Request], group_bucket: tuple[int, int] | None
+    ) -> list[StepOutput]:
         try:
-            current = self._launch(reqs, [r.num_computed for r in reqs], None)
+            current = self._launch(reqs, [r.num_computed for r in reqs], None, group_bucket)
         except GraphCaptureError:
             log.exception("CUDA graphs off for this engine; decode continues eagerly")
             self.graph_runner = None
@@ -1023,7 +1069,8 @@ class LLMEngine:
 
     def _finish_inflight(self) -> list[StepOutput] | None:
         """Finish the step launched ahead: rows whose request stopped (finished at the
-        previous step, or aborted) are dropped. None when no row is left."""
+        previous step, or aborted) are dropped. None when no row is left, outside a group
+        (in one, every rank launched the step together and votes on the next: [])."""
         current, self._inflight = self._inflight, None
         assert current is not None
         rows = [
@@ -1031,7 +1078,7 @@ class LLMEngine:
             for i, r in enumerate(current.reqs)
             if r.status is RequestStatus.RUNNING and r.num_computed == current.positions[i]
         ]
-        if not rows:
+        if not rows and self._group is None:
             return None
         self._resolve(current, rows)
         self._launch_next(current, rows)

@@ -128,7 +128,7 @@ async def build_instance(
         worker = EngineWorker(
             engine,
             name=f"engine-ep{ep_rank.rank}",
-            group_vote=GroupVote(engine.device, 0 if hook is None else hook.NUM_FLAGS),
+            group_vote=GroupVote(0 if hook is None else hook.NUM_FLAGS),
             on_fatal=fatal_exit,
             group_hook=hook,
         )

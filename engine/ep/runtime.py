@@ -192,7 +192,7 @@ def build_ep_engine(config: EngineConfig, ep: EPConfig, rank: int) -> LLMEngine:
     if config.speculative == "mtp" and cfg.num_nextn_predict_layers > 0:
         draft = build_ep_draft(config, ep, rank, dispatcher)
     engine = LLMEngine(config, model=model, draft=draft)
-    engine.join_group(GroupVote(engine.device, num_flags=5))
+    engine.join_group(GroupVote(num_flags=5))
     return engine
 
 
@@ -219,26 +219,32 @@ def build_ep_draft(
 
 class GroupVote:
     """``any_busy(mine)``: whether any rank of the group has work, agreed by all (one small
-    all-reduce; on the engine's device, so it also runs on NCCL). :meth:`vote` carries extra
-    non-negative numbers along, reduced by MAX (e.g. rank 0 announcing an EPLB placement)."""
+    all-reduce). :meth:`vote` carries extra non-negative numbers along, reduced by MAX (e.g.
+    rank 0 announcing an EPLB placement).
 
-    def __init__(self, device: torch.device, num_flags: int = 0) -> None:
-        self._flags = torch.zeros(1 + num_flags, dtype=torch.int64, device=device)
+    The votes run on the host, over gloo: the default group where it is gloo, else a gloo
+    group over the same ranks, created here (so every rank creates its votes at the same
+    points, as it does every collective). A vote over NCCL would be ordered behind the
+    forwards on the stream and wait for them; on the host it does not, which is what lets
+    a group launch its next decode step before the current one has run
+    (LLMEngine.join_group)."""
+
+    def __init__(self, num_flags: int = 0) -> None:
+        self._group = None if "gloo" in str(dist.get_backend()) else dist.new_group(backend="gloo")
+        self._num_flags = num_flags
 
     def __call__(self, busy: bool) -> bool:
-        return self.vote(busy, [0] * (self._flags.numel() - 1))[0]
+        return self.vote(busy, [0] * self._num_flags)[0]
 
     def vote(self, busy: bool, flags: list[int]) -> tuple[bool, list[int]]:
-        if self._flags.numel() != 1 + len(flags):  # every rank votes the same fields
-            self._flags = self._flags.new_zeros(1 + len(flags))
-        self._flags.copy_(torch.tensor([int(busy), *flags], dtype=torch.int64))
-        dist.all_reduce(self._flags, op=dist.ReduceOp.MAX)
-        values = self._flags.tolist()
-        return bool(values[0]), values[1:]
+        values = torch.tensor([int(busy), *flags], dtype=torch.int64)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self._group)
+        busy_any, *rest = values.tolist()
+        return bool(busy_any), rest
 
 
 def run_lockstep(engine: LLMEngine) -> None:
     """Step until no rank of the group has work; idle ranks run empty forwards."""
-    vote = GroupVote(engine.device)
+    vote = GroupVote()
     while vote(engine.has_unfinished()):
         engine.step(idle_forward=True)

@@ -122,6 +122,7 @@ def _group_main(rank: int, ep_size: int, port: int, jobs, results) -> None:
             results[(arch, redundant, tbo, graphs, "bytes", rank)] = expert_bytes
             if graphs:
                 counts["runs"] = engine.graph_runner.num_eager
+                counts["ahead"] = engine.num_launched_ahead
                 counts["moe_layers"] = len(engine.model.moe_layers())
                 results[(arch, redundant, tbo, graphs, "runs", rank)] = counts
             assert engine.num_pages_in_use == 0
@@ -163,8 +164,12 @@ def test_ep_generate_equals_single_rank_and_transformers(
             for c in counts:  # each runner forward dispatched statically, per micro-batch
                 assert c["static"] == c["moe_layers"] * (c["runs"] + c["splits"]), c
                 assert (c["splits"] >= 5) if tbo else (c["splits"] == 0), c
-            # the ranks agree on each bucket, so they split the same forwards
+            # the ranks agree on each bucket, so they split the same forwards, and launch
+            # steps ahead together (host votes while the previous step runs)
             assert len({c["splits"] for c in counts}) == 1, counts
+            assert len({c["ahead"] for c in counts}) == 1, counts
+            if not chunk:  # every rank decodes its 10 tokens at once: 9 steps, most ahead
+                assert counts[0]["ahead"] >= 5, counts
             if chunk:  # rank 1 is done while rank 0 decodes: it pads the agreed graph steps
                 assert counts[1]["idle"] >= 2 and counts[0]["idle"] == 0, counts
         # each rank holds (16 + R) / N of the 16 logical experts' weights
