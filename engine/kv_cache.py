@@ -1,4 +1,4 @@
-"""Paged MLA latent cache: one pool per process, pages handed out by a free-list allocator.
+"""Paged MLA latent cache: one pool per process, pages handed out in runs by an allocator.
 
 A page holds ``page_size`` consecutive tokens of one request, for every layer. Token ``i`` of a
 request lives in page ``page_table[i // page_size]`` at offset ``i % page_size``; its flat slot
@@ -8,6 +8,9 @@ is ``page * page_size + offset``. Each slot stores the normalised KV latent
 
 from __future__ import annotations
 
+import heapq
+
+import numpy as np
 import torch
 
 
@@ -21,55 +24,89 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 
 class PageAllocator:
-    """Free list of page ids ``[0, num_pages)``. Not thread-safe: one owner per pool."""
+    """The free pages of ``[0, num_pages)``. Not thread-safe: one owner per pool.
+
+    Pages of one allocation come out as few runs of consecutive ids as the free space
+    allows, ascending: the smallest free run that holds them all (the lowest of equal ones),
+    else the longest runs first. The KV transfer moves a run as one segment per layer
+    instead of one per page (1701 segments cost 12 ms where 27 cost 0.3 ms for a 1000-token
+    V2-Lite request over CUDA IPC, docs/BENCHMARKS.md), and a request's prompt pages are one
+    allocation on both sides of the handoff. A single page (a request growing by one page
+    as it decodes) is the lowest free one: a heap, no scan.
+    """
 
     def __init__(self, num_pages: int) -> None:
         if num_pages <= 0:
             raise ValueError(f"num_pages must be > 0, got {num_pages}")
         self.num_pages = num_pages
-        # Pop from the end so low page ids go out first (stable, easy to read in tests).
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))
-        self._used = bytearray(num_pages)
+        self._free = np.ones(num_pages, dtype=np.bool_)
+        self._num_free = num_pages
+        # lowest-first candidates for single pages; may hold pages taken since (skipped)
+        self._heap: list[int] = list(range(num_pages))
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     @property
     def num_used_pages(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self._num_free
 
     def can_allocate(self, num: int) -> bool:
-        return 0 <= num <= len(self._free)
+        return 0 <= num <= self._num_free
 
     def allocate(self, num: int) -> list[int]:
         """Take ``num`` pages; raises :class:`OutOfPagesError` and takes none if short."""
         if num < 0:
             raise ValueError(f"cannot allocate a negative number of pages ({num})")
-        if num > len(self._free):
+        if num > self._num_free:
             raise OutOfPagesError(
-                f"need {num} KV pages but only {len(self._free)} of {self.num_pages} are free"
+                f"need {num} KV pages but only {self._num_free} of {self.num_pages} are free"
             )
-        pages = [self._free.pop() for _ in range(num)]
-        for p in pages:
-            self._used[p] = 1
+        pages = [self._pop_lowest()] if num == 1 else self._runs_for(num).tolist()
+        self._free[pages] = False
+        self._num_free -= num
         return pages
 
     def free(self, pages: list[int]) -> None:
-        """Return pages. Freeing a page that is not allocated is a bug and raises ValueError.
-
-        The pages go back so that the next allocation takes them in ascending order: a
-        request's run of consecutive pages comes back as a run, so the KV transfer moves it
-        as one segment per layer instead of one per page (1701 segments cost 12 ms where 27
-        cost 0.3 ms for a 1000-token V2-Lite request over CUDA IPC, docs/BENCHMARKS.md)."""
+        """Return pages. Freeing a page that is not allocated is a bug and raises ValueError."""
         if len(set(pages)) != len(pages):
             raise ValueError(f"duplicate page ids in free({pages})")
         for p in pages:
-            if not (0 <= p < self.num_pages) or not self._used[p]:
+            if not (0 <= p < self.num_pages) or self._free[p]:
                 raise ValueError(f"page {p} is not allocated (double free or foreign page)")
-        for p in sorted(pages, reverse=True):
-            self._used[p] = 0
-            self._free.append(p)
+        self._free[pages] = True
+        self._num_free += len(pages)
+        if len(self._heap) + len(pages) > 2 * self.num_pages:  # mostly stale: rebuild
+            self._heap = np.flatnonzero(self._free).tolist()  # ascending: a valid heap
+        else:
+            for p in pages:
+                heapq.heappush(self._heap, p)
+
+    def _pop_lowest(self) -> int:
+        heap, free = self._heap, self._free
+        while True:
+            page = heapq.heappop(heap)
+            if free[page]:
+                return page
+
+    def _runs_for(self, num: int) -> np.ndarray:
+        """``num`` free page ids, ascending, in as few runs as the free space allows."""
+        edges = np.diff(self._free.view(np.int8), prepend=0, append=0)
+        starts = np.flatnonzero(edges == 1)
+        lengths = np.flatnonzero(edges == -1) - starts
+        fits = np.flatnonzero(lengths >= num)
+        if fits.size:
+            i = fits[np.argmin(lengths[fits])]  # the first of the smallest: the lowest
+            return np.arange(starts[i], starts[i] + num)
+        chosen = []
+        for i in np.argsort(-lengths, kind="stable"):
+            take = min(int(lengths[i]), num)
+            chosen.append(np.arange(starts[i], starts[i] + take))
+            num -= take
+            if num == 0:
+                break
+        return np.sort(np.concatenate(chosen))
 
 
 class MLAKVPool:
