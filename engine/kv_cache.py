@@ -68,6 +68,13 @@ class PageAllocator:
         self._num_free -= num
         return pages
 
+    def has_run(self, num: int) -> bool:
+        """Whether ``num`` consecutive pages are free."""
+        if num <= 1:
+            return num <= self._num_free
+        edges = np.diff(self._free.view(np.int8), prepend=0, append=0)
+        return bool((np.flatnonzero(edges == -1) - np.flatnonzero(edges == 1) >= num).any())
+
     def free(self, pages: list[int]) -> None:
         """Return pages. Freeing a page that is not allocated is a bug and raises ValueError."""
         if len(set(pages)) != len(pages):

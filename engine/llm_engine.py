@@ -186,6 +186,7 @@ class LLMEngine:
                 prefix_cache=config.prefix_cache,
                 num_lookahead_tokens=config.num_draft_tokens if config.speculative else 0,
                 admit_interval=config.admit_interval,
+                contiguous_prompts=config.contiguous_prompts,
             ),
             self.kv_pool.allocator,
         )

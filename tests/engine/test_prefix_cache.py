@@ -8,6 +8,7 @@ operation sequences at page sizes 1, 2 and 16.
 from __future__ import annotations
 
 import dataclasses
+import random
 from dataclasses import dataclass
 
 import pytest
@@ -436,3 +437,40 @@ def test_share_caches_a_running_requests_pages_until_a_prefix_cached_meanwhile()
     assert cache.num_evictable_pages == cache.num_cached_pages == 5
     cache.clear()
     assert alloc.num_free_pages == 12
+
+
+def _prompt_runs(contiguous: bool) -> list[int]:
+    """Runs of consecutive page ids in each request's pages, under churn in a pool full of
+    idle cached prompts (a prefill's steady state): 6 requests at a time, each ending at a
+    random step, new ones with unseen prompts."""
+    rng = random.Random(3)
+    sched = Scheduler(
+        SchedulerConfig(
+            page_size=4, prefix_cache=True, max_batch_tokens=4096, contiguous_prompts=contiguous
+        ),
+        PageAllocator(300),
+    )
+    runs, seen, n = [], set(), 0
+    for _ in range(400):
+        if len(sched.running) < 6:
+            prompt = [rng.randrange(1000) for _ in range(rng.choice([37, 45, 61]))]
+            sched.add(Request(f"r{n}", prompt, GREEDY, max_total_tokens=len(prompt) + 4))
+            n += 1
+        sched.schedule()
+        for r in sched.running:
+            if r.request_id not in seen:
+                seen.add(r.request_id)
+                pages = list(r.pages)
+                runs.append(1 + sum(b != a + 1 for a, b in zip(pages, pages[1:], strict=False)))
+            r.num_computed = len(r.prompt_ids)  # its prompt ran
+        if sched.running and rng.random() < 0.5:
+            sched.finish(sched.running[rng.randrange(len(sched.running))], "length")
+    assert sched.prefix_cache is not None and sched.prefix_cache.num_evicted_pages > 1000
+    return runs[50:]  # once the pool is full of cached prompts
+
+
+def test_contiguous_prompts_keeps_each_prompts_pages_one_run() -> None:
+    on, off = _prompt_runs(True), _prompt_runs(False)
+    assert len(on) > 100 and sum(on) / len(on) < 1.05, sum(on) / len(on)
+    # evicting only the shortfall leaves a prompt in many runs (what the KV copy pays for)
+    assert sum(off) / len(off) > 3, sum(off) / len(off)
