@@ -18,8 +18,9 @@ The same V2-Lite-shaped engine decodes four ways, in one process, back to back:
 ``--profile`` prints CUDA kernel tables of one uncaptured forward and of one graph replay
 at the largest batch, for the plain and the EP path.
 
-Prints one JSON line: per batch, mean step milliseconds of each, and ``ep_graphs`` over
-``graphs``. Usage: ``python3 -m bench.ep_graphs --batches 32,256 --context 2000``.
+Prints one JSON line: per batch, mean step milliseconds of each, the steps of each block
+launched ahead, and ``ep_graphs`` over ``graphs``. Usage: ``python3 -m bench.ep_graphs
+--batches 32,256 --context 2000``.
 """
 
 from __future__ import annotations
@@ -79,6 +80,22 @@ def _profiled(run, rows: int) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
 
 
+def capture(engine, batches: list[int], context: int, steps: int) -> None:
+    """Capture the graphs the decode blocks of ``batches`` replay (every page bucket their
+    contexts cross: ``context`` tokens plus the warm-up and timed ``steps``), so no capture
+    lands inside a timed block. With 50 steps at 2000 tokens the contexts cross 2048, and
+    after the runner's graphs were dropped (a dispatcher switched) that capture used to be
+    timed. Writes KV into the pool's first pages: call it with no request running."""
+    runner = engine.graph_runner
+    if runner is None or not runner.use_graphs:
+        return
+    pages = sorted({runner.inputs.page_bucket(t) for t in range(context, context + steps + 1)})
+    for b in batches:
+        for p in pages:
+            runner.run([0] * b, [p * runner.page_size - 1] * b, [range(p)] * b)
+    torch.cuda.synchronize(engine.device)
+
+
 def local_exchange_dispatcher(num_local: int):
     """The all-to-all dispatcher whose static exchange is a device copy (what a one-rank
     all-to-all moves), for ``ep_local_graphs``: bench-only, never served."""
@@ -119,9 +136,15 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     rows: dict[int, dict[str, float]] = {b: {} for b in batches}
 
     def decode(name: str, graphs: bool) -> None:
+        if graphs:  # 3 warm-up steps, the timed ones, one more
+            capture(engine, batches, args.context, args.steps + 4)
         for b in batches:
+            ahead = engine.num_launched_ahead
             step = bench_decode(engine, vocab, b, args.context, args.steps, 3, graphs)
             rows[b][f"{name}_ms"] = step * 1e3
+            # steps launched before the previous one ended (overlapped decode; in a group,
+            # agreed by the ranks' host vote): the host work hidden behind the GPU's
+            rows[b][f"{name}_launched_ahead"] = engine.num_launched_ahead - ahead
 
     decode("graphs", True)
     tables = {}

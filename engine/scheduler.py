@@ -56,16 +56,19 @@ class SchedulerConfig:
     # so the prompt chunks of several arrivals share one forward (a step with prompt chunks
     # runs them eagerly) instead of each arrival costing one; 1 = every step.
     admit_interval: int = 1
-    # With the prefix cache: when no run of free pages holds a prompt chunk's pages, evict
-    # idle cached pages (least recently used first) until one does, up to
-    # ``PROMPT_RUN_EVICTIONS`` times the chunk's pages. For an instance
+    # With the prefix cache: when no run of free pages holds a prompt chunk's pages (or
+    # ``PROMPT_RUN_PAGES`` of them), evict idle cached pages (least recently used first)
+    # until one does, up to ``PROMPT_RUN_EVICTIONS`` times that run. For an instance
     # whose prompt KV is copied to another (prefill): the copy moves a run per layer, and
     # evicting only the shortfall left the few free pages scattered, so prompts came out in
     # runs of 1-3 pages after a while (docs/PD.md, "KV pages in runs").
     contiguous_prompts: bool = False
 
 
-# SchedulerConfig.contiguous_prompts: extra pages evicted for one run, per page wanted
+# SchedulerConfig.contiguous_prompts: the run of free pages a prompt chunk's evictions aim
+# for (64 pages of 16 tokens: one copy per layer per 1024 prompt tokens; a longer chunk
+# takes the longest runs), and the pages they may evict for it, per page of the run
+PROMPT_RUN_PAGES = 64
 PROMPT_RUN_EVICTIONS = 4
 
 
@@ -156,17 +159,17 @@ class Scheduler:
             assert self.prefix_cache is not None
             self.prefix_cache.evict(short)
         if self.config.contiguous_prompts and num > 1 and self.prefix_cache is not None:
-            self._evict_for_run(num)
+            self._evict_for_run(min(num, PROMPT_RUN_PAGES))
         request.add_pages(self.allocator.allocate(num))
 
-    def _evict_for_run(self, num: int) -> None:
-        """Evict idle cached pages until ``num`` consecutive pages are free, at most
-        ``PROMPT_RUN_EVICTIONS * num`` more (SchedulerConfig.contiguous_prompts)."""
+    def _evict_for_run(self, run: int) -> None:
+        """Evict idle cached pages until ``run`` consecutive pages are free, at most
+        ``PROMPT_RUN_EVICTIONS * run`` (SchedulerConfig.contiguous_prompts)."""
         cache = self.prefix_cache
         assert cache is not None
-        budget = PROMPT_RUN_EVICTIONS * num
-        while budget > 0 and not self.allocator.has_run(num):
-            evicted = cache.evict(min(num, budget))
+        budget = PROMPT_RUN_EVICTIONS * run
+        while budget > 0 and not self.allocator.has_run(run):
+            evicted = cache.evict(min(run, budget))
             if evicted == 0:
                 return
             budget -= evicted
