@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,7 +55,10 @@ async def _serve(
     config: DecodeConfig, stop: asyncio.Event, ready: Callable[[str, int], None] | None
 ) -> None:
     set_channel_defaults(config.tls, config.max_message_bytes)  # before the broker channel
-    parts = await build_instance(config.engine, config.transfer, config.ep_rank)
+    # prefill copies a prompt's KV into the pages reserved here, a run of pages per layer:
+    # keep them in runs (the prefix cache of finished requests evicts for it)
+    engine = dataclasses.replace(config.engine, contiguous_prompts=True)
+    parts = await build_instance(engine, config.transfer, config.ep_rank)
     instance = parts.member(config.instance_id or new_instance_id("decode"), kb.ROLE_DECODE)
     handoffs = DecodeHandoffs(config.reserve_wait_s, config.release_quarantine_s)
     metrics = start_metrics(  # waiting: for their KV, or retracted to recompute

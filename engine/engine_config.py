@@ -63,8 +63,8 @@ class EngineConfig:
     # the next batch is certain to be the same requests (docs/GPU.md).
     overlap_decode: bool = True
     # Prefix cache evictions keep each prompt chunk's pages one run of consecutive pages
-    # (SchedulerConfig.contiguous_prompts): set by the prefill service, whose prompt KV is
-    # copied to decode a run per layer.
+    # (SchedulerConfig.contiguous_prompts): set by the prefill and decode services, between
+    # which the prompt's KV is copied a run per layer.
     contiguous_prompts: bool = False
     # A step that mixes decode rows with prompt chunks runs the decode rows as a CUDA graph
     # replay and only the prompt chunks eagerly (two forwards, the eager one launched while

@@ -58,8 +58,8 @@ class SchedulerConfig:
     admit_interval: int = 1
     # With the prefix cache: when no run of free pages holds a prompt chunk's pages (or
     # ``PROMPT_RUN_PAGES`` of them), evict idle cached pages (least recently used first)
-    # until one does, up to ``PROMPT_RUN_EVICTIONS`` times that run. For an instance
-    # whose prompt KV is copied to another (prefill): the copy moves a run per layer, and
+    # until one does, up to ``PROMPT_RUN_EVICTIONS`` times that run. For the instances
+    # a prompt's KV is copied between (prefill, decode): the copy moves a run per layer, and
     # evicting only the shortfall left the few free pages scattered, so prompts came out in
     # runs of 1-3 pages after a while (docs/PD.md, "KV pages in runs").
     contiguous_prompts: bool = False
