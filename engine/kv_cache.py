@@ -72,8 +72,7 @@ class PageAllocator:
         """Whether ``num`` consecutive pages are free."""
         if num <= 1:
             return num <= self._num_free
-        edges = np.diff(self._free.view(np.int8), prepend=0, append=0)
-        return bool((np.flatnonzero(edges == -1) - np.flatnonzero(edges == 1) >= num).any())
+        return bool((self._free_runs()[1] >= num).any())
 
     def free(self, pages: list[int]) -> None:
         """Return pages. Freeing a page that is not allocated is a bug and raises ValueError."""
@@ -97,11 +96,15 @@ class PageAllocator:
             if free[page]:
                 return page
 
-    def _runs_for(self, num: int) -> np.ndarray:
-        """``num`` free page ids, ascending, in as few runs as the free space allows."""
+    def _free_runs(self) -> tuple[np.ndarray, np.ndarray]:
+        """(first page, length) of every run of free pages, in page order."""
         edges = np.diff(self._free.view(np.int8), prepend=0, append=0)
         starts = np.flatnonzero(edges == 1)
-        lengths = np.flatnonzero(edges == -1) - starts
+        return starts, np.flatnonzero(edges == -1) - starts
+
+    def _runs_for(self, num: int) -> np.ndarray:
+        """``num`` free page ids, ascending, in as few runs as the free space allows."""
+        starts, lengths = self._free_runs()
         fits = np.flatnonzero(lengths >= num)
         if fits.size:
             i = fits[np.argmin(lengths[fits])]  # the first of the smallest: the lowest
