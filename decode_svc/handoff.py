@@ -117,6 +117,20 @@ class DecodeHandoff:
         # Decode's Abort found the request reserved, not yet in the running batch. Set and
         # read on the engine thread only, so the activation cannot slip past the Abort.
         self.aborted = False
+        # An engine command reserving for it is running (DecodeHandoffs.wait_for_room), and
+        # one ever was: the engine may hold pages for it whatever ends its call.
+        self.engine_reserving = False
+        self._engine_asked = False
+
+    def reserving(self) -> None:
+        """An engine command reserves pages for the request now; it waits for the answer,
+        past its room deadline if need be (the engine may be granting them)."""
+        self._expect(Phase.RESERVING)
+        self.engine_reserving = self._engine_asked = True
+
+    def reserve_answered(self) -> None:
+        """The engine command that reserved for the request has returned."""
+        self.engine_reserving = False
 
     def reserved(self) -> None:
         """The engine gave the request its pages and a running slot."""
@@ -169,9 +183,10 @@ class DecodeHandoff:
         if self.phase is Phase.ENDED:
             return self.release
         if self.phase is Phase.RESERVING:
-            # Cancelled while the engine reserved: it may still take the pages, and its
-            # commands run in order, so a free after it gives them back.
-            self._end(Release.NOW if cancelled else Release.NONE)
+            # An engine command may have taken pages for it (asked to reserve, or cancelled
+            # while a command for the line was on its way), whether the call was cancelled
+            # or gave up: commands run in order, so a free after it gives them back.
+            self._end(Release.NOW if cancelled or self._engine_asked else Release.NONE)
         elif self.phase is Phase.DECODING:
             self._end(Release.NOW)  # DONE: prefill's last write landed before its commit
         else:
@@ -259,6 +274,8 @@ class DecodeHandoffs:
     def wait_for_room(self, handoff: DecodeHandoff, why: str | None, now: float) -> float:
         """``handoff`` found no room (``why``; None: requests before it are still waiting):
         seconds to wait before it tries again. RESOURCE_EXHAUSTED once its wait is over."""
+        if handoff.engine_reserving:
+            return ROOM_POLL_S  # the engine is answering: its pages may be on their way
         why = why or "requests before it are still waiting for room"
         remaining = handoff.room_deadline - now
         if remaining <= 0:

@@ -32,6 +32,7 @@ from dsmesh.runtime import telemetry
 from dsmesh.runtime.background import BackgroundTasks
 from dsmesh.runtime.convert import logprobs_from_proto, logprobs_to_proto, spec_to_proto
 from dsmesh.runtime.transfer import RemotePool
+from dsmesh.runtime.waits import wait_set
 from dsmesh.v1 import decode_pb2, decode_pb2_grpc, generation_pb2, prefill_pb2
 from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
@@ -122,7 +123,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         reserves for the whole line in one engine command (:meth:`_reserve_line`): requests
         that arrive together are not reserved one engine step apart."""
         rid = handoff.request_id
-        self._asks[rid] = _Ask(rid, prompt, params)
+        self._asks[rid] = _Ask(handoff, prompt, params)
         try:
             while True:
                 why = None
@@ -136,11 +137,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     return granted
                 wait_s = self.handoffs.wait_for_room(handoff, why, self._clock())
                 self._room_freed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._room_freed.wait(), wait_s)
+                await wait_set(self._room_freed, wait_s)
         finally:
-            # A grant not picked up (the call was cancelled first): the handoff is still
-            # RESERVING, so its end frees the pages with a command after the reserving one.
+            # A grant not picked up (the call was cancelled or failed first): the handoff is
+            # still RESERVING, so its end frees the pages with a command after the reserving
+            # one (DecodeHandoff.call_ended).
             self._asks.pop(rid, None)
             self._granted.pop(rid, None)
             self.handoffs.leave_line(handoff)
@@ -153,16 +154,21 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         the next batch does not reserve for it again. The grants go out even if the caller
         is cancelled meanwhile (the others' pages are taken by then)."""
         line = [self._asks[h.request_id] for h in self.handoffs.line if h.request_id in self._asks]
+        for ask in line:
+            ask.handoff.reserving()
         return await asyncio.shield(asyncio.ensure_future(self._grant(line)))
 
     async def _grant(self, line: list[_Ask]) -> str | None:
-        granted, why = await self.worker.call(lambda e: _try_reserve_line(e, line))
+        try:
+            granted, why = await self.worker.call(lambda e: _try_reserve_line(e, line))
+        finally:
+            for ask in line:
+                ask.handoff.reserve_answered()
         for ask, result in zip(line, granted, strict=False):
-            handoff = self.handoffs.get(ask.request_id)
-            if handoff is None or ask.request_id not in self._asks:
+            if self._asks.get(ask.request_id) is not ask:
                 continue  # its call ended meanwhile: its end frees the pages after this
             self._granted[ask.request_id] = result
-            self.handoffs.leave_line(handoff)
+            self.handoffs.leave_line(ask.handoff)
         if granted:
             self._room_freed.set()
         return why
@@ -445,9 +451,13 @@ def _end_of(status: kb.HandoffStatus) -> HandoffEnd:
 class _Ask:
     """A request in line for pages: what reserving them takes."""
 
-    request_id: str
+    handoff: DecodeHandoff
     prompt: list[int]
     params: SamplingParams
+
+    @property
+    def request_id(self) -> str:
+        return self.handoff.request_id
 
 
 def _try_reserve_line(

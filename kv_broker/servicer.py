@@ -23,6 +23,7 @@ import grpc
 from opentelemetry import trace
 
 from dsmesh.runtime import telemetry
+from dsmesh.runtime.waits import wait_set
 from dsmesh.v1 import kv_broker_pb2 as pb
 from dsmesh.v1 import kv_broker_pb2_grpc
 from kv_broker.metrics import BrokerMetrics
@@ -309,8 +310,7 @@ class KVBrokerServicer(kv_broker_pb2_grpc.KVBrokerServicer):
         waiters = self._watchers.setdefault(request_id, set())
         waiters.add(waiter)
         try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(waiter.wait(), timeout_s)
+            await wait_set(waiter, timeout_s)
         finally:
             waiters.discard(waiter)
             if not waiters:

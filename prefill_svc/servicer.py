@@ -9,7 +9,6 @@ handoff decides.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import logging
 import time
@@ -28,6 +27,7 @@ from dsmesh.runtime import telemetry
 from dsmesh.runtime.background import BackgroundTasks
 from dsmesh.runtime.convert import logprobs_to_proto
 from dsmesh.runtime.transfer import KVTransport, RemotePool
+from dsmesh.runtime.waits import wait_set
 from dsmesh.v1 import generation_pb2, prefill_pb2, prefill_pb2_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
@@ -278,8 +278,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         limit = self.limits.max_transfer_backlog_s
         while not job.handoff.stopped and self.transfers.backlog_s() > limit:
             self._drained.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._drained.wait(), 0.1)
+            await wait_set(self._drained, 0.1)
 
     async def _submit(self, job: _Job, prompt: list[int], params: SamplingParams) -> None:
         job.handoff.submit()  # a request stopped meanwhile fails here, before the engine

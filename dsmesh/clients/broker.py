@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from dsmesh.runtime import grpc_server
+from dsmesh.runtime.waits import wait_set
 from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
 
@@ -56,11 +57,7 @@ class BrokerLink:
         self._task = asyncio.create_task(self._attach_loop(), name="broker-attach")
 
     async def wait_attached(self, timeout: float) -> bool:
-        try:
-            await asyncio.wait_for(self.attached.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
+        return await wait_set(self.attached, timeout)
 
     async def _attach_loop(self) -> None:
         backoff = 0.1

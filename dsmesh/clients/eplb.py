@@ -21,6 +21,7 @@ import grpc
 import torch
 
 from dsmesh.runtime.grpc_server import channel as make_channel
+from dsmesh.runtime.waits import wait_set
 from dsmesh.v1 import eplb_pb2 as pb
 from dsmesh.v1 import eplb_pb2_grpc
 
@@ -142,8 +143,7 @@ class EPLBLink:
                     if report is not None:
                         await call.write(report)
                         self.reports_sent += 1
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), self.report_interval_s)
+                    await wait_set(self._wake, self.report_interval_s)
                     self._wake.clear()
             except Exception as exc:  # the stream, or the sample callable: retry either way
                 log.warning("eplb report stream ended: %s; retrying", _details(exc))

@@ -21,6 +21,8 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 
 import grpc
 
+from dsmesh.runtime.waits import wait_set
+
 DRAINING_MESSAGE = "the service is draining (shutting down); retry on another instance"
 
 
@@ -56,9 +58,8 @@ class Drain:
             if left <= 0:
                 return False
             self._changed.clear()
-            with contextlib.suppress(TimeoutError):
-                # busy() changes without telling: look again at least every 50 ms
-                await asyncio.wait_for(self._changed.wait(), min(left, 0.05))
+            # busy() changes without telling: look again at least every 50 ms
+            await wait_set(self._changed, min(left, 0.05))
         return True
 
     def interceptor(self) -> grpc.aio.ServerInterceptor:

@@ -107,6 +107,28 @@ def test_cancelled_while_reserving_frees_what_the_engine_may_still_take() -> Non
     assert h.phase is Phase.ENDED and h.call_ended(cancelled=True) is Release.NOW
 
 
+def test_a_request_the_engine_is_reserving_for_waits_for_its_answer_past_the_deadline() -> None:
+    """The line's reservation is one engine command; a request in it that gave up at its
+    deadline ended without freeing what the command then granted it (a leak CI caught)."""
+    handoffs = table()
+    h = handoffs.open("r1", now=0.0)
+    h.reserving()
+    assert handoffs.wait_for_room(h, None, now=WAIT_S + 1.0) == ROOM_POLL_S
+    h.reserve_answered()  # the command stopped before it: no room
+    err = failure(handoffs.wait_for_room, h, "need 16 KV pages, 9 available", WAIT_S + 1.0)
+    assert err.code is Code.RESOURCE_EXHAUSTED
+
+
+def test_a_request_the_engine_was_asked_to_reserve_for_frees_however_its_call_ends() -> None:
+    handoffs = table()
+    asked, never = handoffs.open("a", now=0.0), handoffs.open("b", now=0.0)
+    asked.reserving()
+    asked.reserve_answered()
+    # gave up (RESOURCE_EXHAUSTED), not cancelled: the engine may still hold its pages
+    assert asked.call_ended(cancelled=False) is Release.NOW
+    assert never.call_ended(cancelled=False) is Release.NONE  # no command ever took any
+
+
 @pytest.mark.parametrize("code", ["ALREADY_EXISTS", "INVALID_ARGUMENT"])
 def test_broker_refusal_that_certainly_registered_nothing_frees_at_once(code: str) -> None:
     handoffs = table()

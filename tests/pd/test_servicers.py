@@ -105,6 +105,7 @@ async def serving_pair(
     write_s: float = 0.0,
     handoff_timeout_s: float = 10.0,
     progress_refresh_s: float = 2.0,
+    reserve_wait_s: float = 2.0,
 ) -> AsyncIterator[Pair]:
     """kv_broker, then a prefill and a decode servicer built complete, each behind its own
     gRPC server and attached to the broker through its link. Each KV write takes
@@ -137,7 +138,7 @@ async def serving_pair(
             layout_of(d_engine, decode_signature),
             d_pool,
             DecodeLimits("d1", handoff_timeout_s=handoff_timeout_s),
-            DecodeHandoffs(reserve_wait_s=2.0, release_quarantine_s=1.0),
+            DecodeHandoffs(reserve_wait_s=reserve_wait_s, release_quarantine_s=1.0),
         )
         links = [
             BrokerLink(
@@ -305,6 +306,40 @@ def test_requests_in_line_are_reserved_together(monkeypatch: pytest.MonkeyPatch)
     assert isinstance(got[5], asyncio.CancelledError)
     assert [g for i, g in enumerate(got) if i != 5] == [e for i, e in enumerate(expected) if i != 5]
     assert lines[:2] == [1, 11], lines  # 12 requests: 2 engine commands, not 12
+
+
+def test_a_line_reservation_that_outlasts_the_reserve_wait_serves_its_requests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine command reserving for the line runs past the requests' reserve wait. Each
+    request waits for its answer and is served. Before, each gave up with RESOURCE_EXHAUSTED,
+    and the pages the command granted it stayed taken for good (a flaky leak in CI)."""
+    import decode_svc.servicer as servicer
+
+    real = servicer._try_reserve_line
+
+    def slow(engine: LLMEngine, line: list) -> tuple:
+        if len(line) > 1:
+            time.sleep(1.5)  # the line's deadlines pass meanwhile
+        return real(engine, line)
+
+    monkeypatch.setattr(servicer, "_try_reserve_line", slow)
+    ids = prompts(3) * 2
+    reference = LLMEngine(ENGINE)
+    params = [SamplingParams(max_new_tokens=3, ignore_eos=True)] * len(ids)
+    expected = [r.output_ids for r in reference.generate(ids, params)]
+
+    async def main() -> list[list[int] | BaseException]:
+        async with serving_pair(reserve_wait_s=1.0) as pair:
+            busy = asyncio.ensure_future(pair.decode.worker.call(lambda e: time.sleep(0.3)))
+            await asyncio.sleep(0.05)
+            calls = [run(pair, f"slow-{i}", p, 3) for i, p in enumerate(ids)]
+            got = await asyncio.gather(*calls, return_exceptions=True)
+            await busy
+            await pair.pages_free()
+            return got
+
+    assert asyncio.run(main()) == expected
 
 
 def test_layout_mismatch_is_failed_precondition_on_both_sides() -> None:
