@@ -81,10 +81,16 @@ async def generate_pd(
     prefill_task = asyncio.ensure_future(prefill_call)
 
     stopping: list[asyncio.Task[None]] = []
+    reported = [False]
 
     def prefill_done(task: asyncio.Future) -> None:
         # A failed prefill means no KV will come: stop waiting on decode at once (decode
         # then aborts the handoff and frees its pages); _explain reports prefill's error.
+        # Once: the done callback, or the stream first where it needs the answer (a done
+        # task's callbacks run a loop iteration later, maybe after decode's message).
+        if reported[0]:
+            return
+        reported[0] = True
         exc = None if task.cancelled() else task.exception()
         if not task.cancelled() and exc is None and on_prefilled is not None:
             on_prefilled(task.result())
@@ -123,10 +129,14 @@ async def generate_pd(
             if first and prefill_first and not prefill_task.done():
                 # prefill answers right after its commit; its call's deadline bounds the wait
                 await asyncio.wait({prefill_task})
-            first = False
             if message.finish_reason and not prefill_task.done():
                 # prefill committed before decode streamed: its answer is on its way
                 await asyncio.wait({prefill_task}, timeout=PREFILL_SETTLE_S)
+            if (first and prefill_first or message.finish_reason) and prefill_task.done():
+                prefill_done(prefill_task)  # on_prefilled before this message, as promised
+            if first and prefill_first and not _answered(prefill_task):
+                raise _answer_lost(prefill_task)
+            first = False
             yield message
     except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
         if isinstance(exc, asyncio.CancelledError) and _caller_cancelled():
@@ -184,6 +194,24 @@ async def generate_unified(
 
 def _failed(task: asyncio.Future) -> bool:
     return task.done() and not task.cancelled() and task.exception() is not None
+
+
+def _answered(task: asyncio.Future) -> bool:
+    return task.done() and not task.cancelled() and task.exception() is None
+
+
+def _answer_lost(prefill_task: asyncio.Future) -> PDError:
+    """A request that needs prefill's answer first (its prompt logprobs) lost it: prefill's
+    call was cancelled or aborted (its KV had reached decode), so the request fails with
+    prefill's status rather than stream without what its client asked for."""
+    exc = None if prefill_task.cancelled() else prefill_task.exception()
+    why = "the call was cancelled"
+    if isinstance(exc, grpc.aio.AioRpcError):
+        why = f"{exc.code().name}: {exc.details()}"
+    return PDError(
+        grpc.StatusCode.UNAVAILABLE,
+        f"prefill: its answer, which carries the prompt logprobs, was lost ({why})",
+    )
 
 
 # grpc.aio raises CancelledError in the awaiting task both when that task is cancelled and
