@@ -132,7 +132,7 @@ async def generate_pd(
             if message.finish_reason and not prefill_task.done():
                 # prefill committed before decode streamed: its answer is on its way
                 await asyncio.wait({prefill_task}, timeout=PREFILL_SETTLE_S)
-            if (first and prefill_first or message.finish_reason) and prefill_task.done():
+            if ((first and prefill_first) or message.finish_reason) and prefill_task.done():
                 prefill_done(prefill_task)  # on_prefilled before this message, as promised
             if first and prefill_first and not _answered(prefill_task):
                 raise _answer_lost(prefill_task)

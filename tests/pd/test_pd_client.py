@@ -133,6 +133,7 @@ class _Stubs:
     def __init__(self, messages: list[decode_pb2.DecodeResponse]) -> None:
         self.gate = asyncio.Event()
         self.messages = messages
+        self.prefill_error: BaseException | None = None
 
     def Decode(self, request, timeout):  # noqa: N802 - the stub's method name
         return _DecodeCall(self.gate, self.messages)
@@ -145,8 +146,6 @@ class _Stubs:
             return prefill_pb2.PrefillResponse(request_id=request.request_id, cached_tokens=7)
 
         return answer()
-
-    prefill_error: BaseException | None = None
 
 
 @pytest.mark.parametrize("prefill_first", [True, False])
