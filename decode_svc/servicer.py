@@ -127,7 +127,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         try:
             while True:
                 why = None
-                if rid not in self._granted and self.handoffs.first_in_line(handoff):
+                if (
+                    rid not in self._granted
+                    and not handoff.engine_reserving  # a command is reserving for it now
+                    and self.handoffs.first_in_line(handoff)
+                ):
                     why = await self._reserve_line()
                 granted = self._granted.pop(rid, None)
                 if isinstance(granted, InvalidRequestError):
@@ -153,7 +157,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         Each request picks up its grant in :meth:`_reserve` and leaves the line now, so that
         the next batch does not reserve for it again. The grants go out even if the caller
         is cancelled meanwhile (the others' pages are taken by then)."""
-        line = [self._asks[h.request_id] for h in self.handoffs.line if h.request_id in self._asks]
+        # A request an engine command is reserving for already (its first in line was
+        # cancelled meanwhile) waits for that command's answer: never reserved twice.
+        line = [
+            self._asks[h.request_id]
+            for h in self.handoffs.line
+            if h.request_id in self._asks and not h.engine_reserving
+        ]
         for ask in line:
             ask.handoff.reserving()
         return await asyncio.shield(asyncio.ensure_future(self._grant(line)))

@@ -264,8 +264,8 @@ def test_requests_in_line_are_reserved_together(monkeypatch: pytest.MonkeyPatch)
     """Twelve requests arrive while decode's engine thread is busy (a 1 s command). The first
     reserves alone; the next in line then reserves for all eleven behind it in one engine
     command, not one per engine step (on the H200 that capped PD at about 35 requests/s).
-    One of them is cancelled while that command runs: its pages still come back, and the
-    others serve the offline engine's tokens."""
+    The request that asked for that command is cancelled while it runs: its pages still come
+    back, and the others serve the offline engine's tokens."""
     import decode_svc.servicer as servicer
 
     lines: list[int] = []
@@ -273,10 +273,16 @@ def test_requests_in_line_are_reserved_together(monkeypatch: pytest.MonkeyPatch)
     calls: list[asyncio.Future[list[int]]] = []
     loop: list[asyncio.AbstractEventLoop] = []
 
+    victim: list[int] = []
+
     def counted(engine: LLMEngine, line: list) -> tuple:
         lines.append(len(line))
-        if len(line) > 1:  # the batch: cancel a request in it, and let the cancel land
-            loop[0].call_soon_threadsafe(calls[5].cancel)
+        if len(line) > 1 and not victim:
+            # The batch: cancel the request that asked for it (the first in line) and let the
+            # cancel land. The next in line waits for this command's answer; it must not
+            # reserve the same requests again (they would fail "already in use").
+            victim.append(int(line[0].request_id.removeprefix("line-")))
+            loop[0].call_soon_threadsafe(calls[victim[0]].cancel)
             time.sleep(0.3)
         return real(engine, line)
 
@@ -299,12 +305,13 @@ def test_requests_in_line_are_reserved_together(monkeypatch: pytest.MonkeyPatch)
             await busy
             got = await asyncio.gather(*calls, return_exceptions=True)
             await pair.pages_free()
-            assert "line-5" not in pair.decode.handoffs
+            assert f"line-{victim[0]}" not in pair.decode.handoffs
             return got
 
     got = asyncio.run(main())
-    assert isinstance(got[5], asyncio.CancelledError)
-    assert [g for i, g in enumerate(got) if i != 5] == [e for i, e in enumerate(expected) if i != 5]
+    v = victim[0]
+    assert isinstance(got[v], asyncio.CancelledError)
+    assert [g for i, g in enumerate(got) if i != v] == [e for i, e in enumerate(expected) if i != v]
     assert lines[:2] == [1, 11], lines  # 12 requests: 2 engine commands, not 12
 
 
