@@ -2,6 +2,7 @@
 
     python3 -m bench.mtp [--layers 2] [--context 1024] [--batches 1,32,128] [--tiny]
                          [--acceptance 0.6,0.8] [-k 1] [--eager-spec] [--project-layers 61]
+                         [--fp8] [--routing random|shared]
 
 A few V3-shaped MoE layers plus one MTP layer (random bf16 weights, small vocabulary), decode
 requests placed as a decode instance receives them (``reserve`` + ``activate``, random prompt
@@ -19,6 +20,13 @@ by ``project / layers``; the rest of the step, draft and host work, as measured)
 acceptance, ``crossover`` is the largest batch measured (or projected) with a speed-up of
 at least 1: the ``speculative_max_batch`` to set. ``--tiny`` runs the same code on tiny
 shapes (CPU smoke test; its numbers mean nothing).
+
+``--fp8`` stores the routed experts as DeepSeek-V3 ships them (block-scaled FP8), target and
+draft. ``--routing shared`` is a diagnostic, not a figure for the targets: every MoE gate
+sends every token to the same experts, so a verify step's 1 + K rows read no more expert
+weights than a plain step's one row. Random weights route consecutive tokens independently
+(the verify rows of one request then read about 1 + K times the routed experts); a real
+checkpoint's consecutive tokens share some experts, so its cost lies between the two.
 """
 
 from __future__ import annotations
@@ -30,7 +38,14 @@ from typing import Any
 
 import torch
 
-from bench.gpu import graph_replay_seconds, init_random_, random_prompt, sync, v3_layers_config
+from bench.gpu import (
+    graph_replay_seconds,
+    init_random_,
+    random_prompt,
+    sync,
+    use_fp8_experts,
+    v3_layers_config,
+)
 from dsmesh.runtime.heap import freeze_startup_heap
 from engine.config import ModelConfig
 from engine.kv_cache import pages_for
@@ -52,6 +67,28 @@ def init_draft_(draft: MTPDraft, seed: int, std: float = 0.02) -> None:
             t.fill_(1.0)
         else:
             t.normal_(0.0, std, generator=gen)
+
+
+@torch.no_grad()
+def share_routing_(module: torch.nn.Module) -> int:
+    """Route every token of every MoE layer of ``module`` (anything with ``moe_layers()``) to
+    the same experts: router weights 0 and a correction bias that favours k fixed experts,
+    spread evenly over ``topk_group`` groups so group-limited routing picks them too. Returns
+    the number of layers changed (diagnostic for ``--routing shared``)."""
+    layers = module.moe_layers()
+    for moe in layers:
+        cfg = moe.routing
+        if moe.gate.e_score_correction_bias is None:
+            raise ValueError("--routing shared needs V3's noaux_tc routing (a correction bias)")
+        n, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+        groups = max(cfg.topk_group or 1, 1)
+        per_group, group_size = -(-k // groups), n // max(cfg.n_group or 1, 1)
+        chosen = [g * group_size + i for g in range(groups) for i in range(per_group)][:k]
+        bias = torch.zeros(n, dtype=torch.float32)
+        bias[chosen] = 1.0
+        moe.gate.weight.zero_()
+        moe.gate.e_score_correction_bias.copy_(bias)
+    return len(layers)
 
 
 def make_engine(model, draft, device, args, batch: int, acceptance: float | None) -> LLMEngine:
@@ -134,6 +171,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--project-layers", type=int, default=61, help="target layers to project to")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    p.add_argument(
+        "--fp8", action="store_true", help="routed experts in block-scaled FP8, as V3 ships them"
+    )
+    p.add_argument(
+        "--routing",
+        choices=("random", "shared"),
+        default="random",
+        help="shared: every token to the same experts (diagnostic: no extra experts to verify)",
+    )
     return p.parse_args(argv)
 
 
@@ -152,6 +198,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     init_random_(model, seed=0)
     draft = build_mtp(cfg, dtype, device)
     init_draft_(draft, seed=1)
+    if args.routing == "shared":
+        share_routing_(model)
+        share_routing_(draft)
+    fp8 = args.fp8 and device.type == "cuda" and use_fp8_experts(model) and use_fp8_experts(draft)
+    if args.fp8 and not fp8:
+        raise SystemExit("--fp8: no FP8 expert path on this device")
     results: dict[str, Any] = {
         "bench": "mtp",
         "layers": args.layers,
@@ -159,6 +211,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "k": args.k,
         "spec_graphs": not args.eager_spec,
         "project_layers": args.project_layers,
+        "routing": args.routing,
+        "experts": "fp8" if fp8 else str(dtype).removeprefix("torch."),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "runs": [],
     }
