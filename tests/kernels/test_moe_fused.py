@@ -184,3 +184,78 @@ def test_fused_moe_reads_received_rows_in_place_with_unit_weights(device) -> Non
     want = fused_moe_ref(x, w13, w2, topk_ids.clone(), None)
     real = ids >= 0
     torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+
+
+def _fp8(experts: int, hidden: int, inter: int):
+    from kernels.fp8 import Fp8ExpertWeights
+
+    w13, w2 = _weights(experts, hidden, inter, torch.float32, seed=2)
+    return Fp8ExpertWeights.from_dense(w13, w2)
+
+
+@needs_triton
+@pytest.mark.parametrize("tokens,hot", [(1, None), (6, None), (40, 2)])
+def test_fused_moe_fp8_experts_equal_the_dequantised_reference(tokens, hot, device) -> None:
+    """FP8 weights with 128 x 128 block scales, activations unquantised: float32 in the
+    interpreter (exact math), bf16 on the GPU; ids off this rank skipped, ``add`` added."""
+    experts, k, hidden, inter = 6, 2, 256, 256
+    f = _fp8(experts, hidden, inter)
+    ids, weights = _routing(tokens, experts, k, seed=9, hot=hot)
+    ids[0, -1] = -1
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float32
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    add = torch.randn(tokens, hidden, generator=g).to(dtype)
+    cfg1 = {"block_m": 16, "block_n": 64, "block_k": 128, "num_stages": 1}
+    cfg2 = {"block_m": 16, "block_n": 128, "block_k": 64, "num_stages": 1}
+    got = fused_moe(
+        *(t.to(device) for t in (x, f.w13, f.w2, ids, weights, add)),
+        gate_up_config=cfg1,
+        down_config=cfg2,
+        w13_scale=f.w13_scale.to(device),
+        w2_scale=f.w2_scale.to(device),
+    )
+    want = fused_moe_ref(
+        x, f.w13, f.w2, ids, weights, add, w13_scale=f.w13_scale, w2_scale=f.w2_scale
+    )
+    err = float((got.cpu().double() - want.double()).norm() / want.double().norm())
+    assert err < (1e-2 if HAS_CUDA else 1e-5), err
+    # the scales matter: the same FP8 values read as if every scale were 1 differ
+    ones = fused_moe_ref(
+        x,
+        f.w13,
+        f.w2,
+        ids,
+        weights,
+        add,
+        w13_scale=torch.ones_like(f.w13_scale),
+        w2_scale=torch.ones_like(f.w2_scale),
+    )
+    assert float((ones.double() - want.double()).norm() / want.double().norm()) > 0.5
+
+
+@needs_triton
+def test_fused_moe_fp8_rejects_bad_scales(device) -> None:
+    f = _fp8(4, 128, 128)
+    x = torch.zeros(3, 128)
+    ids, weights = _routing(3, 4, 2, seed=0)
+    with pytest.raises(ValueError, match="together"):
+        fused_moe(x, f.w13, f.w2, ids, weights, w13_scale=f.w13_scale)
+    with pytest.raises(ValueError, match="w2_scale must be float32"):
+        fused_moe(x, f.w13, f.w2, ids, weights, w13_scale=f.w13_scale, w2_scale=f.w13_scale)
+    w13, w2 = _weights(4, 128, 128, torch.float32)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fused_moe(x, w13, w2, ids, weights, w13_scale=f.w13_scale, w2_scale=f.w2_scale)
+    shared = (w13[0, :128], w13[0, 128:], w2[0])
+    with pytest.raises(ValueError, match="through add"):
+        fused_moe(
+            x, f.w13, f.w2, ids, weights, shared=shared, w13_scale=f.w13_scale, w2_scale=f.w2_scale
+        )
+    with pytest.raises(ValueError, match="block_k dividing 128"):
+        fused_moe(
+            x.to(device),
+            *(t.to(device) for t in (f.w13, f.w2, ids, weights)),
+            gate_up_config={"block_k": 96},
+            w13_scale=f.w13_scale.to(device),
+            w2_scale=f.w2_scale.to(device),
+        )
