@@ -141,15 +141,6 @@ class RoutedExperts(nn.Module):
             return expert_ffn(hidden, tokens_per_expert, self.w13, self.w2)
         return self.forward_reference(hidden, tokens_per_expert)
 
-    def fused_weights(
-        self,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(w13, w2, w13_scale, w2_scale) for kernels.moe_fused: the FP8 form with its block
-        scales when attached (DeepSeek-V3's checkpoints), else the dense weights and None."""
-        if self.fp8 is not None:
-            return self.fp8.w13, self.fp8.w2, self.fp8.w13_scale, self.fp8.w2_scale
-        return self.w13, self.w2, None, None
-
     def forward_rows(
         self, hidden: torch.Tensor, expert_ids: torch.Tensor, fused: bool
     ) -> torch.Tensor:
@@ -157,12 +148,10 @@ class RoutedExperts(nn.Module):
         ``expert_ids[i]`` ([N], may be strided; -1: padding, its output row is left
         unspecified) -> [N, H]. ``fused``: one fused MoE launch (kernels.moe_fused; each row a
         single pair of weight 1, read in place), else grouped by expert."""
-        if fused:
+        if fused and self.fp8 is None:
             from kernels.moe_fused import fused_moe
 
-            w13, w2, s13, s2 = self.fused_weights()
-            ids = expert_ids[:, None]
-            return fused_moe(hidden, w13, w2, ids, None, w13_scale=s13, w2_scale=s2)
+            return fused_moe(hidden, self.w13, self.w2, expert_ids[:, None], None)
         key = torch.where(expert_ids < 0, self.num_local, expert_ids)
         perm = torch.argsort(key, stable=True)  # padding last, past every expert's rows
         counts = torch.zeros(self.num_local + 1, dtype=torch.int64, device=hidden.device)
@@ -272,6 +261,7 @@ class DeepseekMoE(nn.Module):
         return (
             k.fused_moe
             and 0 < x.shape[0] <= k.fused_moe_max_tokens
+            and self.experts.fp8 is None
             and isinstance(self.dispatcher, LocalDispatcher)
         )
 
@@ -284,13 +274,11 @@ class DeepseekMoE(nn.Module):
         if self.load_recorder is not None:
             self.load_recorder.record(self.moe_layer_idx, physical)
         ex, mlp = self.experts, self.shared_experts
-        w13, w2, s13, s2 = ex.fused_weights()
-        dense = s13 is None  # bf16 shared experts ride along only with bf16 routed ones
-        if dense and mlp is not None and mlp.gate_proj.weight.shape[0] % ex.intermediate_size == 0:
+        if mlp is not None and mlp.gate_proj.weight.shape[0] % ex.intermediate_size == 0:
             shared = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
-            return fused_moe(x, w13, w2, physical, weights, shared=shared)
+            return fused_moe(x, ex.w13, ex.w2, physical, weights, shared=shared)
         add = mlp(x) if mlp is not None else None
-        return fused_moe(x, w13, w2, physical, weights, add=add, w13_scale=s13, w2_scale=s2)
+        return fused_moe(x, ex.w13, ex.w2, physical, weights, add=add)
 
     # The three phases, so two micro-batches can interleave (two-batch overlap): while one
     # micro-batch's tokens travel, the other computes.

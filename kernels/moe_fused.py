@@ -19,11 +19,6 @@ weights, and the launches around them cost as much again. This module fuses the 
    output) when given, and rounds once. Pairs whose expert id is outside ``[0, E)`` (not on
    this rank) contribute nothing.
 
-FP8 experts (DeepSeek-V3's checkpoints: e4m3 weights with 128 x 128 block scales) take the
-same four launches: each weight tile is widened to the activations' dtype in registers and
-its block's partial product scaled in float32. Decode then reads half the expert bytes and
-quantises no activation (the grouped FP8 path quantises them per 128-group, as prefill does).
-
 Rows of an expert beyond the first ``BLOCK_M`` go to further programs of the same expert (the
 grid holds ``ceil(T / BLOCK_M)`` row tiles per expert; the empty ones return at once), so a hot
 expert does not serialise. Large batches (prefill) keep :mod:`kernels.moe_gemm`, whose
@@ -111,7 +106,6 @@ def _kernels():
     def gate_up_kernel(
         x_ptr,
         w_ptr,
-        ws_ptr,
         sg_ptr,
         su_ptr,
         h_ptr,
@@ -126,8 +120,6 @@ def _kernels():
         stride_xm,
         stride_we,
         stride_wn,
-        stride_wse,
-        stride_wsn,
         stride_se,
         stride_sn,
         stride_hm,
@@ -136,7 +128,6 @@ def _kernels():
         BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr,
         PRECISION: tl.constexpr,
-        SCALED: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -168,10 +159,6 @@ def _kernels():
             u_ptrs = u_base + cols.to(tl.int64)[None, :] * wn + kk[:, None]
             acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            if SCALED:  # the 128 x 128 scale blocks of this tile's gate and up rows
-                s_base = ws_ptr + e.to(tl.int64) * stride_wse
-                gs_ptrs = s_base + (cols // 128) * stride_wsn
-                us_ptrs = s_base + ((inter + cols) // 128) * stride_wsn
             for kb in range(0, tl.cdiv(hidden, BLOCK_K)):
                 if EVEN_K:
                     a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
@@ -182,15 +169,8 @@ def _kernels():
                     a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
                     g = tl.load(g_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
                     u = tl.load(u_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
-                if SCALED:  # FP8 weights: one scale per 128-block along K (BLOCK_K | 128)
-                    kblk = (kb * BLOCK_K) // 128
-                    sg = tl.load(gs_ptrs + kblk, mask=cmask, other=0.0)
-                    su = tl.load(us_ptrs + kblk, mask=cmask, other=0.0)
-                    acc_g += tl.dot(a, g.to(a.dtype)) * sg[None, :]
-                    acc_u += tl.dot(a, u.to(a.dtype)) * su[None, :]
-                else:
-                    acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-                    acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+                acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+                acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
                 a_ptrs += BLOCK_K
                 g_ptrs += BLOCK_K
                 u_ptrs += BLOCK_K
@@ -203,7 +183,6 @@ def _kernels():
     def down_kernel(
         h_ptr,
         w_ptr,
-        ws_ptr,
         sd_ptr,
         out_ptr,
         sorted_ptr,
@@ -218,8 +197,6 @@ def _kernels():
         stride_hm,
         stride_we,
         stride_wn,
-        stride_wse,
-        stride_wsn,
         stride_se,
         stride_sn,
         stride_om,
@@ -229,7 +206,6 @@ def _kernels():
         EVEN_K: tl.constexpr,
         PRECISION: tl.constexpr,
         HAS_WEIGHTS: tl.constexpr,
-        SCALED: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -262,8 +238,6 @@ def _kernels():
             a_ptrs = h_ptr + rows[:, None] * stride_hm + kk[None, :]
             b_ptrs = b_base + cols.to(tl.int64)[None, :] * wn + kk[:, None]
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            if SCALED:
-                bs_ptrs = ws_ptr + e.to(tl.int64) * stride_wse + (cols // 128) * stride_wsn
             for kb in range(0, tl.cdiv(inter, BLOCK_K)):
                 if EVEN_K:
                     a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
@@ -272,11 +246,7 @@ def _kernels():
                     kmask = kk < inter - kb * BLOCK_K
                     a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
                     b = tl.load(b_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
-                if SCALED:
-                    sb = tl.load(bs_ptrs + (kb * BLOCK_K) // 128, mask=cmask, other=0.0)
-                    acc += tl.dot(a, b.to(a.dtype)) * sb[None, :]
-                else:
-                    acc = tl.dot(a, b, acc, input_precision=PRECISION)
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
                 a_ptrs += BLOCK_K
                 b_ptrs += BLOCK_K
             acc = acc * w[:, None]
@@ -380,8 +350,6 @@ def fused_moe(
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     gate_up_config: dict | None = None,
     down_config: dict | None = None,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed SwiGLU experts plus shared experts plus ``add``:
     ``sum_j w[t,j] * E_{ids[t,j]}(x[t]) + S(x[t]) + add[t]``.
@@ -391,13 +359,7 @@ def fused_moe(
     or None for weight 1 on every pair; ``shared`` the shared experts'
     (gate [S*I, H], up [S*I, H], down [H, S*I]) weights as a DenseMLP holds them, run as S
     more experts of width I on every token with weight 1 (no copy); add [T, H] or None
-    -> [T, H] in x's dtype.
-
-    FP8 experts as DeepSeek-V3 ships them: w13 and w2 float8_e4m3fn with their 128 x 128
-    block scales ``w13_scale`` [E, 2I/128, H/128] and ``w2_scale`` [E, H/128, I/128]
-    (kernels.fp8.Fp8ExpertWeights). Each weight tile is widened to x's dtype and its block's
-    product scaled in float32 (weights FP8, activations as they are: decode reads half the
-    bytes and quantises nothing); the shared experts then come through ``add``."""
+    -> [T, H] in x's dtype."""
     ids = _check_ids(topk_ids)
     t, hidden = x.shape if x.dim() == 2 else (None, None)
     if t is None:
@@ -415,7 +377,6 @@ def fused_moe(
         )
     if add is not None and add.shape != x.shape:
         raise ValueError(f"add {tuple(add.shape)} must match x {tuple(x.shape)}")
-    scaled = _check_scales(w13, w2, w13_scale, w2_scale, shared is not None)
     num_shared, sg, su, sd = _check_shared(shared, w13, hidden, inter)
     if not can_launch(x):
         raise RuntimeError("fused_moe needs a CUDA tensor (or TRITON_INTERPRET=1)")
@@ -436,31 +397,27 @@ def fused_moe(
 
     default1, default2 = _file_configs()
     c1 = dict(default1, **(gate_up_config or {}))
-    c2 = dict(default2, **(down_config or {}))
-    if scaled and any(128 % c["block_k"] or c["block_n"] > 128 for c in (c1, c2)):
-        raise ValueError(f"FP8 experts need block_k dividing 128 and block_n <= 128: {c1} {c2}")
-    s13 = w13_scale if scaled else x  # a dummy pointer when the weights are not scaled
-    s2 = w2_scale if scaled else x
     h = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
     grid1 = (math.ceil(inter / c1["block_n"]), math.ceil(t / c1["block_m"]), groups)
     gate_up[grid1](
-        x, w13, s13, sg, su, h, sorted_pairs, starts, counts, num_experts, t, inter, hidden,
-        top_k, x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
-        inter * sg.stride(0), sg.stride(0), h.stride(0),
+        x, w13, sg, su, h, sorted_pairs, starts, counts, num_experts, t, inter, hidden, top_k,
+        x.stride(0), w13.stride(0), w13.stride(1), inter * sg.stride(0), sg.stride(0),
+        h.stride(0),
         BLOCK_M=c1["block_m"], BLOCK_N=c1["block_n"], BLOCK_K=c1["block_k"],
-        EVEN_K=hidden % c1["block_k"] == 0, PRECISION=precision, SCALED=scaled,
+        EVEN_K=hidden % c1["block_k"] == 0, PRECISION=precision,
         num_warps=c1["num_warps"], num_stages=c1["num_stages"],
     )  # fmt: skip
 
+    c2 = dict(default2, **(down_config or {}))
     part = torch.empty((rows, hidden), dtype=torch.float32, device=x.device)
     grid2 = (math.ceil(hidden / c2["block_n"]), math.ceil(t / c2["block_m"]), groups)
     down[grid2](
-        h, w2, s2, sd, part, sorted_pairs, starts, counts, weights, num_experts, t, top_k,
-        hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-        inter, sd.stride(0), part.stride(0),
+        h, w2, sd, part, sorted_pairs, starts, counts, weights, num_experts, t, top_k,
+        hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), inter, sd.stride(0),
+        part.stride(0),
         BLOCK_M=c2["block_m"], BLOCK_N=c2["block_n"], BLOCK_K=c2["block_k"],
         EVEN_K=inter % c2["block_k"] == 0, PRECISION=precision, HAS_WEIGHTS=has_weights,
-        SCALED=scaled, num_warps=c2["num_warps"], num_stages=c2["num_stages"],
+        num_warps=c2["num_warps"], num_stages=c2["num_stages"],
     )  # fmt: skip
 
     block_n = min(next_pow2(hidden), 1024)
@@ -471,32 +428,6 @@ def fused_moe(
         TOP_K=top_k, NUM_SHARED=num_shared, HAS_ADD=add is not None, BLOCK_N=block_n,
     )  # fmt: skip
     return out
-
-
-def _check_scales(
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_scale: torch.Tensor | None,
-    w2_scale: torch.Tensor | None,
-    has_shared: bool,
-) -> bool:
-    """Whether the experts are FP8 with block scales (both scales given, of the right shapes)."""
-    if w13_scale is None and w2_scale is None:
-        return False
-    if w13_scale is None or w2_scale is None:
-        raise ValueError("w13_scale and w2_scale must be given together")
-    if w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"scaled experts must be float8_e4m3fn, got {w13.dtype} and {w2.dtype}")
-    if has_shared:
-        raise ValueError("FP8 experts take the shared experts through add, not shared")
-    for name, w, scale in (("w13_scale", w13, w13_scale), ("w2_scale", w2, w2_scale)):
-        blocks = (w.shape[0], -(-w.shape[1] // 128), -(-w.shape[2] // 128))
-        if tuple(scale.shape) != blocks or scale.dtype != torch.float32:
-            raise ValueError(
-                f"{name} must be float32 {blocks} for {tuple(w.shape)}, got "
-                f"{scale.dtype} {tuple(scale.shape)}"
-            )
-    return True
 
 
 def _check_shared(
@@ -534,16 +465,9 @@ def fused_moe_ref(
     topk_weights: torch.Tensor | None,
     add: torch.Tensor | None = None,
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per (token, slot) pair in float32; ids outside [0, E) contribute nothing; no
-    ``topk_weights``: weight 1; FP8 experts dequantised block-wise first."""
-    if _check_scales(w13, w2, w13_scale, w2_scale, shared is not None):
-        from kernels.fp8 import dequantize_fp8_block
-
-        w13 = torch.stack([dequantize_fp8_block(q, s) for q, s in zip(w13, w13_scale)])
-        w2 = torch.stack([dequantize_fp8_block(q, s) for q, s in zip(w2, w2_scale)])
+    ``topk_weights``: weight 1."""
     num_experts = w13.shape[0]
     if shared is not None:
         gate, up, down = (w.float() for w in shared)

@@ -18,7 +18,6 @@ from kernels.fp8 import (
     quantize_fp8_per_token_group,
 )
 from kernels.fp8_quant import per_token_group_quant_fp8, silu_mul_quant_fp8
-from kernels.moe_fused import fused_moe_ref
 from kernels.moe_gemm import (
     _tile_map,
     attach_fp8_experts,
@@ -188,19 +187,16 @@ def test_attach_fp8_experts_stacks_the_checkpoint_tensors() -> None:
 
 
 @needs_cuda
-@pytest.mark.parametrize("fused", [False, True])
-def test_model_with_fp8_experts_on_gpu(fused: bool) -> None:
+def test_model_with_fp8_experts_on_gpu() -> None:
     """On CUDA an MoE layer with attached FP8 experts equals routing + permutation + the FP8
-    torch reference + shared experts; the whole model runs and stays near its dense logits.
-    ``fused``: decode-sized batches take the fused kernel over the FP8 weights (activations
-    unquantised, so nearer the dense layer than the reference's FP8 activations)."""
+    torch reference + shared experts; the whole model runs and stays near its dense logits."""
     from engine.forward_batch import ForwardBatch, SequenceChunk
     from engine.kernel_choice import KernelChoice
     from engine.kv_cache import MLAKVPool
 
     model = tiny_fp8_model().to("cuda")
     # Triton glue: the FP8 experts run only where kernels were chosen with Triton on
-    model.set_kernels(KernelChoice(triton=True, decode_attention="torch", fused_moe=fused))
+    model.set_kernels(KernelChoice(triton=True, decode_attention="torch", fused_moe=False))
     cfg = model.config
     batch = ForwardBatch.build([SequenceChunk(list(range(1, 40)), 0, torch.arange(3))], 16, "cuda")
 
@@ -223,41 +219,7 @@ def test_model_with_fp8_experts_on_gpu(fused: bool) -> None:
         cpu_fp8 = Fp8ExpertWeights(*[t.cpu() for t in dataclasses.astuple(moe.experts.fp8)])
         expert_out = expert_ffn_fp8_ref(rows.cpu(), counts.cpu(), cpu_fp8).cuda()
         ref = unpermute_tokens(expert_out, order, weights, 40) + moe.shared_experts(x)
-        f = moe.experts.fp8
-        exact = fused_moe_ref(  # FP8 weights dequantised, activations exact
-            x, f.w13, f.w2, ids, weights, w13_scale=f.w13_scale, w2_scale=f.w2_scale
-        ) + moe.shared_experts(x)
-    assert moe._fused(x) == fused
-    if fused:
-        assert rel_err(out, exact) < 5e-3  # TF32 dots over the same dequantised weights
-    else:
-        assert rel_err(out, ref) < 2e-2
-
-
-@needs_triton
-def test_fp8_moe_layer_takes_the_fused_kernel_at_decode_size(device) -> None:
-    """An MoE layer with the checkpoint's FP8 experts, fused MoE chosen: a decode-sized batch
-    runs the fused kernel over the FP8 weights and their block scales and equals the
-    dequantised experts plus the shared ones (the dense copy the loader keeps is not read)."""
-    from engine.kernel_choice import KernelChoice
-
-    model = tiny_fp8_model().to(device)
-    model.set_kernels(KernelChoice(triton=True, decode_attention="torch", fused_moe=True))
-    assert attach_fp8_experts(model) == len(model.config.moe_layer_ids)
-    moe = model.moe_layers()[0]
-    x = torch.randn(12, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    x = x.to(device)
-    with torch.no_grad():
-        weights, ids = moe.route(x)
-        f = moe.experts.fp8
-        want = fused_moe_ref(
-            x, f.w13, f.w2, ids, weights, w13_scale=f.w13_scale, w2_scale=f.w2_scale
-        ) + moe.shared_experts(x)
-        moe.experts.w13.zero_()
-        moe.experts.w2.zero_()
-        out = moe(x)
-    assert moe._fused(x)
-    assert rel_err(out, want) < (5e-3 if device == "cuda" else 1e-5)
+    assert rel_err(out, ref) < 2e-2
 
 
 @needs_cuda
