@@ -2,7 +2,7 @@
 
     python3 -m bench.mtp [--layers 2] [--context 1024] [--batches 1,32,128] [--tiny]
                          [--acceptance 0.6,0.8] [-k 1] [--eager-spec] [--project-layers 61]
-                         [--fp8] [--routing random|shared]
+                         [--fp8] [--routing random|shared|pinned:N]
 
 A few V3-shaped MoE layers plus one MTP layer (random bf16 weights, small vocabulary), decode
 requests placed as a decode instance receives them (``reserve`` + ``activate``, random prompt
@@ -27,6 +27,9 @@ sends every token to the same experts, so a verify step's 1 + K rows read no mor
 weights than a plain step's one row. Random weights route consecutive tokens independently
 (the verify rows of one request then read about 1 + K times the routed experts); a real
 checkpoint's consecutive tokens share some experts, so its cost lies between the two.
+``--routing pinned:N`` models that middle: N of each token's k experts are the same for every
+token, the router picks the rest at random (the verify rows then read about
+N + (1 + K)(k - N) experts).
 """
 
 from __future__ import annotations
@@ -70,25 +73,47 @@ def init_draft_(draft: MTPDraft, seed: int, std: float = 0.02) -> None:
 
 
 @torch.no_grad()
-def share_routing_(module: torch.nn.Module) -> int:
-    """Route every token of every MoE layer of ``module`` (anything with ``moe_layers()``) to
-    the same experts: router weights 0 and a correction bias that favours k fixed experts,
-    spread evenly over ``topk_group`` groups so group-limited routing picks them too. Returns
-    the number of layers changed (diagnostic for ``--routing shared``)."""
+def pin_routing_(module: torch.nn.Module, pinned: int, *, keep_router: bool) -> int:
+    """Make every token of every MoE layer of ``module`` (anything with ``moe_layers()``) route
+    to the same ``pinned`` experts: a correction bias above any router score favours them,
+    spread round-robin over ``topk_group`` groups so group-limited routing picks them too.
+    With ``keep_router`` the random router picks each token's other ``k - pinned`` experts;
+    without it the router weights are 0 (``pinned`` must then be k). Returns the number of
+    layers changed (diagnostic for ``--routing shared`` and ``pinned:N``)."""
     layers = module.moe_layers()
     for moe in layers:
         cfg = moe.routing
         if moe.gate.e_score_correction_bias is None:
-            raise ValueError("--routing shared needs V3's noaux_tc routing (a correction bias)")
+            raise ValueError("--routing shared|pinned needs V3's noaux_tc routing (a bias)")
         n, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+        if not 0 < pinned <= k or (not keep_router and pinned != k):
+            raise ValueError(f"--routing: pinned experts must be in 1..{k}, got {pinned}")
         groups = max(cfg.topk_group or 1, 1)
-        per_group, group_size = -(-k // groups), n // max(cfg.n_group or 1, 1)
-        chosen = [g * group_size + i for g in range(groups) for i in range(per_group)][:k]
+        group_size = n // max(cfg.n_group or 1, 1)
+        chosen = [(i % groups) * group_size + i // groups for i in range(pinned)]
+        # sigmoid scores lie in (0, 1) and a group scores its top two: 4 outbids any of them
         bias = torch.zeros(n, dtype=torch.float32)
-        bias[chosen] = 1.0
-        moe.gate.weight.zero_()
+        bias[chosen] = 4.0
+        if not keep_router:
+            moe.gate.weight.zero_()
         moe.gate.e_score_correction_bias.copy_(bias)
     return len(layers)
+
+
+def share_routing_(module: torch.nn.Module) -> int:
+    """Every token to the same k experts (``--routing shared``)."""
+    k = module.moe_layers()[0].routing.num_experts_per_tok
+    return pin_routing_(module, k, keep_router=False)
+
+
+def routing_arg(value: str) -> str:
+    """``--routing``: random, shared, or pinned:N (N of each token's experts shared by all)."""
+    if value in ("random", "shared"):
+        return value
+    name, _, count = value.partition(":")
+    if name != "pinned" or not count.isdigit() or int(count) < 1:
+        raise argparse.ArgumentTypeError(f"--routing: random, shared or pinned:N, got {value!r}")
+    return value
 
 
 def make_engine(model, draft, device, args, batch: int, acceptance: float | None) -> LLMEngine:
@@ -178,9 +203,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--routing",
-        choices=("random", "shared"),
+        type=routing_arg,
         default="random",
-        help="shared: every token to the same experts (diagnostic: no extra experts to verify)",
+        help="shared: every token to the same experts (diagnostic: no extra experts to verify);"
+        " pinned:N: N of each token's experts are the same for all tokens, the rest random",
     )
     return p.parse_args(argv)
 
@@ -203,6 +229,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.routing == "shared":
         share_routing_(model)
         share_routing_(draft)
+    elif args.routing.startswith("pinned:"):
+        pinned = int(args.routing.removeprefix("pinned:"))
+        pin_routing_(model, pinned, keep_router=True)
+        pin_routing_(draft, pinned, keep_router=True)
     fp8 = args.fp8 and device.type == "cuda" and use_fp8_experts(model) and use_fp8_experts(draft)
     if args.fp8 and not fp8:
         raise SystemExit("--fp8: no FP8 expert path on this device")

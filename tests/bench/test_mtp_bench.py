@@ -1,6 +1,7 @@
-"""bench.mtp on CPU (--tiny): the speculative and plain engines both decode, and the
+"""bench.mtp on CPU (--tiny): the speculative and plain engines both decode, the
 ``--routing shared`` diagnostic really sends every token of the target and the draft to the
-same experts (so a verify step reads no more experts than a plain one)."""
+same experts (so a verify step reads no more experts than a plain one), and ``pinned:N``
+shares exactly N of them."""
 
 from __future__ import annotations
 
@@ -48,6 +49,30 @@ def test_shared_routing_sends_every_token_to_the_same_k_experts() -> None:
             assert len(sets) == 1
             (chosen,) = sets
             assert len(chosen) == k
+
+
+def test_pinned_routing_shares_n_experts_and_leaves_the_rest_to_the_router() -> None:
+    model, draft = _tiny()
+    x = torch.randn(64, model.config.hidden_size)
+    k = model.config.moe.num_experts_per_tok
+    pinned = k - 1
+    mtp.pin_routing_(model, pinned, keep_router=True)
+    mtp.pin_routing_(draft, pinned, keep_router=True)
+    for module in (model, draft):
+        for sets in _expert_sets(module, x):
+            common = frozenset.intersection(*sets)
+            assert len(common) == pinned  # every row keeps the pinned experts ...
+            assert all(len(s) == k for s in sets)
+            assert len(set().union(*sets) - common) > 1  # ... and the router varies the rest
+    with pytest.raises(ValueError, match="pinned"):
+        mtp.pin_routing_(model, k + 1, keep_router=True)
+
+
+def test_routing_option_is_checked() -> None:
+    assert mtp.parse_args(["--routing", "pinned:4"]).routing == "pinned:4"
+    for bad in ("pinned", "pinned:0", "pinned:x", "same"):
+        with pytest.raises(SystemExit):
+            mtp.parse_args(["--routing", bad])
 
 
 def test_bench_runs_both_engines_with_shared_routing() -> None:
