@@ -14,8 +14,8 @@ import sys
 from collections.abc import Coroutine
 from typing import Any
 
-from bench.backends import BACKENDS, BenchError
-from bench.serving import (
+from dsmesh.bench.backends import BACKENDS, BenchError
+from dsmesh.bench.serving import (
     BenchConfig,
     BenchRequest,
     BenchRun,
@@ -28,7 +28,7 @@ from bench.serving import (
     sample_random_requests,
     summarize,
 )
-from bench.workloads import (
+from dsmesh.bench.workloads import (
     MultiTurnConfig,
     SharedPrefixConfig,
     multi_turn_requests,

@@ -6,6 +6,11 @@ import argparse
 import sys
 
 from dsmesh.cli import argtypes
+from dsmesh.engine.kernel_choice import KERNEL_SETS, MOE_BACKENDS
+from dsmesh.engine.kv_budget import CPU_MAX_TOTAL_TOKENS, DEFAULT_MEM_FRACTION
+from dsmesh.engine.llm_engine import EngineConfig
+from dsmesh.engine.mla_decode_backend import ATTENTION_BACKENDS
+from dsmesh.engine.speculative import SPECULATIVE_METHODS
 from dsmesh.runtime.address import (
     LOOPBACK,
     advertise_host,
@@ -20,11 +25,6 @@ from dsmesh.runtime.security import (
     TLSConfig,
     api_keys_from_env_and_args,
 )
-from engine.kernel_choice import KERNEL_SETS, MOE_BACKENDS
-from engine.kv_budget import CPU_MAX_TOTAL_TOKENS, DEFAULT_MEM_FRACTION
-from engine.llm_engine import EngineConfig
-from engine.mla_decode_backend import ATTENTION_BACKENDS
-from engine.speculative import SPECULATIVE_METHODS
 
 MEM_FRACTION_HELP = (
     "fraction of the GPU's memory this process may use for weights + KV pool; the pool "
@@ -163,7 +163,7 @@ def add_engine_args(
         type=int,
         default=d.speculative_max_batch,
         metavar="N",
-        help="decode batches larger than N run without speculation (measured: bench/mtp.py)",
+        help="decode batches larger than N run without speculation (measured: dsmesh/bench/mtp.py)",
     )
     g.add_argument(
         "--gil-switch-ms",
@@ -295,7 +295,7 @@ def ep_config_from(
 ):
     """``advertised``: this process's advertised host; with ``--ep-nnodes`` > 1 it is node 0's
     rendezvous address by default, and its interface carries the group's gloo/NCCL traffic."""
-    from engine.ep.runtime import EPConfig
+    from dsmesh.engine.ep.runtime import EPConfig
 
     nnodes = getattr(args, "ep_nnodes", 1)
     node_rank = getattr(args, "ep_node_rank", 0)

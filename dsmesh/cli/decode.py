@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from decode_svc.service import DecodeConfig, serve
+    from dsmesh.decode_svc.service import DecodeConfig, serve
 
     config = DecodeConfig(
         **instance_fields_from(args),

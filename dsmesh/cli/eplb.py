@@ -16,7 +16,7 @@ from dsmesh.cli.common import (
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from eplb_svc.config import DEFAULT_PORT, EPLBConfig
+    from dsmesh.eplb_svc.config import DEFAULT_PORT, EPLBConfig
 
     d = EPLBConfig()
     p = sub.add_parser(
@@ -121,8 +121,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from eplb_svc.config import EPLBConfig
-    from eplb_svc.service import serve
+    from dsmesh.eplb_svc.config import EPLBConfig
+    from dsmesh.eplb_svc.service import serve
 
     config = EPLBConfig(
         **server_fields_from(args),
@@ -137,10 +137,10 @@ def run_serve(args: argparse.Namespace) -> int:
 def run_dump(args: argparse.Namespace) -> int:
     import grpc
 
+    from dsmesh.eplb_svc.loadfile import write_load
     from dsmesh.runtime.grpc_server import set_channel_defaults, sync_channel
     from dsmesh.v1 import eplb_pb2 as pb
     from dsmesh.v1 import eplb_pb2_grpc
-    from eplb_svc.loadfile import write_load
 
     set_channel_defaults(tls_config_from(args), args.max_message_bytes)
     with sync_channel(args.eplb) as chan:
@@ -191,8 +191,8 @@ def load_record(inst) -> dict[str, object]:
 def run_simulate(args: argparse.Namespace) -> int:
     import json
 
-    from eplb_svc.loadfile import read_load
-    from eplb_svc.simulate import format_table, plot_heatmap, simulate
+    from dsmesh.eplb_svc.loadfile import read_load
+    from dsmesh.eplb_svc.simulate import format_table, plot_heatmap, simulate
 
     load = read_load(args.load)
     groups = args.groups if args.groups is not None else (load.num_groups or 1)

@@ -76,11 +76,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dsmesh.engine.llm_engine import resolve_model_dir
+    from dsmesh.gateway.openai_api import served_model_names
+    from dsmesh.gateway.service import GatewayConfig, serve
     from dsmesh.runtime.address import host_port
     from dsmesh.runtime.grpc_server import run_until_signal
-    from engine.llm_engine import resolve_model_dir
-    from gateway.openai_api import served_model_names
-    from gateway.service import GatewayConfig, serve
 
     config = GatewayConfig(
         broker_address=args.broker,

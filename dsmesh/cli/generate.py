@@ -54,9 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.llm_engine import LLMEngine, resolve_model_dir
-    from engine.sampling_params import SamplingParams
-    from engine.tokenizer import Tokenizer
+    from dsmesh.engine.llm_engine import LLMEngine, resolve_model_dir
+    from dsmesh.engine.sampling_params import SamplingParams
+    from dsmesh.engine.tokenizer import Tokenizer
 
     if not args.inputs:
         raise ValueError("give at least one --prompt or --input-ids")
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     config = dataclasses.replace(engine_config_from(args), model=str(model_dir))
     start = time.perf_counter()
     if args.ep_size > 1 or args.num_redundant_experts:
-        from engine.ep.generate import generate_ep
+        from dsmesh.engine.ep.generate import generate_ep
 
         results = generate_ep(config, ep_config_from(args), prompts, params)
     else:

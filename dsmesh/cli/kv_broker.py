@@ -12,8 +12,8 @@ from dsmesh.cli.common import (
     run_server,
     server_fields_from,
 )
-from kv_broker.config import DEFAULT_PORT, BrokerConfig
-from kv_broker.service import serve
+from dsmesh.kv_broker.config import DEFAULT_PORT, BrokerConfig
+from dsmesh.kv_broker.service import serve
 
 
 def register(sub: argparse._SubParsersAction) -> None:

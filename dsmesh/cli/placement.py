@@ -5,8 +5,8 @@ An instance is one prefill, decode or unified service of ``num_ranks`` processes
 ``--ep-size``; 1 without EP) and gets one distinct GPU per rank: NCCL, which joins the ranks on
 CUDA, refuses two ranks on one GPU. Different instances may share a GPU. The instance runs with
 ``CUDA_VISIBLE_DEVICES`` listing its GPUs first, so that rank ``r`` computes on ``cuda:r``
-(engine/ep/runtime.rank_device), then the host's other GPUs: it never computes there, but CUDA
-IPC (the KV transfer between GPUs of one host) cannot open memory of a GPU the process does
+(dsmesh/engine/ep/runtime.rank_device), then the host's other GPUs: it never computes there, but
+CUDA IPC (the KV transfer between GPUs of one host) cannot open memory of a GPU the process does
 not see.
 
 GPU ids are the entries of the supervisor's ``CUDA_VISIBLE_DEVICES`` (indices, or UUIDs) or,

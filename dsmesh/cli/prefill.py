@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from prefill_svc.service import PrefillConfig, serve
+    from dsmesh.prefill_svc.service import PrefillConfig, serve
 
     config = PrefillConfig(
         **instance_fields_from(args),

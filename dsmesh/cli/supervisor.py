@@ -55,10 +55,10 @@ from dsmesh.cli.placement import (
     place,
     visible_gpu_ids,
 )
+from dsmesh.engine.kv_budget import DEFAULT_MEM_FRACTION
 from dsmesh.runtime.grpc_server import sync_channel
 from dsmesh.runtime.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
 from dsmesh.runtime.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
-from engine.kv_budget import DEFAULT_MEM_FRACTION
 
 # Run in front of every child on Linux, then exec'd away (same pid): the kernel SIGKILLs the
 # child when the thread that started it ends, which includes the supervisor being SIGKILLed.
@@ -773,7 +773,7 @@ SHARING_LABELS = {
 
 
 def default_log_dir() -> Path:
-    from engine.tiny_model import cache_root
+    from dsmesh.engine.tiny_model import cache_root
 
     parent = cache_root() / "logs"
     parent.mkdir(parents=True, exist_ok=True)
@@ -784,7 +784,7 @@ def resolve_model(model: str | None) -> str:
     """The checkpoint folder every child gets; builds the default model once, up front, so
     that children do not race to build it."""
     if model is None:
-        from engine.tiny_model import default_model_dir
+        from dsmesh.engine.tiny_model import default_model_dir
 
         return str(default_model_dir())
     folder = Path(model).expanduser().resolve()

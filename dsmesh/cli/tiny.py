@@ -13,7 +13,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="write a tiny random DeepSeek-shaped checkpoint (config, safetensors, tokenizer)",
     )
     p.add_argument("out", help="output folder")
-    # Literal copy of engine.tiny_model.TINY_ARCHES so `dsmesh --help` need not import torch;
+    # Literal copy of dsmesh.engine.tiny_model.TINY_ARCHES so `dsmesh --help` need not import torch;
     # tests/dsmesh/test_cli_generate.py checks that they agree.
     p.add_argument("--arch", choices=ARCHES, default="v3")
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
@@ -21,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.tiny_model import make_tiny_model
+    from dsmesh.engine.tiny_model import make_tiny_model
 
     path = make_tiny_model(args.out, arch=args.arch, seed=args.seed)
     print(f"wrote tiny {args.arch} checkpoint to {path}")

@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from dsmesh.runtime.address import host_port
     from dsmesh.runtime.grpc_server import run_until_signal
-    from unified_svc.service import UnifiedConfig, serve
+    from dsmesh.unified_svc.service import UnifiedConfig, serve
 
     config = UnifiedConfig(
         **server_fields_from(args),

@@ -17,6 +17,7 @@ import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 
 from dsmesh.clients.broker import BrokerLink
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.instance.ep_group import RankSpec
 from dsmesh.instance.layout import layout_of
 from dsmesh.instance.worker import EngineWorker
@@ -40,7 +41,6 @@ from dsmesh.runtime.transfer import (
     resolve_protocol,
 )
 from dsmesh.v1 import kv_broker_pb2 as kb
-from engine.llm_engine import EngineConfig, LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class InstanceParts:
     transport: KVTransport
     pool: RemotePool
     eplb_link: object | None = None  # dsmesh.clients.eplb.EPLBLink on rank 0 of an EPLB group
-    group_hook: object | None = None  # engine.ep.eplb_hook.GroupEPLB on each rank
+    group_hook: object | None = None  # dsmesh.engine.ep.eplb_hook.GroupEPLB on each rank
 
     def member(self, instance_id: str, role: kb.Role.ValueType) -> kb.Instance:
         """This instance as kv_broker lists it (its gRPC address is set once it serves)."""
@@ -119,8 +119,8 @@ async def build_instance(
         engine = await asyncio.to_thread(LLMEngine, engine_config)
         worker = EngineWorker(engine)
     else:
+        from dsmesh.engine.ep.runtime import GroupVote, build_ep_engine
         from dsmesh.instance.ep_group import fatal_exit
-        from engine.ep.runtime import GroupVote, build_ep_engine
 
         engine = await asyncio.to_thread(build_ep_engine, engine_config, ep_rank.ep, ep_rank.rank)
         if ep_rank.eplb_address:
@@ -164,8 +164,8 @@ async def build_instance(
 def _eplb_parts(engine: LLMEngine, engine_config: EngineConfig, spec: RankSpec):
     """Every rank: the lockstep EPLB hook (load recorder, rebalancer). Rank 0 also: the link
     that streams the group's load to eplb_svc and receives its placements."""
-    from engine.ep.eplb_hook import GroupEPLB
-    from engine.llm_engine import resolve_model_dir
+    from dsmesh.engine.ep.eplb_hook import GroupEPLB
+    from dsmesh.engine.llm_engine import resolve_model_dir
 
     hook = GroupEPLB(
         engine.model, resolve_model_dir(engine_config.model), spec.eplb_report_interval_s

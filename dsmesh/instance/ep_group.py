@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.ep.runtime import EPConfig, check_dispatch, check_placement, free_port
+from dsmesh.engine.ep.runtime import EPConfig, check_dispatch, check_placement, free_port
 
 log = logging.getLogger(__name__)
 Ready = Callable[[str, int], None]
@@ -88,8 +88,8 @@ def _rank_main(
     )
     import torch
 
+    from dsmesh.engine.ep.runtime import init_group, rank_device
     from dsmesh.runtime.tcp_timeout import set_peer_timeout, socket_inodes
-    from engine.ep.runtime import init_group, rank_device
 
     if threads:
         torch.set_num_threads(threads)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 
+from dsmesh.engine.llm_engine import LLMEngine
 from dsmesh.v1 import kv_broker_pb2 as kb
-from engine.llm_engine import LLMEngine
 
 _DTYPE_NAMES = {
     "torch.float32": "float32",

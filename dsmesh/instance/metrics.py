@@ -1,6 +1,6 @@
 """Prometheus metrics of a prefill or decode instance, served on ``--metrics-port``.
 
-Gauges are read from the engine's :meth:`~engine.llm_engine.LLMEngine.load` at scrape time
+Gauges are read from the engine's :meth:`~dsmesh.engine.llm_engine.LLMEngine.load` at scrape time
 (safe from the HTTP thread); counters and histograms are updated where things happen. Each
 instance has its own registry so tests can run several in one process. Names:
 docs/OBSERVABILITY.md.
@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.llm_engine import LLMEngine
-from engine.load import EngineLoad
+from dsmesh.engine.llm_engine import LLMEngine
+from dsmesh.engine.load import EngineLoad
 
 log = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@ since the reader's cursor, answered with ``GetLoad`` (docs/GATEWAY.md, KV-aware 
 
 from __future__ import annotations
 
+from dsmesh.engine.llm_engine import LLMEngine
 from dsmesh.v1 import prefill_pb2
-from engine.llm_engine import LLMEngine
 
 
 def prefix_digest(

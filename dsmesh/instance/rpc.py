@@ -2,8 +2,8 @@
 failures answered as statuses.
 
 The handlers raise :class:`~dsmesh.instance.failures.CallFailed` or
-:class:`~engine.errors.InvalidRequestError`; :func:`unary` and :func:`server_stream` turn them
-into ``context.abort`` with the status of that name, so no handler body calls it.
+:class:`~dsmesh.engine.errors.InvalidRequestError`; :func:`unary` and :func:`server_stream` turn
+them into ``context.abort`` with the status of that name, so no handler body calls it.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 
+from dsmesh.engine.errors import InvalidRequestError
+from dsmesh.engine.sampling_params import SamplingParams
 from dsmesh.instance.failures import CallFailed
 from dsmesh.runtime.convert import require_request_id, sampling_from_proto
 from dsmesh.v1 import generation_pb2
-from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.llm_engine import StepOutput
+from dsmesh.engine.llm_engine import StepOutput
 
 KINDS = ("decode", "mixed", "prefill")
 

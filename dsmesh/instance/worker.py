@@ -28,11 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from dsmesh.engine.llm_engine import LLMEngine, StepOutput
 from dsmesh.instance.step_stats import StepStats
-from engine.llm_engine import LLMEngine, StepOutput
 
 if TYPE_CHECKING:
-    from engine.ep.runtime import GroupVote
+    from dsmesh.engine.ep.runtime import GroupVote
 
 
 class GroupHook(Protocol):

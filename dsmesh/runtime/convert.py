@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import grpc
 
+from dsmesh.engine.errors import InvalidRequestError
+from dsmesh.engine.grammar import GrammarSpec
+from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.token_logprobs import TokenLogprobs
 from dsmesh.v1 import generation_pb2
-from engine.errors import InvalidRequestError
-from engine.grammar import GrammarSpec
-from engine.sampling_params import SamplingParams
-from engine.token_logprobs import TokenLogprobs
 
 DEFAULT_MAX_NEW_TOKENS = 16
 MAX_STOP_STRINGS = 16

@@ -8,8 +8,8 @@
 through the process-wide default each service sets at start-up (docs/SECURITY.md).
 
 API keys (``--api-key``, ``DSMESH_API_KEYS``) guard the gateway's public front doors:
-:class:`ApiKeyInterceptor` on gRPC, ``gateway.http_app`` on HTTP. Keys are compared in constant
-time.
+:class:`ApiKeyInterceptor` on gRPC, ``dsmesh.gateway.http_app`` on HTTP. Keys are compared in
+constant time.
 """
 
 from __future__ import annotations

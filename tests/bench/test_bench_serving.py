@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.backends import completions_body, completions_chunk, request_json, sse_events
-from bench.serving import (
+from dsmesh.bench.backends import completions_body, completions_chunk, request_json, sse_events
+from dsmesh.bench.serving import (
     BenchConfig,
     BenchRequest,
     BenchRun,

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.backends import Backend
-from bench.serving import BenchConfig, BenchRequest, run_benchmark, send_units, summarize
-from bench.workloads import (
+from dsmesh.bench.backends import Backend
+from dsmesh.bench.serving import BenchConfig, BenchRequest, run_benchmark, send_units, summarize
+from dsmesh.bench.workloads import (
     MultiTurnConfig,
     SharedPrefixConfig,
     multi_turn_requests,

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from bench.serving import arrival_offsets, sample_random_requests
+from dsmesh.bench.serving import arrival_offsets, sample_random_requests
 from dsmesh.cli.main import main
 from tests.bench.fake_gateway import (
     CONTEXT,

@@ -1,4 +1,4 @@
-"""bench.ep_gpu's ``--graphs`` run on CPU (--tiny, EP 2 over gloo): every rank decodes
+"""dsmesh.bench.ep_gpu's ``--graphs`` run on CPU (--tiny, EP 2 over gloo): every rank decodes
 through the graph runner (uncaptured on CPU) in steps the group agreed, TBO off and on."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from bench import ep_gpu
+from dsmesh.bench import ep_gpu
 
 pytestmark = [
     pytest.mark.timeout(180),

@@ -1,4 +1,4 @@
-"""bench.ep_graphs on CPU (--tiny, EP size 1 over gloo): every block runs, the graph-runner
+"""dsmesh.bench.ep_graphs on CPU (--tiny, EP size 1 over gloo): every block runs, the graph-runner
 blocks (uncaptured on CPU) launch decode steps ahead, the EP one through the group's host
 vote, and the eager blocks do not."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench import ep_graphs
+from dsmesh.bench import ep_graphs
 
 pytestmark = [
     pytest.mark.timeout(300),

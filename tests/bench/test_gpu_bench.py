@@ -1,4 +1,4 @@
-"""bench/gpu.py on tiny shapes on CPU: every part runs and the JSON has the fields that
+"""dsmesh/bench/gpu.py on tiny shapes on CPU: every part runs and the JSON has the fields that
 docs/BENCHMARKS.md reports (the numbers themselves mean nothing here)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from bench import gpu
-from engine.config import ModelConfig
+from dsmesh.bench import gpu
+from dsmesh.engine.config import ModelConfig
 
 
 def test_shapes_are_the_released_configs() -> None:

@@ -1,4 +1,4 @@
-"""bench.mtp on CPU (--tiny): the speculative and plain engines both decode, the
+"""dsmesh.bench.mtp on CPU (--tiny): the speculative and plain engines both decode, the
 ``--routing shared`` diagnostic really sends every token of the target and the draft to the
 same experts (so a verify step reads no more experts than a plain one), and ``pinned:N``
 shares exactly N of them."""
@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench import mtp
-from bench.gpu import init_random_, v3_layers_config
-from engine.config import ModelConfig
-from engine.loader import build_model
-from engine.mtp import build_mtp
+from dsmesh.bench import mtp
+from dsmesh.bench.gpu import init_random_, v3_layers_config
+from dsmesh.engine.config import ModelConfig
+from dsmesh.engine.loader import build_model
+from dsmesh.engine.mtp import build_mtp
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,4 +1,4 @@
-"""bench/no_max_tokens.py: the CPU smoke variant through a real ``dsmesh up`` (tiny shape, a
+"""dsmesh/bench/no_max_tokens.py: the CPU smoke variant through a real ``dsmesh up`` (tiny shape, a
 short context, a KV pool too small for every request at once), and its pure parts."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench import no_max_tokens
-from bench.checkpoint import shape_config
+from dsmesh.bench import no_max_tokens
+from dsmesh.bench.checkpoint import shape_config
 
 CONTEXT, INPUT_LEN = 384, 128
 

@@ -1,4 +1,4 @@
-"""bench/structured.py runs end to end on the tiny shape (CPU): every mode decodes its steps
+"""dsmesh/bench/structured.py runs end to end on the tiny shape (CPU): every mode decodes its steps
 with no request ending, and the figures it prints are all there."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from bench.structured import run
+from dsmesh.bench.structured import run
 
 
 def test_structured_bench_runs_on_the_tiny_shape() -> None:

@@ -20,9 +20,9 @@ MAX_NEW_TOKENS = 8
 
 
 def offline_tokens(model_dir: Path) -> tuple[list[int], str]:
-    from engine.llm_engine import EngineConfig, LLMEngine
-    from engine.sampling_params import SamplingParams
-    from engine.tokenizer import Tokenizer
+    from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+    from dsmesh.engine.sampling_params import SamplingParams
+    from dsmesh.engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(model_dir)
     params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
@@ -47,7 +47,7 @@ def test_cpu_demo_serves_the_offline_engines_tokens(
     env = {"DSMESH_CACHE_DIR": str(cache)}
     # the image's build step: the tiny default model, built once before any service starts
     monkeypatch.setenv("DSMESH_CACHE_DIR", str(cache))
-    from engine.tiny_model import default_model_dir
+    from dsmesh.engine.tiny_model import default_model_dir
 
     model_dir = default_model_dir()
     with compose_up(compose, tmp_path, env) as mesh:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.tokenizer import Tokenizer
 
 
 def dsmesh(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
@@ -54,7 +54,7 @@ def test_generate_json_matches_engine_in_input_order(cache: Path) -> None:
     os.environ["DSMESH_CACHE_DIR"] = str(cache)
     try:
         engine = LLMEngine(EngineConfig())
-        from engine.tiny_model import default_model_dir
+        from dsmesh.engine.tiny_model import default_model_dir
 
         tok = Tokenizer.from_dir(default_model_dir())
     finally:
@@ -117,6 +117,6 @@ def test_make_tiny_model_and_generate_from_it(tmp_path: Path, cache: Path) -> No
 
 def test_cli_arch_choices_match_engine() -> None:
     from dsmesh.cli.tiny import ARCHES
-    from engine.tiny_model import TINY_ARCHES
+    from dsmesh.engine.tiny_model import TINY_ARCHES
 
     assert ARCHES == TINY_ARCHES

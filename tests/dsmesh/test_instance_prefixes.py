@@ -8,12 +8,12 @@ import pytest
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.prefix_hashes import page_hashes
+from dsmesh.engine.sampling_params import SamplingParams
 from dsmesh.instance.metrics import InstanceMetrics
 from dsmesh.instance.prefixes import prefix_digest
 from dsmesh.v1 import prefill_pb2
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.prefix_hashes import page_hashes
-from engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=4, ignore_eos=True)
 PROMPT = [3 + (i * 5) % 300 for i in range(40)]

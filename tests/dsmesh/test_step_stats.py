@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
+from dsmesh.engine.llm_engine import StepOutput
 from dsmesh.instance.step_stats import StepStats
 from dsmesh.instance.worker import drain_outputs
-from engine.llm_engine import StepOutput
 
 
 def decode_row(rid: str, pos: int) -> StepOutput:

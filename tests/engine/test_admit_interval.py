@@ -8,13 +8,13 @@ import dataclasses
 import pytest
 import torch
 
-from engine.kv_cache import PageAllocator
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.loader import load_model
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.tiny_model import make_tiny_model
+from dsmesh.engine.kv_cache import PageAllocator
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.loader import load_model
+from dsmesh.engine.request import Request
+from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.scheduler import Scheduler, SchedulerConfig
+from dsmesh.engine.tiny_model import make_tiny_model
 
 GREEDY = SamplingParams(max_new_tokens=20, ignore_eos=True)
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.tiny_model import make_tiny_model
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.tiny_model import make_tiny_model
 
 pytestmark = [
     pytest.mark.gpu,

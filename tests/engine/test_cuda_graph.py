@@ -1,4 +1,4 @@
-"""CUDA graphs of the model's own decode forward (engine/cuda_graph.py).
+"""CUDA graphs of the model's own decode forward (dsmesh/engine/cuda_graph.py).
 
 On CPU the runner's forward over its fixed buffers runs without capture: its logits must
 equal the eager ForwardBatch path, and the engine's greedy tokens through it must equal the
@@ -16,17 +16,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.cuda_graph import CudaGraphRunner, GraphCaptureError, graph_support_problem
-from engine.forward_batch import ForwardBatch, SequenceChunk
-from engine.graph_buckets import batch_buckets, bucket_for, page_bucket
-from engine.kernel_choice import KernelChoice
-from engine.kv_cache import MLAKVPool, pages_for
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.loader import load_model
-from engine.mla_decode_backend import make_decode_backend
-from engine.moe import DenseMLP
-from engine.moe_dispatch import LocalDispatcher
-from engine.sampling_params import SamplingParams
+from dsmesh.engine.cuda_graph import CudaGraphRunner, GraphCaptureError, graph_support_problem
+from dsmesh.engine.forward_batch import ForwardBatch, SequenceChunk
+from dsmesh.engine.graph_buckets import batch_buckets, bucket_for, page_bucket
+from dsmesh.engine.kernel_choice import KernelChoice
+from dsmesh.engine.kv_cache import MLAKVPool, pages_for
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.loader import load_model
+from dsmesh.engine.mla_decode_backend import make_decode_backend
+from dsmesh.engine.moe import DenseMLP
+from dsmesh.engine.moe_dispatch import LocalDispatcher
+from dsmesh.engine.sampling_params import SamplingParams
 from tests.engine.hf_checkpoints import HFCheckpoint, random_prompts, relative_error
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -116,7 +116,7 @@ def test_input_projections_share_one_weight(request, ckpt_name: str, tmp_path) -
     model.set_kernels(KernelChoice.reference())  # choosing again keeps the fused weight
     assert model.model.layers[-1].self_attn.fused_input_weight is weight
     # Saving the model still works: the views do not overlap, which safetensors accepts.
-    from engine.weights import official_state_dict, save_checkpoint_weights
+    from dsmesh.engine.weights import official_state_dict, save_checkpoint_weights
 
     save_checkpoint_weights(official_state_dict(model), tmp_path)
     assert (tmp_path / "model.safetensors").stat().st_size > 0
@@ -125,7 +125,7 @@ def test_input_projections_share_one_weight(request, ckpt_name: str, tmp_path) -
 def test_redundant_experts_and_swaps_in_the_captured_forward(v3_ckpt: HFCheckpoint) -> None:
     """Redundant replicas are chosen on the device, so the runner's forward takes them; a
     new placement is copied into the same device tables (captured graphs read it)."""
-    from engine.expert_location import ExpertLocation
+    from dsmesh.engine.expert_location import ExpertLocation
 
     cfg = load_model(v3_ckpt.path).config
     n_moe, n_exp = len(cfg.moe_layer_ids), cfg.moe.n_routed_experts
@@ -480,7 +480,7 @@ def test_cuda_graphs_with_flashinfer_attention(v2_latent_ckpt: HFCheckpoint) -> 
     """FlashInfer's MLA kernel (optional; DeepSeek's 512 + 64 latent) inside the graphs,
     re-planned on the host before every replay: replays equal the same runner without
     capture and stay close to the eager path."""
-    from kernels.backends import available
+    from dsmesh.kernels.backends import available
 
     if not available("flashinfer"):
         pytest.skip("FlashInfer is not installed (pip install flashinfer-python)")
@@ -506,7 +506,7 @@ def test_flashinfer_replans_race_free_with_overlapped_decode(
     """Overlapped decode plans step n + 1 while step n may still run; the plan's uploads are
     stream-ordered and its pinned staging buffer is not rewritten before its copy ran, so the
     tokens equal those of the same engine without overlap, exactly."""
-    from kernels.backends import available
+    from dsmesh.kernels.backends import available
 
     if not available("flashinfer"):
         pytest.skip("FlashInfer is not installed (pip install flashinfer-python)")

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
-from engine.tiny_model import make_tiny_model
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.loader import load_model
+from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module")

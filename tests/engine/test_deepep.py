@@ -35,9 +35,9 @@ def _expert_fn(rows: torch.Tensor, tokens_per_expert: torch.Tensor, first: int) 
 def _rank(rank: int, port: int, results) -> None:
     import torch.distributed as dist
 
-    from engine.ep.all_to_all import AllToAllDispatcher
-    from engine.ep.deepep import DeepEPNormalDispatcher
-    from engine.ep.runtime import EPConfig, init_group
+    from dsmesh.engine.ep.all_to_all import AllToAllDispatcher
+    from dsmesh.engine.ep.deepep import DeepEPNormalDispatcher
+    from dsmesh.engine.ep.runtime import EPConfig, init_group
 
     device = torch.device("cuda", rank)
     init_group(EPConfig(ep_size=2, master_port=port), rank, device)
@@ -66,7 +66,7 @@ def _rank(rank: int, port: int, results) -> None:
 def test_deepep_normal_matches_the_contract_and_all_to_all() -> None:
     import torch.multiprocessing as mp
 
-    from engine.ep.runtime import free_port
+    from dsmesh.engine.ep.runtime import free_port
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     with mp.get_context("spawn").Manager() as manager:

@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.ep.all_to_all import AllToAllDispatcher
-from engine.ep.placement import round_robin_placement
-from engine.forward_batch import ForwardBatch, SequenceChunk
-from engine.kv_cache import MLAKVPool
-from engine.loader import load_model
-from engine.tiny_model import make_tiny_model
+from dsmesh.engine.ep.all_to_all import AllToAllDispatcher
+from dsmesh.engine.ep.placement import round_robin_placement
+from dsmesh.engine.forward_batch import ForwardBatch, SequenceChunk
+from dsmesh.engine.kv_cache import MLAKVPool
+from dsmesh.engine.loader import load_model
+from dsmesh.engine.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.timeout(180)
 PAGE = 4
@@ -117,8 +117,8 @@ def test_ep2_logits_equal_single_rank(model_dir: Path, split, redundant: int) ->
 def test_dispatch_backend_choice_is_explicit() -> None:
     """Forced DeepEP without deep_ep is refused up front; "auto" falls back to all-to-all
     (on CPU, whatever is installed) and says why."""
-    from engine.ep.deepep import deepep_available
-    from engine.ep.runtime import EPConfig, check_dispatch
+    from dsmesh.engine.ep.deepep import deepep_available
+    from dsmesh.engine.ep.runtime import EPConfig, check_dispatch
 
     check_dispatch(EPConfig(ep_size=2, dispatch="auto"))  # never refuses
     usable, why = deepep_available(torch.device("cpu"))

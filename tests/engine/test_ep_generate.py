@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.cuda_graph import CudaGraphRunner
-from engine.ep.generate import generate_ep
-from engine.ep.runtime import EPConfig, build_ep_engine, free_port, init_group, run_lockstep
-from engine.forward_batch import ForwardBatch
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.tiny_model import make_tiny_model
+from dsmesh.engine.cuda_graph import CudaGraphRunner
+from dsmesh.engine.ep.generate import generate_ep
+from dsmesh.engine.ep.runtime import EPConfig, build_ep_engine, free_port, init_group, run_lockstep
+from dsmesh.engine.forward_batch import ForwardBatch
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.timeout(400)
 PARAMS = SamplingParams(max_new_tokens=10, ignore_eos=True)
@@ -207,7 +207,7 @@ def test_cli_ep_generate(checkpoints, references) -> None:
 
 
 def test_ep_bad_input_is_refused_before_ranks_start(checkpoints) -> None:
-    from engine.errors import InvalidRequestError
+    from dsmesh.engine.errors import InvalidRequestError
 
     config = EngineConfig(model=str(checkpoints["v3"]))
     with pytest.raises(InvalidRequestError, match="input_ids"):

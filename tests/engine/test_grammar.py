@@ -1,4 +1,5 @@
-"""Structured outputs in the engine (engine/grammar.py, engine/token_mask.py): the bitmask
+"""Structured outputs in the engine (dsmesh/engine/grammar.py, dsmesh/engine/token_mask.py): the
+bitmask
 against its reference, the sampler's masked greedy and sampled rows, and constrained generation
 with DeepSeek-V3's real tokenizer (vocabulary 129280) over random tiny weights: every output
 parses and validates against its schema, for several seeds, greedy and sampled; regex, GBNF
@@ -16,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.errors import InvalidRequestError
-from engine.grammar import GrammarSpec, bitmask_words, lark_json
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.token_mask import apply_token_bitmask, apply_token_bitmask_ref
-from engine.tokenizer import Tokenizer
+from dsmesh.engine.errors import InvalidRequestError
+from dsmesh.engine.grammar import GrammarSpec, bitmask_words, lark_json
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.sampler import Sampler
+from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.token_mask import apply_token_bitmask, apply_token_bitmask_ref
+from dsmesh.engine.tokenizer import Tokenizer
 from tests.engine.deepseek_checkpoint import EOS_ID, make_tiny_deepseek_model
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -316,7 +317,7 @@ def test_greedy_constrained_decode_launches_ahead(folder: Path, tok: Tokenizer) 
     one's tokens are booked, and each step's mask is computed (from the grammars advanced by
     the previous tokens) while it runs. On CPU the graph runner runs uncaptured, which
     exercises the bookkeeping; the tokens equal the engine without overlap, every time."""
-    from engine.cuda_graph import CudaGraphRunner
+    from dsmesh.engine.cuda_graph import CudaGraphRunner
 
     outs = []
     for overlap in (False, True):

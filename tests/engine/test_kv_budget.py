@@ -1,11 +1,11 @@
-"""engine/kv_budget.py: the KV pool sized from a memory fraction (fake memory numbers)."""
+"""dsmesh/engine/kv_budget.py: the KV pool sized from a memory fraction (fake memory numbers)."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.kv_budget import GIB, KVBudget, KVBudgetError, kv_pool_tokens
-from engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.kv_budget import GIB, KVBudget, KVBudgetError, kv_pool_tokens
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 
 # DeepSeek-V2-Lite in bf16: 27 layers x (512 + 64) values x 2 bytes
 V2_LITE_BYTES_PER_TOKEN = 27 * 576 * 2

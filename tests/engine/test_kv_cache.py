@@ -1,4 +1,4 @@
-"""Tests for engine.kv_cache: the page allocator, slot mapping and the paged latent pool."""
+"""Tests for dsmesh.engine.kv_cache: the page allocator, slot mapping and the paged latent pool."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from engine.forward_batch import ForwardBatch, SequenceChunk
-from engine.kv_cache import MLAKVPool, OutOfPagesError, PageAllocator, pages_for, slots_for
+from dsmesh.engine.forward_batch import ForwardBatch, SequenceChunk
+from dsmesh.engine.kv_cache import MLAKVPool, OutOfPagesError, PageAllocator, pages_for, slots_for
 
 # --------------------------------------------------------------------------------------------
 # PageAllocator

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.errors import InvalidRequestError
-from engine.kv_cache import OutOfPagesError
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
-from engine.tiny_model import make_tiny_model
+from dsmesh.engine.errors import InvalidRequestError
+from dsmesh.engine.kv_cache import OutOfPagesError
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.loader import load_model
+from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.tiny_model import make_tiny_model
 
 GREEDY16 = SamplingParams(max_new_tokens=16, ignore_eos=True)
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.ep.load_recorder import ExpertLoadRecorder
-from engine.forward_batch import ForwardBatch, SequenceChunk
-from engine.kv_cache import MLAKVPool
-from engine.loader import load_model
-from engine.tiny_model import make_tiny_model
+from dsmesh.engine.ep.load_recorder import ExpertLoadRecorder
+from dsmesh.engine.forward_batch import ForwardBatch, SequenceChunk
+from dsmesh.engine.kv_cache import MLAKVPool
+from dsmesh.engine.loader import load_model
+from dsmesh.engine.tiny_model import make_tiny_model
 
 
 def test_window_counts() -> None:

@@ -1,4 +1,4 @@
-"""engine/logits_adjust.py: logit bias and the repetition, frequency and presence penalties,
+"""dsmesh/engine/logits_adjust.py: logit bias and the repetition, frequency and presence penalties,
 batched, against a hand-computed case and against the row-by-row reference."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.errors import InvalidRequestError
-from engine.logits_adjust import adjust_logits, adjust_logits_ref
-from engine.sampling_params import SamplingParams
+from dsmesh.engine.errors import InvalidRequestError
+from dsmesh.engine.logits_adjust import adjust_logits, adjust_logits_ref
+from dsmesh.engine.sampling_params import SamplingParams
 
 
 def test_hand_computed_row() -> None:

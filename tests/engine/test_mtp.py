@@ -17,18 +17,18 @@ import pytest
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from engine.config import load_config
-from engine.cuda_graph import CudaGraphRunner
-from engine.forward_batch import ForwardBatch, SequenceChunk
-from engine.kv_cache import MLAKVPool, pages_for
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.loader import load_model
-from engine.mtp import build_mtp
-from engine.mtp_graph import MTPGraphRunner
-from engine.mtp_weights import load_mtp_weights, mtp_state_dict
-from engine.sampling_params import SamplingParams
-from engine.spec_sampling import accept_greedy, accept_greedy_rows, sampling_probs
-from engine.weights import WeightError
+from dsmesh.engine.config import load_config
+from dsmesh.engine.cuda_graph import CudaGraphRunner
+from dsmesh.engine.forward_batch import ForwardBatch, SequenceChunk
+from dsmesh.engine.kv_cache import MLAKVPool, pages_for
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.loader import load_model
+from dsmesh.engine.mtp import build_mtp
+from dsmesh.engine.mtp_graph import MTPGraphRunner
+from dsmesh.engine.mtp_weights import load_mtp_weights, mtp_state_dict
+from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.spec_sampling import accept_greedy, accept_greedy_rows, sampling_probs
+from dsmesh.engine.weights import WeightError
 from tests.engine.hf_checkpoints import (
     HFCheckpoint,
     copy_checkpoint,
@@ -400,7 +400,8 @@ def test_prefills_drafts_cross_the_handoff_and_decodes_first_step_verifies_them(
     assert prefill.num_pages_in_use == 0 and decode.num_pages_in_use == 0
 
 
-# ---- speculative steps on the graph runners (engine/spec_graphs.py) ------------------------
+# ---- speculative steps on the graph runners (dsmesh/engine/spec_graphs.py)
+# ------------------------
 #
 # On CPU the runners run their forwards uncaptured over the same fixed buffers, so these tests
 # check the captured path's logic: verify and draft rows padded to buckets, greedy acceptance

@@ -4,7 +4,7 @@ penalties, logit bias or logprobs) and length limits around a step launched ahea
 the tokens and the KV pages exactly as without it.
 
 On CPU the graph runner runs without graphs (each launch computes at once), which exercises
-the engine's bookkeeping; the GPU tests and bench/gpu.py run it with real graphs."""
+the engine's bookkeeping; the GPU tests and dsmesh/bench/gpu.py run it with real graphs."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import dataclasses
 
 import pytest
 
-from engine.cuda_graph import CudaGraphRunner
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.sampling_params import SamplingParams
+from dsmesh.engine.cuda_graph import CudaGraphRunner
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.sampling_params import SamplingParams
 from tests.engine.hf_checkpoints import HFCheckpoint, random_prompts
 
 LENGTHS = [3, 9, 17, 30]

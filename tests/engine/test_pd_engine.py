@@ -9,12 +9,12 @@ import dataclasses
 import pytest
 import torch
 
-from engine.kv_cache import OutOfPagesError
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.loader import load_model
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.tiny_model import make_tiny_model
+from dsmesh.engine.kv_cache import OutOfPagesError
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.loader import load_model
+from dsmesh.engine.request import Request
+from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.kv_cache import PageAllocator
-from engine.prefix_cache import PrefixCache
-from engine.prefix_hashes import PrefixChanges, PrefixEventLog, page_hashes
+from dsmesh.engine.kv_cache import PageAllocator
+from dsmesh.engine.prefix_cache import PrefixCache
+from dsmesh.engine.prefix_hashes import PrefixChanges, PrefixEventLog, page_hashes
 
 
 def snapshot(limit: int) -> list[int]:

@@ -4,10 +4,10 @@ on demand, admitted or reserved on a decode instance, takes none."""
 
 from __future__ import annotations
 
-from engine.kv_cache import PageAllocator
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from dsmesh.engine.kv_cache import PageAllocator
+from dsmesh.engine.request import Request
+from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.scheduler import Scheduler, SchedulerConfig
 
 GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
 

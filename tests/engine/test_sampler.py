@@ -1,5 +1,6 @@
-"""Tests for engine.sampler: greedy, filters, empirical frequencies, per-request reproducibility,
-logit adjustments (against engine/logits_adjust.py's reference) and logprobs (against
+"""Tests for dsmesh.engine.sampler: greedy, filters, empirical frequencies, per-request
+reproducibility,
+logit adjustments (against dsmesh/engine/logits_adjust.py's reference) and logprobs (against
 log_softmax of the raw logits)."""
 
 from __future__ import annotations
@@ -9,9 +10,9 @@ import math
 import pytest
 import torch
 
-from engine.logits_adjust import adjust_logits_ref
-from engine.sampler import Sampler, make_generator
-from engine.sampling_params import SamplingParams
+from dsmesh.engine.logits_adjust import adjust_logits_ref
+from dsmesh.engine.sampler import Sampler, make_generator
+from dsmesh.engine.sampling_params import SamplingParams
 
 # A hand-built distribution; its prefixes have cumulative mass 0.5, 0.8, 0.95, 1.0.
 PROBS = [0.5, 0.3, 0.15, 0.05]

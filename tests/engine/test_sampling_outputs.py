@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.errors import InvalidRequestError
-from engine.llm_engine import EngineConfig, LLMEngine, StepOutput
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
-from engine.tiny_model import make_tiny_model
-from engine.token_logprobs import TokenLogprobs
+from dsmesh.engine.errors import InvalidRequestError
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine, StepOutput
+from dsmesh.engine.loader import load_model
+from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.tiny_model import make_tiny_model
+from dsmesh.engine.token_logprobs import TokenLogprobs
 
 
 @pytest.fixture(scope="module")

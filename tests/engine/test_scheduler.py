@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.errors import InvalidRequestError
-from engine.kv_cache import OutOfPagesError, PageAllocator
-from engine.llm_engine import EngineConfig, GenerationResult, LLMEngine
-from engine.loader import load_model
-from engine.request import Request, RequestStatus
-from engine.sampling_params import INT32_MAX, SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.tiny_model import make_tiny_model
+from dsmesh.engine.errors import InvalidRequestError
+from dsmesh.engine.kv_cache import OutOfPagesError, PageAllocator
+from dsmesh.engine.llm_engine import EngineConfig, GenerationResult, LLMEngine
+from dsmesh.engine.loader import load_model
+from dsmesh.engine.request import Request, RequestStatus
+from dsmesh.engine.sampling_params import INT32_MAX, SamplingParams
+from dsmesh.engine.scheduler import Scheduler, SchedulerConfig
+from dsmesh.engine.tiny_model import make_tiny_model
 
 GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
 

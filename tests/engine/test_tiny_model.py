@@ -1,4 +1,5 @@
-"""Tests for engine.tiny_model: the checkpoint format, determinism and the shared cache folder."""
+"""Tests for dsmesh.engine.tiny_model: the checkpoint format, determinism and the shared cache
+folder."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import tiny_model
-from engine.config import ModelConfig, load_config
-from engine.forward_batch import ForwardBatch, SequenceChunk
-from engine.kv_cache import MLAKVPool
-from engine.loader import load_model
-from engine.model import DeepseekForCausalLM
-from engine.tiny_model import (
+from dsmesh.engine import tiny_model
+from dsmesh.engine.config import ModelConfig, load_config
+from dsmesh.engine.forward_batch import ForwardBatch, SequenceChunk
+from dsmesh.engine.kv_cache import MLAKVPool
+from dsmesh.engine.loader import load_model
+from dsmesh.engine.model import DeepseekForCausalLM
+from dsmesh.engine.tiny_model import (
     COMPLETE_MARKER,
     TINY_ARCHES,
     cache_root,
@@ -27,7 +28,7 @@ from engine.tiny_model import (
     make_tiny_model,
     tiny_config,
 )
-from engine.tokenizer import BOS_TOKEN, EOS_TOKEN, Tokenizer
+from dsmesh.engine.tokenizer import BOS_TOKEN, EOS_TOKEN, Tokenizer
 
 CHECKPOINT_FILES = {
     "config.json",

@@ -1,4 +1,5 @@
-"""Tests for engine.tokenizer, with transformers' PreTrainedTokenizerFast as the reference."""
+"""Tests for dsmesh.engine.tokenizer, with transformers' PreTrainedTokenizerFast as the
+reference."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import jinja2
 import pytest
 from tokenizers import pre_tokenizers
 
-from engine.tokenizer import (
+from dsmesh.engine.tokenizer import (
     ASSISTANT_TOKEN,
     BOS_TOKEN,
     EOS_TOKEN,

@@ -1,4 +1,4 @@
-"""engine.tokenizer on DeepSeek-V3's real tokenizer and chat template, with transformers 5's
+"""dsmesh.engine.tokenizer on DeepSeek-V3's real tokenizer and chat template, with transformers 5's
 ``AutoTokenizer`` on the same checkpoint folder as the reference: ids, text and chat prompts
 equal token for token (system prompts, multi-turn, tool calls and tool outputs), and the
 streaming detokenizer exact on text whose characters span several tokens."""
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from dsmesh.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from tests.engine.deepseek_checkpoint import BOS_ID, EOS_ID, write_deepseek_tokenizer
 
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"

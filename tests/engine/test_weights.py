@@ -26,9 +26,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.loader import load_model
-from engine.weights import Fp8Weight, WeightError, official_state_dict, save_checkpoint_weights
-from kernels.fp8 import dequantize_fp8_block, quantize_fp8_block
+from dsmesh.engine.loader import load_model
+from dsmesh.engine.weights import (
+    Fp8Weight,
+    WeightError,
+    official_state_dict,
+    save_checkpoint_weights,
+)
+from dsmesh.kernels.fp8 import dequantize_fp8_block, quantize_fp8_block
 from tests.engine.hf_checkpoints import (
     HFCheckpoint,
     edit_config,
@@ -368,8 +373,8 @@ def test_fp8_scale_of_wrong_shape_is_named(fp8_ckpt, tmp_path) -> None:
 def test_engine_fp8_experts_switch_keeps_fp8_data_and_tokens(fp8_ckpt) -> None:
     """``EngineConfig.fp8_experts`` (``--fp8-experts``) loads with the FP8 data kept; on the
     CPU the dense path runs, with the same greedy tokens as a plain load."""
-    from engine.llm_engine import EngineConfig, LLMEngine
-    from engine.sampling_params import SamplingParams
+    from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+    from dsmesh.engine.sampling_params import SamplingParams
 
     path, _, _, names = fp8_ckpt
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)

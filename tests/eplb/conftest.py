@@ -10,13 +10,13 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from dsmesh.engine.ep.placement import round_robin_placement
+from dsmesh.eplb_svc.config import EPLBConfig
+from dsmesh.eplb_svc.controller import InstanceShape, LoadSample
+from dsmesh.eplb_svc.metrics import EPLBMetrics
+from dsmesh.eplb_svc.service import serve
 from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import eplb_pb2_grpc
-from engine.ep.placement import round_robin_placement
-from eplb_svc.config import EPLBConfig
-from eplb_svc.controller import InstanceShape, LoadSample
-from eplb_svc.metrics import EPLBMetrics
-from eplb_svc.service import serve
 
 WAIT_S = 5.0  # upper bound for anything a test waits on
 SHAPE = InstanceShape(num_moe_layers=3, num_logical=16, num_physical=20, ep_size=4)

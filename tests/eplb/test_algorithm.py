@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.ep.placement import round_robin_placement
-from eplb_svc.algorithm import (
+from dsmesh.engine.ep.placement import round_robin_placement
+from dsmesh.eplb_svc.algorithm import (
     balanced_packing,
     balancedness,
     balancedness_per_layer,

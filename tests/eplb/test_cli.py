@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from dsmesh.cli.main import main
+from dsmesh.engine.ep.load_recorder import ExpertLoadRecorder
+from dsmesh.eplb_svc.algorithm import balancedness, predicted_rank_load, rebalance_experts
+from dsmesh.eplb_svc.convert import report_from_sample
 from dsmesh.v1 import eplb_pb2 as pb
 from dsmesh.v1 import eplb_pb2_grpc
-from engine.ep.load_recorder import ExpertLoadRecorder
-from eplb_svc.algorithm import balancedness, predicted_rank_load, rebalance_experts
-from eplb_svc.convert import report_from_sample
 from tests.eplb.conftest import SHAPE, sample, skewed_counts, trivial_placement
 
 pytestmark = pytest.mark.timeout(120)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eplb_svc.algorithm import balancedness, predicted_rank_load, rebalance_experts
-from eplb_svc.controller import Controller, InvalidLoad, decide
+from dsmesh.eplb_svc.algorithm import balancedness, predicted_rank_load, rebalance_experts
+from dsmesh.eplb_svc.controller import Controller, InvalidLoad, decide
 from tests.eplb.conftest import SHAPE, sample, skewed_counts, trivial_placement
 
 

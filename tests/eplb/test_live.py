@@ -24,11 +24,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dsmesh.cli.launcher import dsmesh_command, start_service
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.sampling_params import SamplingParams
 from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import eplb_pb2, eplb_pb2_grpc, generation_pb2
 from dsmesh.v1 import generation_pb2_grpc as gen_grpc
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.sampling_params import SamplingParams
 from tests.pd.launch import instance_load, start_gateway
 
 pytestmark = pytest.mark.timeout(600)
@@ -40,7 +40,7 @@ HOT = {2: 0.4, 3: 0.4, 4: 0.4, 5: 0.4}
 
 
 def skewed_checkpoint(root: Path) -> Path:
-    from engine.tiny_model import default_model_dir
+    from dsmesh.engine.tiny_model import default_model_dir
 
     out = root / "skewed"
     shutil.copytree(default_model_dir(), out)

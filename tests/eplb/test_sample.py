@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from dsmesh.clients.eplb import load_report
-from engine.ep.load_recorder import ExpertLoadRecorder
-from engine.ep.placement import round_robin_placement
-from eplb_svc.controller import Controller
-from eplb_svc.convert import sample_from_report
+from dsmesh.engine.ep.load_recorder import ExpertLoadRecorder
+from dsmesh.engine.ep.placement import round_robin_placement
+from dsmesh.eplb_svc.controller import Controller
+from dsmesh.eplb_svc.convert import sample_from_report
 
 
 def test_recorder_take_feeds_the_controller() -> None:

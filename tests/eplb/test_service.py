@@ -13,9 +13,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dsmesh.clients.eplb import EPLBLink
+from dsmesh.eplb_svc.algorithm import balancedness, predicted_rank_load, rebalance_experts
+from dsmesh.eplb_svc.convert import report_from_sample
 from dsmesh.v1 import eplb_pb2 as pb
-from eplb_svc.algorithm import balancedness, predicted_rank_load, rebalance_experts
-from eplb_svc.convert import report_from_sample
 from tests.eplb.conftest import (
     SHAPE,
     WAIT_S,

@@ -6,9 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dsmesh.v1 import decode_pb2
-from dsmesh.v1 import kv_broker_pb2 as kb
-from gateway.admission import (
+from dsmesh.gateway.admission import (
     AdmissionQueue,
     Ledger,
     MeshLoads,
@@ -17,8 +15,8 @@ from gateway.admission import (
     TooLarge,
     Unroutable,
 )
-from gateway.registry import requests_held
-from gateway.routing import (
+from dsmesh.gateway.registry import requests_held
+from dsmesh.gateway.routing import (
     DecodeLoad,
     PrefillLoad,
     Target,
@@ -26,6 +24,8 @@ from gateway.routing import (
     could_ever_fit,
     largest_pool_tokens,
 )
+from dsmesh.v1 import decode_pb2
+from dsmesh.v1 import kv_broker_pb2 as kb
 
 # ---- routing ---------------------------------------------------------------------------------
 
@@ -330,7 +330,7 @@ def test_a_request_is_charged_its_prompt_pages_and_one_more() -> None:
 
 @pytest.mark.parametrize("pair", [False, True])
 def test_omitted_max_tokens_runs_at_the_concurrency_of_the_prompts(pair: bool) -> None:
-    """OpenAI's omitted max_tokens asks for the whole pool (gateway.core.room_to_generate):
+    """OpenAI's omitted max_tokens asks for the whole pool (dsmesh.gateway.core.room_to_generate):
     each such request is charged its prompt's pages, not the pool, so many go at once."""
     pool = DecodeLoad("d0", 64, 64, 0, PAGE)  # 1024 tokens
     if pair:

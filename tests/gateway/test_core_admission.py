@@ -10,13 +10,13 @@ import asyncio
 import grpc
 import pytest
 
-from engine.config import load_config
-from engine.sampling_params import SamplingParams
-from engine.tiny_model import default_model_dir
-from engine.tokenizer import Tokenizer
-from gateway.core import CoreLimits, GatewayError, GenerationCore, Placement
-from gateway.metrics import GatewayMetrics
-from gateway.registry import Instance, InstanceRegistry
+from dsmesh.engine.config import load_config
+from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.tiny_model import default_model_dir
+from dsmesh.engine.tokenizer import Tokenizer
+from dsmesh.gateway.core import CoreLimits, GatewayError, GenerationCore, Placement
+from dsmesh.gateway.metrics import GatewayMetrics
+from dsmesh.gateway.registry import Instance, InstanceRegistry
 from tests.up.harness import free_port
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]

@@ -4,10 +4,10 @@ instance is, so a follow-up turn goes back to it (pure policy, no processes)."""
 
 from __future__ import annotations
 
-from engine.prefix_hashes import PrefixChanges, page_hashes
-from gateway.admission import AdmissionQueue, MeshLoads, Ticket
-from gateway.prefix_index import PrefixIndex, PromptPages
-from gateway.routing import (
+from dsmesh.engine.prefix_hashes import PrefixChanges, page_hashes
+from dsmesh.gateway.admission import AdmissionQueue, MeshLoads, Ticket
+from dsmesh.gateway.prefix_index import PrefixIndex, PromptPages
+from dsmesh.gateway.routing import (
     NO_PREFIX,
     PREFIX,
     DecodeLoad,

@@ -14,10 +14,10 @@ from typing import Any
 import openai
 import pytest
 
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
-from gateway.openai_api import _messages
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.tokenizer import Tokenizer
+from dsmesh.gateway.openai_api import _messages
 from tests.engine.deepseek_checkpoint import make_tiny_deepseek_model, package_dir
 from tests.gateway.mesh_processes import one_unified, running_gateway_mesh
 from tests.gateway.test_openai_prompt import OPENAI_MESSAGES

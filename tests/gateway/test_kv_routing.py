@@ -12,11 +12,10 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from dsmesh.v1 import decode_pb2, decode_pb2_grpc, generation_pb2
-from engine.prefix_hashes import PrefixChanges, page_hashes
-from gateway.admission import AdmissionQueue, MeshLoads, Ticket
-from gateway.prefix_index import PrefixIndex, PromptPages
-from gateway.routing import (
+from dsmesh.engine.prefix_hashes import PrefixChanges, page_hashes
+from dsmesh.gateway.admission import AdmissionQueue, MeshLoads, Ticket
+from dsmesh.gateway.prefix_index import PrefixIndex, PromptPages
+from dsmesh.gateway.routing import (
     LOAD,
     NO_PREFIX,
     PREFIX,
@@ -27,6 +26,7 @@ from gateway.routing import (
     Target,
     choose_target,
 )
+from dsmesh.v1 import decode_pb2, decode_pb2_grpc, generation_pb2
 from tests.gateway.kv_mesh import KVMesh, metric, running_kv_mesh, scrape
 
 PROMPT = list(range(3, 3 + 40))  # 40 tokens: 9 full pages of 4 that a cache could serve

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.token_logprobs import TokenLogprobs
-from engine.tokenizer import Tokenizer
-from gateway.openai_logprobs import MIN_LOGPROB, LogprobsFormatter
+from dsmesh.engine.token_logprobs import TokenLogprobs
+from dsmesh.engine.tokenizer import Tokenizer
+from dsmesh.gateway.openai_logprobs import MIN_LOGPROB, LogprobsFormatter
 from tests.engine.deepseek_checkpoint import write_deepseek_tokenizer
 
 

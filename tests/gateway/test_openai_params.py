@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from engine.sampling_params import SamplingParams
-from gateway.openai_api import OpenAIRoutes, served_model_names
-from gateway.openai_params import (
+from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.gateway.openai_api import OpenAIRoutes, served_model_names
+from dsmesh.gateway.openai_params import (
     OpenAIError,
     include_usage,
     num_choices,

@@ -11,14 +11,14 @@ from typing import Any
 
 import pytest
 
-from engine.tiny_model import tiny_config
-from engine.tokenizer import Tokenizer
-from gateway.admission import MeshLoads
-from gateway.core import CoreLimits, GenerationCore
-from gateway.metrics import GatewayMetrics
-from gateway.openai_api import OpenAIError, _messages, _tools, sampling_from_openai
-from gateway.registry import InstanceRegistry
-from gateway.routing import DecodeLoad, PrefillLoad, largest_request_tokens
+from dsmesh.engine.tiny_model import tiny_config
+from dsmesh.engine.tokenizer import Tokenizer
+from dsmesh.gateway.admission import MeshLoads
+from dsmesh.gateway.core import CoreLimits, GenerationCore
+from dsmesh.gateway.metrics import GatewayMetrics
+from dsmesh.gateway.openai_api import OpenAIError, _messages, _tools, sampling_from_openai
+from dsmesh.gateway.registry import InstanceRegistry
+from dsmesh.gateway.routing import DecodeLoad, PrefillLoad, largest_request_tokens
 from tests.engine.deepseek_checkpoint import VOCAB_SIZE, write_deepseek_tokenizer
 from tests.up.harness import free_port
 

@@ -1,4 +1,4 @@
-"""The chat route's tools and tool_choice (gateway/openai_tools.py): 400s naming the field,
+"""The chat route's tools and tool_choice (dsmesh/gateway/openai_tools.py): 400s naming the field,
 the choice's defaults, and the grammar of enforced calls checked with llguidance against
 DeepSeek-V3's real tokenizer: it accepts exactly what V3's chat template writes for a call,
 token for token, and random logits masked by it always give calls whose arguments follow
@@ -13,12 +13,17 @@ import numpy as np
 import pytest
 import torch
 
-from engine.grammar import GrammarSpec, GrammarVocab, bitmask_words
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer, write_byte_level_tokenizer
-from gateway.openai_params import OpenAIError
-from gateway.openai_tools import ToolRequest, apply_tool_choice, tool_call_grammar, tool_request
-from gateway.tool_calls import CALL_END, ToolCall, parse_tool_calls
+from dsmesh.engine.grammar import GrammarSpec, GrammarVocab, bitmask_words
+from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.tokenizer import Tokenizer, write_byte_level_tokenizer
+from dsmesh.gateway.openai_params import OpenAIError
+from dsmesh.gateway.openai_tools import (
+    ToolRequest,
+    apply_tool_choice,
+    tool_call_grammar,
+    tool_request,
+)
+from dsmesh.gateway.tool_calls import CALL_END, ToolCall, parse_tool_calls
 from tests.engine.deepseek_checkpoint import EOS_ID, VOCAB_SIZE, package_dir
 
 WEATHER_SCHEMA = {

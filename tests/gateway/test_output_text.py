@@ -1,4 +1,4 @@
-"""gateway.stop_strings.OutputText on DeepSeek-V3's real tokenizer: generated ids streamed
+"""dsmesh.gateway.stop_strings.OutputText on DeepSeek-V3's real tokenizer: generated ids streamed
 token by token become exactly the non-streamed text, never show half a character, and stop
 at stop strings that span several tokens, even tokens that split one character."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.tokenizer import Tokenizer
-from gateway.stop_strings import OutputText
+from dsmesh.engine.tokenizer import Tokenizer
+from dsmesh.gateway.stop_strings import OutputText
 from tests.engine.deepseek_checkpoint import EOS_ID, write_deepseek_tokenizer
 
 TEXT = "前言：🦜鹦鹉和🦩火烈鸟 fly over 北京 ☀️ — the END 🧑‍🚀 of 龘靐齉."

@@ -15,14 +15,14 @@ import openai
 import pytest
 import torch
 
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.prompt_logprobs import prompt_logprobs_ref
+from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.token_logprobs import TokenLogprobs
+from dsmesh.engine.tokenizer import Tokenizer
 from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import generation_pb2 as pb
 from dsmesh.v1 import generation_pb2_grpc
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.prompt_logprobs import prompt_logprobs_ref
-from engine.sampling_params import SamplingParams
-from engine.token_logprobs import TokenLogprobs
-from engine.tokenizer import Tokenizer
 from tests.gateway.outputs_mesh import CHUNK_TOKENS, OutputsMesh, running_outputs_mesh
 from tests.gateway.test_gateway import post
 

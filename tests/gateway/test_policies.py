@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.routing import DecodeLoad, PrefillLoad, choose_decode, choose_prefill
-from gateway.stop_strings import StopStringMatcher
+from dsmesh.gateway.routing import DecodeLoad, PrefillLoad, choose_decode, choose_prefill
+from dsmesh.gateway.stop_strings import StopStringMatcher
 
 
 def run(stops: tuple[str, ...], pieces: list[str]) -> tuple[str, bool]:

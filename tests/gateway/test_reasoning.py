@@ -1,13 +1,13 @@
-"""The deepseek-r1 reasoning parser (gateway/reasoning.py), fed text deltas as the gateway
-detokenizes them, and its chat response shapes (gateway/openai_api.py:_Choice)."""
+"""The deepseek-r1 reasoning parser (dsmesh/gateway/reasoning.py), fed text deltas as the gateway
+detokenizes them, and its chat response shapes (dsmesh/gateway/openai_api.py:_Choice)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.core import Delta
-from gateway.openai_api import _Choice
-from gateway.reasoning import ReasoningParser, check_reasoning_parser
+from dsmesh.gateway.core import Delta
+from dsmesh.gateway.openai_api import _Choice
+from dsmesh.gateway.reasoning import ReasoningParser, check_reasoning_parser
 
 
 def split(deltas: list[str]) -> tuple[str, str]:
@@ -118,7 +118,7 @@ def test_all_reasoning_and_parser_off() -> None:
 
 @pytest.fixture(scope="module")
 def r1_mesh(tmp_path_factory: pytest.TempPathFactory):
-    from engine.tiny_model import default_model_dir
+    from dsmesh.engine.tiny_model import default_model_dir
     from tests.gateway.mesh_processes import one_unified, running_gateway_mesh
 
     model = default_model_dir(cache_dir=tmp_path_factory.mktemp("r1-cache"))

@@ -10,12 +10,12 @@ import json
 import openai
 import pytest
 
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.tokenizer import SPECIAL_TOKENS, Tokenizer
 from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import generation_pb2 as pb
 from dsmesh.v1 import generation_pb2_grpc
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import SPECIAL_TOKENS, Tokenizer
 from tests.gateway.test_gateway import post
 
 pytestmark = pytest.mark.timeout(300)

@@ -22,9 +22,9 @@ import openai
 import pytest
 
 from dsmesh.cli.launcher import ServiceProcess, dsmesh_command, start_service
+from dsmesh.engine.tokenizer import Tokenizer
 from dsmesh.v1 import generation_pb2 as pb
 from dsmesh.v1 import generation_pb2_grpc
-from engine.tokenizer import Tokenizer
 from tests.engine.deepseek_checkpoint import make_tiny_deepseek_model, package_dir
 from tests.reliability.soak_harness import wait_http_ok
 from tests.up.harness import free_port

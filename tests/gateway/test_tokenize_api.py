@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from engine.config import load_config
-from engine.tokenizer import Tokenizer
+from dsmesh.engine.config import load_config
+from dsmesh.engine.tokenizer import Tokenizer
 from tests.gateway.test_gateway import post
 
 pytestmark = pytest.mark.timeout(300)

@@ -1,5 +1,5 @@
-"""DeepSeek-V3 tool calls parsed from generated text (gateway/tool_calls.py): the format is
-the one V3's own chat template renders (round trip through engine/tokenizer.py), and the
+"""DeepSeek-V3 tool calls parsed from generated text (dsmesh/gateway/tool_calls.py): the format is
+the one V3's own chat template renders (round trip through dsmesh/engine/tokenizer.py), and the
 result is the same however the text is split into deltas: at every character boundary (so
 at every token boundary too), in pairs and triples of pieces, and token by token through
 the gateway's detokenizer."""
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from engine.tokenizer import Tokenizer
-from gateway.stop_strings import OutputText
-from gateway.tool_calls import (
+from dsmesh.engine.tokenizer import Tokenizer
+from dsmesh.gateway.stop_strings import OutputText
+from dsmesh.gateway.tool_calls import (
     CALL_BEGIN,
     CALL_END,
     CALLS_BEGIN,

@@ -2,13 +2,13 @@
 loopback) with the openai SDK and gRPC: a tiny random V3-shaped checkpoint with DeepSeek-V3's
 real tokenizer and chat template (tests/engine/deepseek_checkpoint.py).
 
-- ``auto``: the reply is what gateway/tool_calls.py parses from the raw text, the raw text
+- ``auto``: the reply is what dsmesh/gateway/tool_calls.py parses from the raw text, the raw text
   being the same seeded request with ``tool_choice: "none"``; calls the model writes (forced
   here by a vLLM-style ``guided_grammar``) come out as ``tool_calls``.
 - ``required`` and a named function: random weights yield valid calls every time, whose
   arguments follow the function's schema; streamed deltas reassemble to the same calls.
 - gRPC (``dsmesh.v1.Generation``, token ids in, text out): the tool-call grammar of
-  gateway/openai_tools.py in ``sampling.grammar`` gives the same valid calls.
+  dsmesh/gateway/openai_tools.py in ``sampling.grammar`` gives the same valid calls.
 """
 
 from __future__ import annotations
@@ -23,13 +23,10 @@ from typing import Any
 import openai
 import pytest
 
-from dsmesh.runtime.grpc_server import channel
-from dsmesh.v1 import generation_pb2 as pb
-from dsmesh.v1 import generation_pb2_grpc
-from engine.tokenizer import Tokenizer
-from gateway.openai_api import _messages
-from gateway.openai_tools import tool_call_grammar, tool_request
-from gateway.tool_calls import (
+from dsmesh.engine.tokenizer import Tokenizer
+from dsmesh.gateway.openai_api import _messages
+from dsmesh.gateway.openai_tools import tool_call_grammar, tool_request
+from dsmesh.gateway.tool_calls import (
     CALL_BEGIN,
     CALL_END,
     CALLS_BEGIN,
@@ -38,6 +35,9 @@ from gateway.tool_calls import (
     ToolCall,
     parse_tool_calls,
 )
+from dsmesh.runtime.grpc_server import channel
+from dsmesh.v1 import generation_pb2 as pb
+from dsmesh.v1 import generation_pb2_grpc
 from tests.engine.deepseek_checkpoint import make_tiny_deepseek_model, package_dir
 from tests.gateway.mesh_processes import one_unified, running_gateway_mesh
 from tests.gateway.test_openai_tools import NAMED, TOOLS, check_arguments

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.activation import silu_mul, silu_mul_ref
+from dsmesh.kernels.activation import silu_mul, silu_mul_ref
 from tests.kernels.conftest import needs_triton
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 
-from kernels import backends
+from dsmesh.kernels import backends
 
 
 def test_missing_library_means_triton_and_is_logged_once(caplog, monkeypatch) -> None:
     backends.choose.cache_clear()
     monkeypatch.setitem(backends.OPTIONAL, "fake_kernel", "surely_not_an_installed_module_x")
-    with caplog.at_level(logging.INFO, logger="kernels.backends"):
+    with caplog.at_level(logging.INFO, logger="dsmesh.kernels.backends"):
         assert backends.choose("fake_kernel") == "triton"
         assert backends.choose("fake_kernel") == "triton"
     assert len([r for r in caplog.records if "fake_kernel" in r.getMessage()]) == 1

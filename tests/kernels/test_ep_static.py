@@ -1,4 +1,4 @@
-"""Static all-to-all buffers (kernels.ep_static): slots without sorting equal the stable sort
+"""Static all-to-all buffers (dsmesh.kernels.ep_static): slots without sorting equal the stable sort
 by destination rank; the Triton pack equals its torch reference, padding included, at EP
 sizes 1, 2 and 4 (simulated: a rank's ``num_local`` below the physical expert count); the
 gather-combine back gives each token its weighted expert sum."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.ep_static import id_columns, ids_of, pack_static, pack_static_ref
-from kernels.moe_gemm import gather_combine, gather_combine_ref
+from dsmesh.kernels.ep_static import id_columns, ids_of, pack_static, pack_static_ref
+from dsmesh.kernels.moe_gemm import gather_combine, gather_combine_ref
 from tests.kernels.conftest import needs_triton
 
 

@@ -1,4 +1,4 @@
-"""Tests for kernels.fp8: block and per-token-group FP8 e4m3 round trips, shapes and errors.
+"""Tests for dsmesh.kernels.fp8: block and per-token-group FP8 e4m3 round trips, shapes and errors.
 
 Error bound: e4m3 keeps 3 mantissa bits, so rounding a normal value x (|x| >= 2**-6) to nearest
 moves it by at most half an ulp, 2**-4 * 2**floor(log2|x|) <= 2**-4 * |x|; below 2**-6 the
@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from kernels.fp8 import (
+from dsmesh.kernels.fp8 import (
     FP8_MAX,
     dequantize_fp8_block,
     dequantize_fp8_per_token_group,

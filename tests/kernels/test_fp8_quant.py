@@ -1,12 +1,13 @@
-"""Triton per-token-group FP8 quantisation equals kernels.fp8's torch reference bit for bit."""
+"""Triton per-token-group FP8 quantisation equals dsmesh.kernels.fp8's torch reference bit for
+bit."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.fp8 import FP8_MAX, dequantize_fp8_per_token_group
-from kernels.fp8_quant import (
+from dsmesh.kernels.fp8 import FP8_MAX, dequantize_fp8_per_token_group
+from dsmesh.kernels.fp8_quant import (
     per_token_group_quant_fp8,
     per_token_group_quant_fp8_ref,
     silu_mul_quant_fp8,

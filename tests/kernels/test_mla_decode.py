@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.mla_decode import mla_decode, mla_decode_ref, num_splits_for
+from dsmesh.kernels.mla_decode import mla_decode, mla_decode_ref, num_splits_for
 from tests.kernels.conftest import needs_cuda, needs_triton
 
 

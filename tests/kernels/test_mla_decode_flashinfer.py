@@ -1,8 +1,9 @@
-"""FlashInfer's MLA decode behind dsmesh's decode contract (kernels/mla_decode_flashinfer.py).
+"""FlashInfer's MLA decode behind dsmesh's decode contract
+(dsmesh/kernels/mla_decode_flashinfer.py).
 
 The host-side page layout runs everywhere. The kernel tests need a GPU with FlashInfer
 installed (``pip install flashinfer-python``); they compare it with dsmesh's reference
-(:func:`kernels.mla_decode.mla_decode_ref`) eagerly and inside CUDA graphs re-planned between
+(:func:`dsmesh.kernels.mla_decode.mla_decode_ref`) eagerly and inside CUDA graphs re-planned between
 replays, for both of FlashInfer's Hopper paths (fa2, fa3).
 """
 
@@ -12,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.backends import available
-from kernels.mla_decode import mla_decode_ref
-from kernels.mla_decode_flashinfer import FlashInferMLADecode, paged_indices
+from dsmesh.kernels.backends import available
+from dsmesh.kernels.mla_decode import mla_decode_ref
+from dsmesh.kernels.mla_decode_flashinfer import FlashInferMLADecode, paged_indices
 from tests.kernels.conftest import HAS_CUDA
 from tests.kernels.test_mla_decode import make_case
 

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from engine.config import RopeConfig
-from engine.kv_cache import MLAKVPool
-from engine.norm import RMSNorm
-from engine.rope import RotaryEmbedding
-from kernels.mla_rope import mla_decode_prep, mla_decode_prep_ref
+from dsmesh.engine.config import RopeConfig
+from dsmesh.engine.kv_cache import MLAKVPool
+from dsmesh.engine.norm import RMSNorm
+from dsmesh.engine.rope import RotaryEmbedding
+from dsmesh.kernels.mla_rope import mla_decode_prep, mla_decode_prep_ref
 from tests.kernels.conftest import needs_cuda, needs_triton
 from tests.kernels.test_norm import assert_close_ulp
 
@@ -65,7 +65,8 @@ def make_case(t, heads, nope, rope, lora, dtype, device, interleave, pad=0, seed
 
 
 def engine_sequence(c: Case) -> tuple[torch.Tensor, torch.Tensor]:
-    """What engine.cuda_graph's ``_attention`` does with the modules -> (q_pe, cache rows)."""
+    """What dsmesh.engine.cuda_graph's ``_attention`` does with the modules -> (q_pe, cache
+    rows)."""
     q_pe = c.rotary(c.q[..., c.nope :], c.cos, c.sin).contiguous()
     latent, k_pe = c.kv_a.split([c.lora, c.rope], -1)
     latent = c.norm(latent)

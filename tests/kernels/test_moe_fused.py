@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe_fused import fused_moe, fused_moe_ref, moe_align, moe_align_ref
+from dsmesh.kernels.moe_fused import fused_moe, fused_moe_ref, moe_align, moe_align_ref
 from tests.kernels.conftest import HAS_CUDA, needs_cuda, needs_triton
 
 
@@ -163,7 +163,7 @@ def test_shared_experts_run_as_extra_experts_without_a_copy(tokens, num_shared, 
 def test_fused_moe_reads_received_rows_in_place_with_unit_weights(device) -> None:
     """The static all-to-all's layout: rows and their int64 expert ids share one buffer, read
     through its row stride; each row is one pair of weight 1 (None), -1 marking padding."""
-    from kernels.ep_static import ids_of
+    from dsmesh.kernels.ep_static import ids_of
 
     experts, hidden, inter, rows = 4, 32, 16, 11
     w13, w2 = _weights(experts, hidden, inter, torch.float32)

@@ -8,17 +8,17 @@ import dataclasses
 import pytest
 import torch
 
-from engine.loader import build_model, init_random
-from engine.tiny_model import tiny_config
-from engine.weights import Fp8Weight
-from kernels.fp8 import (
+from dsmesh.engine.loader import build_model, init_random
+from dsmesh.engine.tiny_model import tiny_config
+from dsmesh.engine.weights import Fp8Weight
+from dsmesh.kernels.fp8 import (
     Fp8ExpertWeights,
     dequantize_fp8_block,
     quantize_fp8_block,
     quantize_fp8_per_token_group,
 )
-from kernels.fp8_quant import per_token_group_quant_fp8, silu_mul_quant_fp8
-from kernels.moe_gemm import (
+from dsmesh.kernels.fp8_quant import per_token_group_quant_fp8, silu_mul_quant_fp8
+from dsmesh.kernels.moe_gemm import (
     _tile_map,
     attach_fp8_experts,
     expert_ffn,
@@ -190,9 +190,9 @@ def test_attach_fp8_experts_stacks_the_checkpoint_tensors() -> None:
 def test_model_with_fp8_experts_on_gpu() -> None:
     """On CUDA an MoE layer with attached FP8 experts equals routing + permutation + the FP8
     torch reference + shared experts; the whole model runs and stays near its dense logits."""
-    from engine.forward_batch import ForwardBatch, SequenceChunk
-    from engine.kernel_choice import KernelChoice
-    from engine.kv_cache import MLAKVPool
+    from dsmesh.engine.forward_batch import ForwardBatch, SequenceChunk
+    from dsmesh.engine.kernel_choice import KernelChoice
+    from dsmesh.engine.kv_cache import MLAKVPool
 
     model = tiny_fp8_model().to("cuda")
     # Triton glue: the FP8 experts run only where kernels were chosen with Triton on
@@ -238,7 +238,7 @@ def test_fp8_grouped_gemm_deepseek_shape_on_gpu(m) -> None:
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_unpermute_combine_equals_the_index_add_reference(dtype, device) -> None:
-    from kernels.moe_gemm import unpermute_combine
+    from dsmesh.kernels.moe_gemm import unpermute_combine
 
     g = torch.Generator().manual_seed(5)
     tokens, experts, k, hidden = 23, 7, 3, 40

@@ -1,4 +1,4 @@
-"""DeepGEMM's FP8 grouped GEMM behind dsmesh's contract (kernels/moe_gemm_deepgemm.py).
+"""DeepGEMM's FP8 grouped GEMM behind dsmesh's contract (dsmesh/kernels/moe_gemm_deepgemm.py).
 
 The padded layout is plain torch and runs everywhere. The GEMM tests need a Hopper GPU with
 DeepGEMM installed (``pip install dsmesh[deepgemm]``); they compare it with the dequantised
@@ -12,16 +12,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.backends import available
-from kernels.fp8 import Fp8ExpertWeights, quantize_fp8_block
-from kernels.moe_gemm import (
+from dsmesh.kernels.backends import available
+from dsmesh.kernels.fp8 import Fp8ExpertWeights, quantize_fp8_block
+from dsmesh.kernels.moe_gemm import (
     expert_ffn_fp8,
     expert_ffn_fp8_ref,
     fp8_expert_backend,
     fp8_grouped_gemm,
     fp8_grouped_gemm_ref,
 )
-from kernels.moe_gemm_deepgemm import MIN_ROWS_PER_EXPERT, padded_layout, prefers_deep_gemm
+from dsmesh.kernels.moe_gemm_deepgemm import MIN_ROWS_PER_EXPERT, padded_layout, prefers_deep_gemm
 from tests.kernels.conftest import HAS_CUDA
 
 needs_deep_gemm = pytest.mark.skipif(
@@ -82,7 +82,7 @@ class _FakeDeepGemm:
     [("works", ""), ("mismatched torch", "dim == 2 or dim == 3"), ("garbage", "other values")],
 )
 def test_a_deep_gemm_built_for_another_torch_is_refused(behaviour, expect) -> None:
-    from kernels.moe_gemm_deepgemm import reads_tensors_correctly
+    from dsmesh.kernels.moe_gemm_deepgemm import reads_tensors_correctly
 
     problem = reads_tensors_correctly(_FakeDeepGemm(behaviour), "cpu")
     assert (expect in problem) if expect else problem == ""
@@ -91,13 +91,13 @@ def test_a_deep_gemm_built_for_another_torch_is_refused(behaviour, expect) -> No
 @needs_deep_gemm
 @pytest.mark.gpu
 def test_the_installed_deep_gemm_passes_its_load_check() -> None:
-    from kernels.moe_gemm_deepgemm import load_deep_gemm
+    from dsmesh.kernels.moe_gemm_deepgemm import load_deep_gemm
 
     assert load_deep_gemm() is not None
 
 
 def _problem(e: int, n: int, k: int, counts: list[int], seed: int = 0):
-    from kernels.fp8_quant import per_token_group_quant_fp8
+    from dsmesh.kernels.fp8_quant import per_token_group_quant_fp8
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     m = sum(counts)
@@ -125,7 +125,7 @@ def _assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float = 1e-2) -> No
     ],
 )
 def test_equals_reference_and_triton(e, n, k, counts) -> None:
-    from kernels.moe_gemm_deepgemm import deepgemm_fp8_grouped_gemm
+    from dsmesh.kernels.moe_gemm_deepgemm import deepgemm_fp8_grouped_gemm
 
     a, a_scale, w, w_scale, tokens = _problem(e, n, k, counts)
     out = deepgemm_fp8_grouped_gemm(a, a_scale, w, w_scale, tokens)
@@ -139,7 +139,7 @@ def test_equals_reference_and_triton(e, n, k, counts) -> None:
 def test_graph_replay_follows_new_routing() -> None:
     """Same row count, other expert counts: the layout is built on the device inside the
     graph, so a replay follows the new routing."""
-    from kernels.moe_gemm_deepgemm import deepgemm_fp8_grouped_gemm
+    from dsmesh.kernels.moe_gemm_deepgemm import deepgemm_fp8_grouped_gemm
 
     a, a_scale, w, w_scale, tokens = _problem(6, 512, 1024, [10, 0, 50, 3, 0, 1])
     out = deepgemm_fp8_grouped_gemm(a, a_scale, w, w_scale, tokens)  # JIT outside capture
@@ -184,7 +184,7 @@ def _experts(counts: list[int], hidden_size: int = 256, inter: int = 256):
     ],
 )
 def test_padded_ffn_equals_reference_and_triton(counts, hidden_size, inter) -> None:
-    from kernels.moe_gemm_deepgemm import deepgemm_expert_ffn_fp8
+    from dsmesh.kernels.moe_gemm_deepgemm import deepgemm_expert_ffn_fp8
 
     hidden, tokens, weights = _experts(counts, hidden_size, inter)
     out = deepgemm_expert_ffn_fp8(hidden, tokens, weights)
@@ -198,7 +198,7 @@ def test_padded_ffn_equals_reference_and_triton(counts, hidden_size, inter) -> N
 
 def _spy_experts(monkeypatch, counts: list[int]) -> tuple[list, torch.Tensor, torch.Tensor]:
     """FP8 experts on ``counts`` rows per expert, with DeepGEMM's calls recorded."""
-    import kernels.moe_gemm_deepgemm as adapter
+    import dsmesh.kernels.moe_gemm_deepgemm as adapter
 
     calls = []
     real = adapter.deepgemm_expert_ffn_fp8

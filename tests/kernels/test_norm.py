@@ -1,4 +1,4 @@
-"""Triton RMSNorm and residual-add + RMSNorm equal engine.norm.RMSNorm's torch math: float32
+"""Triton RMSNorm and residual-add + RMSNorm equal dsmesh.engine.norm.RMSNorm's torch math: float32
 to a few ulp, bf16/fp16 to one ulp (the residual sum bit for bit), strided rows included; the
 engine's RMSNorm dispatches to the kernel."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.norm
-from engine.norm import RMSNorm
-from kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
+import dsmesh.engine.norm as engine_norm
+from dsmesh.engine.norm import RMSNorm
+from dsmesh.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from tests.kernels.conftest import needs_triton
 
 EPS = 1e-6
@@ -124,7 +124,7 @@ def test_engine_rmsnorm_dispatches_to_the_kernel(monkeypatch, device) -> None:
         calls.append(tuple(x.shape))
         return rms_norm(x, weight, eps, out)
 
-    monkeypatch.setattr(engine.norm, "rms_norm", spy)
+    monkeypatch.setattr(engine_norm, "rms_norm", spy)
     norm = RMSNorm(96).to(device, torch.bfloat16)
     norm.triton = True
     with torch.no_grad():

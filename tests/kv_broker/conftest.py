@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import grpc
 import pytest_asyncio
 
+from dsmesh.kv_broker.config import BrokerConfig
+from dsmesh.kv_broker.service import serve
 from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import kv_broker_pb2 as pb
 from dsmesh.v1 import kv_broker_pb2_grpc
-from kv_broker.config import BrokerConfig
-from kv_broker.service import serve
 
 WAIT_S = 3.0  # upper bound for anything a test waits on
 

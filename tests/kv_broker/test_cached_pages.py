@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from dsmesh.kv_broker.state import ErrorCode, HandoffError, HandoffState, HandoffTable
 from dsmesh.v1 import kv_broker_pb2 as pb
-from kv_broker.state import ErrorCode, HandoffError, HandoffState, HandoffTable
 from tests.kv_broker.conftest import LAYOUT as LAYOUT_PB
 from tests.kv_broker.conftest import Broker, reserve_request
 from tests.kv_broker.test_state import LAYOUT, reserve

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv_broker.state import (
+from dsmesh.kv_broker.state import (
     ErrorCode,
     HandoffCause,
     HandoffError,

@@ -9,11 +9,11 @@ import json
 import urllib.error
 import urllib.request
 
+from dsmesh.engine.llm_engine import LLMEngine
+from dsmesh.engine.sampling_params import SamplingParams
 from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import generation_pb2 as pb
 from dsmesh.v1 import generation_pb2_grpc
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
 from tests.multihost.conftest import Mesh, wait_until
 
 # gRPC keepalive (dsmesh/runtime/grpc_server.py): a ping after 5 s without a frame from the

@@ -139,7 +139,7 @@ def network() -> Iterator[netns.Network]:
 def mesh(network: netns.Network, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     """The services run on hosts of the same name ("kv-broker", ...; "spare" runs none until
     a test starts one), tracing to an OTLP receiver on the bridge's address."""
-    from engine.tiny_model import default_model_dir
+    from dsmesh.engine.tiny_model import default_model_dir
 
     model_dir = default_model_dir()  # built once here, before four processes look for it
     log_dir = tmp_path_factory.mktemp("multihost-logs")
@@ -171,6 +171,6 @@ def mesh(network: netns.Network, tmp_path_factory: pytest.TempPathFactory) -> It
 @pytest.fixture(scope="package")
 def offline(mesh: Mesh):
     """The offline engine on the mesh's checkpoint: the tokens every test compares with."""
-    from engine.llm_engine import EngineConfig, LLMEngine
+    from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 
     return LLMEngine(EngineConfig(model=str(mesh.model_dir), max_total_tokens=1 << 15))

@@ -19,11 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from dsmesh.engine.llm_engine import LLMEngine
+from dsmesh.engine.tokenizer import Tokenizer
 from dsmesh.v1 import generation_pb2 as pb
 from dsmesh.v1 import generation_pb2_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
-from engine.llm_engine import LLMEngine
-from engine.tokenizer import Tokenizer
 from tests.multihost.client import (
     HANDOFF_BOUND_S,
     STREAM_BOUND_S,

@@ -19,10 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from dsmesh.engine.llm_engine import LLMEngine
 from dsmesh.instance.ep_group import GROUP_LINK_TIMEOUT_S
 from dsmesh.v1 import decode_pb2_grpc, eplb_pb2, eplb_pb2_grpc, prefill_pb2
 from dsmesh.v1 import kv_broker_pb2 as kb
-from engine.llm_engine import LLMEngine
 from tests.multihost.client import (
     STREAM_BOUND_S,
     assert_pages_return_to_zero_on,

@@ -24,15 +24,15 @@ import pytest
 
 pytest.importorskip("mooncake.engine")
 
-from dsmesh.runtime.transfer import RemotePool, TransferError  # noqa: E402
-from dsmesh.runtime.transfer.mooncake import MooncakeTransport  # noqa: E402
-from engine.kv_cache import MLAKVPool  # noqa: E402
-from prefill_svc.transfer_queue import (  # noqa: E402
+from dsmesh.engine.kv_cache import MLAKVPool  # noqa: E402
+from dsmesh.prefill_svc.transfer_queue import (  # noqa: E402
     ChunkJob,
     FinalJob,
     TransferCallbacks,
     TransferQueue,
 )
+from dsmesh.runtime.transfer import RemotePool, TransferError  # noqa: E402
+from dsmesh.runtime.transfer.mooncake import MooncakeTransport  # noqa: E402
 from tests.multihost import netns, transfer_peer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -140,7 +140,7 @@ def test_a_write_to_a_dark_host_fails_and_never_lands_later(dark_able_peer) -> N
 
 
 def test_prefill_lanes_release_only_after_the_write_in_flight_ended(dark_able_peer) -> None:
-    """Prefill's transfer lanes (prefill_svc/transfer_queue.py) over the real transport: a
+    """Prefill's transfer lanes (dsmesh/prefill_svc/transfer_queue.py) over the real transport: a
     request aborted after its final job was queued, while its write to the dark host is in
     flight, is released (decode may reuse its pages) only once that write has ended."""
     host, peer, transport, local = dark_able_peer

@@ -12,8 +12,8 @@ import sys
 
 import torch
 
+from dsmesh.engine.kv_cache import MLAKVPool
 from dsmesh.runtime.transfer.mooncake import MooncakeTransport
-from engine.kv_cache import MLAKVPool
 
 NUM_LAYERS, NUM_PAGES, PAGE_SIZE, KV_DIM = 2, 4, 16, 64
 

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from decode_svc.handoff import Reservation
 from dsmesh.cli.launcher import ServiceProcess, dsmesh_command
 from dsmesh.clients.pd import generate_pd
+from dsmesh.decode_svc.handoff import Reservation
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.prefix_hashes import page_hashes
+from dsmesh.engine.sampling_params import SamplingParams
 from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import decode_pb2_grpc, generation_pb2, prefill_pb2, prefill_pb2_grpc
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.prefix_hashes import page_hashes
-from engine.sampling_params import SamplingParams
 from tests.gateway.kv_mesh import metric, scrape
 from tests.gateway.mesh_processes import running_gateway_mesh
 from tests.up.harness import free_port

@@ -1,4 +1,5 @@
-"""Decode's handoff as plain Python (decode_svc/handoff.py): every way a Decode call goes, the
+"""Decode's handoff as plain Python (dsmesh/decode_svc/handoff.py): every way a Decode call goes,
+the
 status it answers, and when its pages may be reused. No gRPC, no processes, an explicit clock."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from decode_svc.handoff import (
+from dsmesh.decode_svc.handoff import (
     ROOM_POLL_S,
     DecodeHandoff,
     DecodeHandoffs,
@@ -357,7 +358,8 @@ def test_end_terminal_and_may_write() -> None:
 
 def test_the_handoff_rules_import_no_grpc() -> None:
     code = (
-        "import sys, decode_svc.handoff, prefill_svc.handoff, dsmesh.instance.failures; "
+        "import sys, dsmesh.decode_svc.handoff, dsmesh.prefill_svc.handoff, "
+        "dsmesh.instance.failures; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'grpc'))"
     )
     root = Path(__file__).resolve().parents[2]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from decode_svc.handoff import Reservation
-from decode_svc.servicer import _try_reserve
-from engine.errors import InvalidRequestError
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.sampling_params import SamplingParams
+from dsmesh.decode_svc.handoff import Reservation
+from dsmesh.decode_svc.servicer import _try_reserve
+from dsmesh.engine.errors import InvalidRequestError
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

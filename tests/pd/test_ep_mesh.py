@@ -15,6 +15,8 @@ import torch
 
 from dsmesh.cli.launcher import dsmesh_command, start_service
 from dsmesh.clients.pd import generate_pd
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.sampling_params import SamplingParams
 from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import (
     decode_pb2,
@@ -25,8 +27,6 @@ from dsmesh.v1 import (
 )
 from dsmesh.v1 import generation_pb2_grpc as gen_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.sampling_params import SamplingParams
 from tests.pd.launch import group_ranks, start_gateway, two_free_ports, wait_pages_free
 
 pytestmark = pytest.mark.timeout(400)
@@ -56,7 +56,7 @@ def ep_mesh(tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("logs")
     env = {"DSMESH_CACHE_DIR": str(cache)}
     os.environ["DSMESH_CACHE_DIR"] = str(cache)
-    from engine.tiny_model import default_model_dir
+    from dsmesh.engine.tiny_model import default_model_dir
 
     model = str(default_model_dir())
     procs = []

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from dsmesh.clients.broker import BrokerLink
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.sampling_params import SamplingParams
 from dsmesh.instance.layout import layout_of
 from dsmesh.runtime.grpc_server import channel
 from dsmesh.runtime.transfer import make_transport
 from dsmesh.v1 import generation_pb2, prefill_pb2, prefill_pb2_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -33,7 +33,7 @@ def recompute_pages(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
 
 
 def test_pages_received_by_decode_equal_a_prefill_side_recompute(mesh) -> None:
-    from engine.tiny_model import default_model_dir
+    from dsmesh.engine.tiny_model import default_model_dir
 
     model_dir = str(default_model_dir())
     page_size = 16

@@ -11,20 +11,20 @@ import pytest
 import torch
 
 from dsmesh.clients.pd import PDError, generate_pd
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.sampling_params import SamplingParams
 from dsmesh.runtime.convert import sampling_to_proto
 from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import decode_pb2_grpc, generation_pb2, prefill_pb2, prefill_pb2_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
 def offline(mesh) -> LLMEngine:
-    from engine.tiny_model import default_model_dir
+    from dsmesh.engine.tiny_model import default_model_dir
 
     return LLMEngine(EngineConfig(model=str(default_model_dir()), max_total_tokens=1 << 16))
 

@@ -19,6 +19,8 @@ from transformers import PreTrainedModel
 
 from dsmesh.cli.launcher import dsmesh_command, start_service
 from dsmesh.clients.pd import generate_pd
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.sampling_params import SamplingParams
 from dsmesh.runtime.convert import sampling_to_proto
 from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import (
@@ -28,8 +30,6 @@ from dsmesh.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.sampling_params import SamplingParams
 from tests.engine.hf_checkpoints import add_mtp_layer, make_hf_v3, random_prompts
 from tests.pd.conftest import free_port
 

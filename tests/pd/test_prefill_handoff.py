@@ -1,4 +1,4 @@
-"""Prefill's handoff as plain Python (prefill_svc/handoff.py): admission, which of decode's
+"""Prefill's handoff as plain Python (dsmesh/prefill_svc/handoff.py): admission, which of decode's
 pages each forward's KV goes to, and every way a request stops (what kv_broker hears, what is
 freed, what the call answers). No gRPC, no processes, an explicit clock."""
 
@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 
 from dsmesh.instance.failures import CallFailed, Code
-from dsmesh.v1 import kv_broker_pb2 as kb
-from prefill_svc.handoff import (
+from dsmesh.prefill_svc.handoff import (
     Free,
     Notice,
     Phase,
@@ -19,6 +18,7 @@ from prefill_svc.handoff import (
     may_be_duplicate,
     resolve_failed,
 )
+from dsmesh.v1 import kv_broker_pb2 as kb
 
 PAGE = 16
 DECODE_PAGES = [40, 41, 7, 8, 9, 3]  # decode's reservation: prompt pages, then room to decode

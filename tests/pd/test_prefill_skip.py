@@ -1,4 +1,4 @@
-"""Prefill skips the pages decode holds already (prefill_svc/handoff.py): it writes only the
+"""Prefill skips the pages decode holds already (dsmesh/prefill_svc/handoff.py): it writes only the
 pages after them, and a reservation that claims pages this prompt cannot share fails the
 handoff as a prompt mismatch, before any byte moves. No gRPC, no processes."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from dsmesh.engine.prefix_hashes import ROOT_HASH, page_hashes, prefix_name
 from dsmesh.instance.failures import Code
+from dsmesh.prefill_svc.handoff import Free, Notice, PrefillHandoff, same_prefix
 from dsmesh.v1 import kv_broker_pb2 as kb
-from engine.prefix_hashes import ROOT_HASH, page_hashes, prefix_name
-from prefill_svc.handoff import Free, Notice, PrefillHandoff, same_prefix
 
 PAGE = 16
 DECODE_PAGES = [40, 41, 7, 8, 9, 3]  # decode's reservation: 5 pages for 70 tokens, then room

@@ -17,9 +17,9 @@ import openai
 import pytest
 
 from dsmesh.cli.launcher import dsmesh_command
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.tokenizer import Tokenizer
 from tests.gateway.kv_mesh import metric, scrape
 from tests.gateway.mesh_processes import running_gateway_mesh
 from tests.up.harness import free_port

@@ -16,13 +16,18 @@ import grpc
 import pytest
 import torch
 
-from decode_svc.handoff import DecodeHandoffs, HandoffEnd
-from decode_svc.servicer import DecodeLimits, DecodeServicer
 from dsmesh.clients.broker import BrokerLink
 from dsmesh.clients.pd import PDError, generate_pd
+from dsmesh.decode_svc.handoff import DecodeHandoffs, HandoffEnd
+from dsmesh.decode_svc.servicer import DecodeLimits, DecodeServicer
+from dsmesh.engine.kv_cache import MLAKVPool
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.request import RequestStatus
+from dsmesh.engine.sampling_params import SamplingParams
 from dsmesh.instance.failures import Code
 from dsmesh.instance.layout import layout_of
 from dsmesh.instance.worker import EngineWorker
+from dsmesh.prefill_svc.servicer import PrefillLimits, PrefillServicer
 from dsmesh.runtime.grpc_server import channel, start_server
 from dsmesh.runtime.transfer import KVTransport, RemotePool, pool_segments
 from dsmesh.v1 import (
@@ -34,11 +39,6 @@ from dsmesh.v1 import (
 )
 from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
-from engine.kv_cache import MLAKVPool
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams
-from prefill_svc.servicer import PrefillLimits, PrefillServicer
 from tests.kv_broker.conftest import running_broker
 
 pytestmark = pytest.mark.timeout(120)
@@ -266,7 +266,7 @@ def test_requests_in_line_are_reserved_together(monkeypatch: pytest.MonkeyPatch)
     command, not one per engine step (on the H200 that capped PD at about 35 requests/s).
     The request that asked for that command is cancelled while it runs: its pages still come
     back, and the others serve the offline engine's tokens."""
-    import decode_svc.servicer as servicer
+    import dsmesh.decode_svc.servicer as servicer
 
     lines: list[int] = []
     real = servicer._try_reserve_line
@@ -321,7 +321,7 @@ def test_a_line_reservation_that_outlasts_the_reserve_wait_serves_its_requests(
     """The engine command reserving for the line runs past the requests' reserve wait. Each
     request waits for its answer and is served. Before, each gave up with RESOURCE_EXHAUSTED,
     and the pages the command granted it stayed taken for good (a flaky leak in CI)."""
-    import decode_svc.servicer as servicer
+    import dsmesh.decode_svc.servicer as servicer
 
     real = servicer._try_reserve_line
 

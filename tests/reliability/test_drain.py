@@ -25,6 +25,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dsmesh.cli.launcher import ServiceProcess, dsmesh_command, start_service
+from dsmesh.engine.tiny_model import default_model_dir
 from dsmesh.runtime.drain import DRAINING_MESSAGE
 from dsmesh.v1 import (
     decode_pb2,
@@ -33,7 +34,6 @@ from dsmesh.v1 import (
     generation_pb2_grpc,
     prefill_pb2,
 )
-from engine.tiny_model import default_model_dir
 
 STREAMS = 8
 NEW_TOKENS = 600

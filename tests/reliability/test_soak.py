@@ -21,11 +21,11 @@ import aiohttp
 import grpc
 import pytest
 
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.tokenizer import Tokenizer
 from dsmesh.v1 import generation_pb2 as pb
 from dsmesh.v1 import generation_pb2_grpc
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
 from tests.reliability.soak_harness import (
     Outcome,
     grpc_generate,

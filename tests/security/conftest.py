@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.service import GatewayConfig
+from dsmesh.gateway.service import GatewayConfig
 from tests.security.certs import Pki, make_pki
 from tests.up.harness import UpProcess
 

@@ -30,8 +30,8 @@ REPLY_TIMEOUT_S = 60.0
 
 
 def _decode_main(requests: mp.Queue, replies: mp.Queue) -> None:
+    from dsmesh.engine.kv_cache import MLAKVPool
     from dsmesh.runtime.transfer import make_transport
-    from engine.kv_cache import MLAKVPool
 
     try:
         transport = make_transport("mooncake", hostname="127.0.0.1", protocol="nvlink_intra")
@@ -102,9 +102,14 @@ def _mismatches(got: torch.Tensor, want: torch.Tensor, remote_pages: list[int]) 
 
 @pytest.mark.parametrize("busy", [False, True], ids=["idle", "during-forward"])
 def test_pages_written_through_the_lanes_equal_the_finished_source(decode_peer, busy) -> None:
+    from dsmesh.engine.kv_cache import MLAKVPool
+    from dsmesh.prefill_svc.transfer_queue import (
+        ChunkJob,
+        FinalJob,
+        TransferCallbacks,
+        TransferQueue,
+    )
     from dsmesh.runtime.transfer import make_transport
-    from engine.kv_cache import MLAKVPool
-    from prefill_svc.transfer_queue import ChunkJob, FinalJob, TransferCallbacks, TransferQueue
 
     remote, read = decode_peer
     assert remote.num_pages == PAGES + 16
@@ -158,8 +163,8 @@ def test_a_1000_token_v2_lite_handoff_moves_fast(decode_peer) -> None:
     layout scaled to this pool (576 bf16 values per token per layer) through write_pages."""
     import time
 
+    from dsmesh.engine.kv_cache import MLAKVPool
     from dsmesh.runtime.transfer import make_transport
-    from engine.kv_cache import MLAKVPool
 
     remote, read = decode_peer
     pool = MLAKVPool(LAYERS, PAGES, PAGE_SIZE, KV_DIM, torch.bfloat16, "cuda")

@@ -24,9 +24,9 @@ import torch
 
 pytest.importorskip("mooncake.engine")
 
+from dsmesh.engine.kv_cache import MLAKVPool  # noqa: E402
 from dsmesh.runtime.transfer import RemotePool, TransferError, make_transport  # noqa: E402
 from dsmesh.runtime.transfer.mooncake import MooncakeTransport  # noqa: E402
-from engine.kv_cache import MLAKVPool  # noqa: E402
 
 REPLY_TIMEOUT_S = 30.0
 CALL_TIMEOUT_S = 15.0

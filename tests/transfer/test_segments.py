@@ -8,6 +8,7 @@ from importlib.machinery import ModuleSpec
 import pytest
 import torch
 
+from dsmesh.engine.kv_cache import MLAKVPool
 from dsmesh.runtime.transfer import (
     RemotePool,
     make_transport,
@@ -15,7 +16,6 @@ from dsmesh.runtime.transfer import (
     page_segments,
     pool_segments,
 )
-from engine.kv_cache import MLAKVPool
 
 LOCAL = 1_000_000
 REMOTE = 9_000_000

@@ -16,19 +16,19 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dsmesh.cli.launcher import dsmesh_command, start_service
+from dsmesh.engine.kv_cache import PageAllocator
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.load import engine_load
+from dsmesh.engine.request import Request
+from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.scheduler import Scheduler, SchedulerConfig
 from dsmesh.runtime.convert import sampling_to_proto
 from dsmesh.runtime.grpc_server import channel
+from dsmesh.unified_svc.load import unified_load
 from dsmesh.v1 import decode_pb2, decode_pb2_grpc, generation_pb2, prefill_pb2
 from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
-from engine.kv_cache import PageAllocator
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.load import engine_load
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
 from tests.unified.conftest import SMALL_BATCH_TOKENS, SMALL_POOL_TOKENS
-from unified_svc.load import unified_load
 
 pytestmark = pytest.mark.timeout(180)
 

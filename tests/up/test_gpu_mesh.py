@@ -12,9 +12,9 @@ import grpc
 import pytest
 import torch
 
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.sampling_params import SamplingParams
 from dsmesh.v1 import generation_pb2, generation_pb2_grpc
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.sampling_params import SamplingParams
 from tests.up.harness import UpProcess, free_port
 
 pytestmark = [

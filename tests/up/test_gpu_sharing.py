@@ -1,6 +1,6 @@
 """How ``dsmesh up``'s engine processes share a GPU: the MPS policy, and the daemon's life
 around the mesh. No GPU here, so ``nvidia-cuda-mps-control`` is a script that records how it
-was called (the real daemon runs in bench.mesh_gpu on the H200, docs/BENCHMARKS.md)."""
+was called (the real daemon runs in dsmesh.bench.mesh_gpu on the H200, docs/BENCHMARKS.md)."""
 
 from __future__ import annotations
 

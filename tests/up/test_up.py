@@ -382,8 +382,8 @@ def test_unified_only_mesh_serves_the_engines_greedy_tokens(cache_env: dict[str,
     gateway; a REST request gets the tokens the in-process engine gives."""
     import json
 
-    from engine.llm_engine import EngineConfig, LLMEngine
-    from engine.sampling_params import SamplingParams
+    from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+    from dsmesh.engine.sampling_params import SamplingParams
 
     http_port = free_port()
     up = UpProcess(

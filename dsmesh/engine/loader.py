@@ -1,0 +1,88 @@
+"""Build a model for a device and dtype, then fill it from a checkpoint or at random."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+from dsmesh.engine.config import ModelConfig, load_config
+from dsmesh.engine.expert_location import ExpertLocation
+from dsmesh.engine.kernel_choice import KernelChoice
+from dsmesh.engine.model import DeepseekForCausalLM
+from dsmesh.engine.moe import MoEGate
+from dsmesh.engine.moe_dispatch import MoEDispatcher
+from dsmesh.engine.weights import load_weights
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def build_model(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    expert_location: ExpertLocation | None = None,
+    dispatcher: MoEDispatcher | None = None,
+    ep_rank: int = 0,
+) -> DeepseekForCausalLM:
+    """Allocate an uninitialised model directly in ``dtype`` on ``device``.
+
+    Built on the meta device first so a large model is never materialised twice. Router
+    weights and the correction bias stay float32, as in the reference implementation.
+    """
+    with torch.device("meta"):
+        model = DeepseekForCausalLM(cfg, expert_location, dispatcher, ep_rank)
+    model = materialize(model, dtype, device)
+    model.model.rotary.reset_buffers()
+    return model.eval()
+
+
+def materialize(module: M, dtype: torch.dtype, device: torch.device | str) -> M:
+    """``module``, built on the meta device, as uninitialised storage in ``dtype`` on
+    ``device``, its routers (``MoEGate``) in float32 as in the reference implementation.
+    Buffers computed at construction (rotary tables) must be computed again after."""
+    module = module.to(dtype)
+    for sub in module.modules():
+        if isinstance(sub, MoEGate):
+            sub.float()
+    return module.to_empty(device=device)
+
+
+def load_model(
+    checkpoint_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    keep_fp8: bool = False,
+    expert_location: ExpertLocation | None = None,
+    dispatcher: MoEDispatcher | None = None,
+    ep_rank: int = 0,
+) -> DeepseekForCausalLM:
+    """Read config.json and the safetensors of ``checkpoint_dir`` into a ready model, with
+    the kernels "auto" picks for ``device`` and ``dtype`` (an engine may choose again)."""
+    cfg = load_config(checkpoint_dir)
+    model = build_model(cfg, dtype, device, expert_location, dispatcher, ep_rank)
+    load_weights(model, checkpoint_dir, keep_fp8=keep_fp8)
+    if keep_fp8 and torch.device(device).type == "cuda":
+        from dsmesh.kernels.moe_gemm import attach_fp8_experts  # FP8 grouped GEMM for the experts
+
+        attach_fp8_experts(model)
+    model.set_kernels(KernelChoice.resolve(torch.device(device), dtype))
+    return model
+
+
+@torch.no_grad()
+def init_random(model: DeepseekForCausalLM, seed: int, std: float = 0.02) -> None:
+    """Deterministic random weights (CPU generator, so identical on every machine).
+
+    Norm weights get 1 + noise, linear weights N(0, std), the correction bias N(0, std) so
+    that V3's biased selection really matters.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for name, tensor in sorted(model.state_dict(keep_vars=True).items()):
+        if name.endswith("rotary.inv_freq"):
+            continue
+        noise = torch.randn(tensor.shape, generator=gen, dtype=torch.float32)
+        value = 1.0 + 0.1 * noise if name.endswith("norm.weight") else noise * std
+        tensor.copy_(value.to(tensor.dtype))

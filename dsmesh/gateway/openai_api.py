@@ -1,0 +1,596 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions, and vLLM's
+and SGLang's /v1/tokenize and /v1/detokenize.
+
+Follows the OpenAI API's request and response shapes (and its defaults: temperature 1; with
+``max_tokens`` omitted, generation runs up to the room left in the context after the prompt),
+with vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+``min_tokens``, ``stop_token_ids`` (dsmesh/gateway/openai_params.py). Completions' ``echo`` puts the
+prompt (and its logprobs) before each choice (dsmesh/gateway/openai_echo.py); ``max_tokens: 0`` asks
+for the prompt only (prompt scoring). ``n`` choices run as independent requests sharing the
+prompt's KV (dsmesh/gateway/choices.py); logprobs come in OpenAI's chat and completions shapes
+(dsmesh/gateway/openai_logprobs.py), streamed too. Chat prompts are the checkpoint's chat template
+rendered over the messages as sent (tool calls and tool messages included); with
+``--reasoning-parser deepseek-r1`` (dsmesh/gateway/reasoning.py) chat output's ``<think>`` part
+goes to
+``reasoning_content``. Chat's ``tools`` and ``tool_choice`` (dsmesh/gateway/openai_tools.py): the
+output is parsed into ``tool_calls`` (dsmesh/gateway/tool_calls.py), streamed as
+``delta.tool_calls``; ``required`` and named choices are enforced by a grammar. What is not
+supported yet (suffix, chat's echo) is refused with 400 naming the
+parameter.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from dsmesh.engine.token_logprobs import TokenLogprobs
+from dsmesh.engine.tokenizer import Tokenizer
+from dsmesh.gateway.choices import choice_inputs, generate_choices
+from dsmesh.gateway.core import Delta, GatewayError, GenerationCore, GenerationInput
+from dsmesh.gateway.openai_echo import EchoedPrompt, join_logprobs
+from dsmesh.gateway.openai_logprobs import LogprobsFormatter
+from dsmesh.gateway.openai_params import (
+    OpenAIError,
+    bad_param,
+    echo,
+    include_usage,
+    num_choices,
+    openai_param,
+    prompt_only,
+    refuse_unsupported,
+    sampling_from_openai,
+    sent_max_tokens_key,
+    utf8_text,
+)
+from dsmesh.gateway.openai_tools import ToolRequest, apply_tool_choice, tool_request
+from dsmesh.gateway.reasoning import ReasoningParser, make_reasoning_parser
+from dsmesh.gateway.rest import http_status, read_json, sse
+from dsmesh.gateway.tool_calls import CallDelta, ToolCallParser, merge_call_deltas
+from dsmesh.runtime.telemetry import context_from_headers
+
+__all__ = ["OpenAIError", "OpenAIRoutes", "sampling_from_openai"]
+
+
+def _from_gateway(
+    exc: GatewayError,
+    prompt_param: str = "prompt",
+    chat: bool = False,
+    max_tokens_key: str = "max_tokens",
+) -> OpenAIError:
+    """Map a pipeline error; its field names become OpenAI parameter names (the token limit's
+    as ``max_tokens_key``, the field the client sent)."""
+    status = http_status(exc.code)
+    message, param = exc.message, None
+    if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
+        field, _, rest = message.partition(": ")
+        field = {"input_ids": prompt_param, "text": prompt_param}.get(field, field)
+        field = openai_param(field.removeprefix("sampling."), chat, max_tokens_key)
+        message, param = f"{field}: {rest}", field
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return OpenAIError(status, message, param=param, code=exc.code.name.lower(), kind=kind)
+
+
+class OpenAIRoutes:
+    def __init__(
+        self, core: GenerationCore, model_name: str | Sequence[str], reasoning_parser: str = ""
+    ) -> None:
+        """``model_name``: the served model's names (``--served-model-name``, repeated or a
+        comma list); a request may use any, /v1/models lists them all."""
+        self.core = core
+        self.model_names = served_model_names(model_name)
+        if not self.model_names:
+            raise ValueError("the gateway needs a served model name")
+        self.model_name = self.model_names[0]
+        self.reasoning_parser = reasoning_parser  # "" (off) or a dsmesh/gateway/reasoning.py parser
+        self.created = int(time.time())
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/v1/models", self.models),
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat),
+            web.post("/v1/tokenize", self.tokenize),
+            web.post("/v1/detokenize", self.detokenize),
+        ]
+
+    async def models(self, request: web.Request) -> web.Response:
+        cards = [self._model_card(name) for name in self.model_names]
+        return web.json_response({"object": "list", "data": cards})
+
+    def _model_card(self, name: str) -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "dsmesh",
+        }
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = await read_json(request)
+        except GatewayError as exc:
+            raise _from_gateway(exc) from exc
+        if not isinstance(body, dict):
+            raise bad_param("body", "must be a JSON object")
+        model = body.get("model")
+        if not isinstance(model, str):
+            raise bad_param("model", "is required and must be a string")
+        if model not in self.model_names:
+            raise OpenAIError(
+                404, f"The model '{model}' does not exist", param="model", code="model_not_found"
+            )
+        return body
+
+    # ---- /v1/completions ------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await self._body(request)
+            text, ids = _prompt(body.get("prompt"))
+            if ids is None:
+                ids = self.core.tokenizer.encode(text)
+            n = num_choices(body)
+            usage = include_usage(body)
+            params = sampling_from_openai(body, self.core.room_to_generate(len(ids)))
+            only = prompt_only(body, chat=False)
+            inp = self.core.prepare("", None, ids, params, prompt_only=only)
+        except OpenAIError as exc:
+            return exc.response()
+        except GatewayError as exc:
+            return _from_gateway(exc).response()
+        echoed = None
+        if echo(body, chat=False):  # the prompt as sent, or its ids as text
+            shown = (
+                text
+                if text is not None
+                else self.core.tokenizer.decode(ids, skip_special_tokens=True)
+            )
+            echoed = EchoedPrompt(shown, inp.prompt_ids)
+        inputs = choice_inputs(inp, n)
+        return await self._respond(request, body, inputs, False, usage, echoed=echoed)
+
+    # ---- /v1/chat/completions -------------------------------------------------------------
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await self._body(request)
+            messages = _messages(body.get("messages"))
+            tools = tool_request(body)  # dsmesh/gateway/openai_tools.py
+            n = num_choices(body)
+            usage = include_usage(body)
+            refuse_unsupported(body, chat=True)
+            try:
+                ids = self.core.tokenizer.apply_chat_template(
+                    messages,
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    tools=tools.template_tools,
+                )
+            except Exception as exc:  # template errors are the request's fault
+                raise bad_param("messages", f"cannot apply the chat template: {exc}") from exc
+            params = sampling_from_openai(
+                body,
+                self.core.room_to_generate(len(ids)),
+                max_tokens_key="max_completion_tokens",
+                chat=True,
+            )
+            params = apply_tool_choice(params, tools, self.core.tokenizer)
+            inp = self.core.prepare("", None, list(ids), params)
+        except OpenAIError as exc:
+            return exc.response()
+        except GatewayError as exc:
+            key = sent_max_tokens_key(body, "max_completion_tokens")
+            return _from_gateway(exc, "messages", chat=True, max_tokens_key=key).response()
+        return await self._respond(request, body, choice_inputs(inp, n), True, usage, tools)
+
+    # ---- /v1/tokenize, /v1/detokenize (vLLM's and SGLang's) ---------------------------------
+
+    async def _extras_body(self, request: web.Request, fields: frozenset[str]) -> dict[str, Any]:
+        """A JSON object of only ``fields``; ``model`` optional, but ours when given."""
+        try:
+            body = await read_json(request)
+        except GatewayError as exc:
+            raise _from_gateway(exc) from exc
+        if not isinstance(body, dict):
+            raise bad_param("body", "must be a JSON object")
+        for name in body:
+            if name not in fields:
+                raise bad_param(name, "unknown field")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise bad_param("model", "must be a string")
+        if model is not None and model not in self.model_names:
+            raise OpenAIError(
+                404, f"The model '{model}' does not exist", param="model", code="model_not_found"
+            )
+        return body
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """``prompt`` (text, special tokens added as /v1/completions does unless
+        ``add_special_tokens: false``) or ``messages`` (the chat template, with
+        ``add_generation_prompt`` default true, and ``tools``) -> the ids /v1/completions and
+        /v1/chat/completions would run, their count, and the model's context length."""
+        try:
+            body = await self._extras_body(request, _TOKENIZE_FIELDS)
+            prompt, messages = body.get("prompt"), body.get("messages")
+            if (prompt is None) == (messages is None):
+                raise bad_param("prompt", "give exactly one of prompt and messages")
+            if prompt is not None:
+                if body.get("add_generation_prompt") is not None or body.get("tools") is not None:
+                    gen = body.get("add_generation_prompt") is not None
+                    name = "add_generation_prompt" if gen else "tools"
+                    raise bad_param(name, "only with messages")
+                if not isinstance(prompt, str):
+                    raise bad_param("prompt", "must be a string")
+                special = _flag(body, "add_special_tokens", True)
+                ids = self.core.tokenizer.encode(utf8_text("prompt", prompt), special)
+            else:
+                if body.get("add_special_tokens") is not None:
+                    raise bad_param("add_special_tokens", "only with prompt")
+                generation = _flag(body, "add_generation_prompt", True)
+                try:
+                    ids = self.core.tokenizer.apply_chat_template(
+                        _messages(messages),
+                        add_generation_prompt=generation,
+                        tokenize=True,
+                        tools=_tools(body.get("tools")),
+                    )
+                except OpenAIError:
+                    raise
+                except Exception as exc:  # template errors are the request's fault
+                    raise bad_param("messages", f"cannot apply the chat template: {exc}") from exc
+        except OpenAIError as exc:
+            return exc.response()
+        tokens = list(ids)
+        return web.json_response(
+            {
+                "tokens": tokens,
+                "count": len(tokens),
+                "max_model_len": self.core.model_config.max_position_embeddings,
+            }
+        )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """``tokens`` -> ``prompt``: their text, special tokens included (the inverse of
+        /v1/tokenize)."""
+        try:
+            body = await self._extras_body(request, _DETOKENIZE_FIELDS)
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in tokens
+            ):
+                raise bad_param("tokens", "is required and must be a list of token ids")
+            vocab = self.core.tokenizer.vocab_size
+            for i, token in enumerate(tokens):
+                if not 0 <= token < vocab:
+                    raise bad_param(f"tokens[{i}]", f"token id {token} is not in [0, {vocab})")
+        except OpenAIError as exc:
+            return exc.response()
+        return web.json_response({"prompt": self.core.tokenizer.decode(tokens)})
+
+    # ---- shared ----------------------------------------------------------------------------
+
+    async def _respond(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        inputs: list[GenerationInput],
+        chat: bool,
+        include_usage: bool = False,
+        tools: ToolRequest | None = None,
+        echoed: EchoedPrompt | None = None,
+    ) -> web.StreamResponse:
+        """Run every choice; one JSON object, or SSE chunks when the body says ``stream``
+        (with ``include_usage``, a last chunk of the usage and no choices). ``tools``: chat's,
+        whose choice says whether the output is parsed into ``tool_calls``."""
+        head = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion" if chat else "text_completion",
+            "model": body["model"],  # the name the client used
+        }
+        parser = self.reasoning_parser if chat else ""
+        parse_tools = tools is not None and tools.parses
+        choices = [
+            _Choice(self.core.tokenizer, inp.params.logprobs is not None, parser, parse_tools)
+            for inp in inputs
+        ]
+        if echoed is not None:  # completions' echo: the prompt before each choice
+            for choice in choices:
+                choice.start_echo(echoed)
+        deltas = generate_choices(self.core, inputs, context_from_headers(request.headers))
+        if body.get("stream"):
+            if chat:
+                head["object"] = "chat.completion.chunk"
+            events = _chunks(head, deltas, choices, chat, include_usage)
+            return await sse(request, events, done_marker=True)
+        try:
+            async for delta in deltas:
+                choices[delta.index].add(delta)
+        except GatewayError as exc:
+            key = sent_max_tokens_key(body, "max_completion_tokens" if chat else "max_tokens")
+            return _from_gateway(exc, chat=chat, max_tokens_key=key).response()
+        out = {**head, "created": int(time.time())}
+        out["choices"] = [c.whole(i, chat) for i, c in enumerate(choices)]
+        out["usage"] = _choices_usage(choices)
+        return web.json_response(out)
+
+
+class _Choice:
+    """One choice's text, end and logprobs as its deltas arrive; with a reasoning parser,
+    its text split into reasoning and content; with ``parse_tools``, tool calls taken out of
+    the content (dsmesh/gateway/tool_calls.py)."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        logprobs: bool,
+        reasoning_parser: str = "",
+        parse_tools: bool = False,
+    ) -> None:
+        self.parts: list[str] = []
+        self.reasoner: ReasoningParser | None = make_reasoning_parser(reasoning_parser)
+        self.tool_parser = ToolCallParser() if parse_tools else None
+        self.call_ids: list[str] = []  # one per call of tool_parser, made as each appears
+        self.new_calls: list[CallDelta] = []
+        self.reasoning: list[str] = []
+        self.new_reasoning = ""  # what the last delta added to each part
+        self.new_content = ""
+        self.reason: str | None = None
+        self.last: Delta | None = None  # the finishing delta: its usage counts
+        self.logprobs = LogprobsFormatter(tokenizer) if logprobs else None
+        self.entries: list[TokenLogprobs] = []
+        self.sent_any = False
+        self.echo: EchoedPrompt | None = None  # completions' echo (dsmesh/gateway/openai_echo.py)
+        self.echo_text_due = self.echo_logprobs_due = False
+
+    def start_echo(self, echo: EchoedPrompt) -> None:
+        """Put the prompt (and its logprobs, when asked for) before this choice's output."""
+        self.echo = echo
+        self.echo_text_due = True
+        self.echo_logprobs_due = self.logprobs is not None
+
+    def add(self, delta: Delta) -> None:
+        if self.echo is not None and delta.prompt_logprobs is not None:
+            self.echo.entries = delta.prompt_logprobs  # choice 0's first: before the others'
+        if self.reasoner is None:
+            self.new_reasoning, self.new_content = "", delta.text
+        else:
+            self.new_reasoning, self.new_content = self.reasoner.feed(delta.text)
+            if delta.finish_reason:
+                reasoning, content = self.reasoner.finish()
+                self.new_reasoning += reasoning
+                self.new_content += content
+        if self.tool_parser is not None:
+            parsed = self.tool_parser.feed(self.new_content)
+            if delta.finish_reason:
+                end = self.tool_parser.finish()
+                parsed.content += end.content
+                parsed.calls += end.calls
+            self.new_content, self.new_calls = parsed.content, merge_call_deltas(parsed.calls)
+            self.call_ids += [f"call_{uuid.uuid4().hex[:24]}" for c in parsed.calls if c.name]
+        if self.echo_text_due and self.echo is not None:
+            self.new_content = self.echo.text + self.new_content
+            self.echo_text_due = False
+        self.reasoning.append(self.new_reasoning)
+        self.parts.append(self.new_content)
+        self.entries += delta.logprobs or ()
+        if delta.finish_reason:
+            self.reason = self._finish(delta.finish_reason)
+            self.last = delta
+
+    def _finish(self, reason: str) -> str:
+        """OpenAI's finish reason: ``tool_calls`` when the model ended after calling tools."""
+        if reason == "stop" and self.tool_parser is not None and self.tool_parser.calls:
+            return "tool_calls"
+        return _finish(reason)
+
+    def rendered(self, entries: list[TokenLogprobs], chat: bool) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        if chat:
+            return self.logprobs.chat(entries)
+        if self.echo_logprobs_due and self.echo is not None:  # the first rendered: the prompt's
+            self.echo_logprobs_due = False
+            prompt = self.echo.logprobs(self.logprobs)
+            return join_logprobs(prompt, self.logprobs.completion(entries))
+        return self.logprobs.completion(entries)
+
+    def whole(self, index: int, chat: bool) -> dict[str, Any]:
+        text = "".join(self.parts)
+        out: dict[str, Any] = {"index": index}
+        if chat:
+            out["message"] = {"role": "assistant", "content": text}
+            if self.reasoner is not None:
+                out["message"]["reasoning_content"] = "".join(self.reasoning) or None
+            if self.tool_parser is not None and self.tool_parser.calls:
+                out["message"]["content"] = text or None  # OpenAI's null beside tool calls
+                out["message"]["tool_calls"] = [
+                    {
+                        "id": self.call_ids[i],
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments},
+                    }
+                    for i, call in enumerate(self.tool_parser.calls)
+                ]
+        else:
+            out["text"] = text
+        out["finish_reason"] = self.reason
+        out["logprobs"] = self.rendered(self.entries, chat)
+        return out
+
+    def part(self, delta: Delta, chat: bool) -> dict[str, Any] | None:
+        """The chunk's entry for ``delta``; None when it carries nothing to send yet."""
+        finish = self._finish(delta.finish_reason) if delta.finish_reason else None
+        new = bool(self.new_reasoning or self.new_content or self.new_calls)
+        if not (new or delta.logprobs or finish or not self.sent_any):
+            return None
+        out: dict[str, Any] = {"index": delta.index}
+        if chat:
+            message: dict[str, Any] = {} if self.sent_any else {"role": "assistant"}
+            if self.new_reasoning:
+                message["reasoning_content"] = self.new_reasoning
+            if self.new_content:
+                message["content"] = self.new_content
+            if self.new_calls:
+                message["tool_calls"] = [self._call_delta(c) for c in self.new_calls]
+            out["delta"] = message
+        else:
+            out["text"] = self.new_content
+        out["finish_reason"] = finish
+        out["logprobs"] = self.rendered(delta.logprobs or [], chat)
+        self.sent_any = True
+        return out
+
+    def _call_delta(self, call: CallDelta) -> dict[str, Any]:
+        """A streamed ``delta.tool_calls`` entry: a call's first has its id, type and name
+        (and the arguments that came with them, maybe ""), the later ones argument fragments."""
+        if call.name is None:
+            return {"index": call.index, "function": {"arguments": call.arguments}}
+        return {
+            "index": call.index,
+            "id": self.call_ids[call.index],
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
+
+
+async def _chunks(
+    head: dict[str, Any],
+    deltas: AsyncIterator[Delta],
+    choices: list[_Choice],
+    chat: bool,
+    include_usage: bool,
+) -> AsyncIterator[dict[str, Any]]:
+    """SSE chunks: one per delta that carries something, each for one choice; with
+    ``include_usage`` a last chunk with no choices and the usage of all of them."""
+    async for delta in deltas:
+        choice = choices[delta.index]
+        choice.add(delta)
+        part = choice.part(delta, chat)
+        if part is None:
+            continue
+        out = {**head, "created": int(time.time()), "choices": [part]}
+        if include_usage:
+            out["usage"] = None
+        yield out
+    if include_usage and all(c.last is not None for c in choices):
+        yield {**head, "created": int(time.time()), "choices": [], "usage": _choices_usage(choices)}
+
+
+def _choices_usage(choices: list[_Choice]) -> dict[str, Any]:
+    """The prompt counted once (choice 0's cache hits), the completions of every choice."""
+    ends = [c.last for c in choices if c.last is not None]
+    if not ends:
+        return {}
+    first = ends[0]
+    completion = sum(d.completion_tokens for d in ends)
+    return _usage(first.prompt_tokens, completion, first.cached_tokens)
+
+
+def _finish(reason: str) -> str:
+    return {"length": "length", "stop": "stop"}.get(reason, reason)
+
+
+def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+_TOKENIZE_FIELDS = frozenset(
+    {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "tools"}
+)
+_DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
+
+
+def served_model_names(names: str | Sequence[str]) -> tuple[str, ...]:
+    """``--served-model-name`` values (each maybe a comma list) as names, in order, once each."""
+    items = [names] if isinstance(names, str) else list(names)
+    out: list[str] = []
+    for item in items:
+        for name in item.split(","):
+            name = name.strip()
+            if name and name not in out:
+                out.append(name)
+    return tuple(out)
+
+
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_param(name, "must be a boolean")
+    return value
+
+
+def _prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_param("prompt", "must not be empty")
+        return utf8_text("prompt", prompt), None
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        return None, list(prompt)
+    if isinstance(prompt, list) and len(prompt) == 1:
+        return _prompt(prompt[0])
+    if isinstance(prompt, list) and not prompt:
+        raise bad_param("prompt", "must not be empty")
+    raise bad_param("prompt", "must be a string or a list of token ids (one prompt per request)")
+
+
+def _messages(messages: Any) -> list[dict[str, Any]]:
+    """The conversation for the chat template: each message with every key the client sent
+    (``tool_calls``, ``tool_call_id``, ``name``, ...), its content parts joined into one
+    string, and a null content as "" (DeepSeek's template renders an assistant turn of tool
+    calls with empty content exactly as one with none)."""
+    if not isinstance(messages, list) or not messages:
+        raise bad_param("messages", "must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad_param(f"messages[{i}]", "must be an object with a string 'role'")
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not (
+                    isinstance(part, dict)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                ):
+                    raise bad_param(f"messages[{i}].content", "only text parts are supported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if content is not None and not isinstance(content, str):
+            raise bad_param(f"messages[{i}].content", "must be a string or a list of text parts")
+        if content:
+            utf8_text(f"messages[{i}].content", content)
+        tool_calls = m.get("tool_calls")
+        if tool_calls is not None and not (
+            isinstance(tool_calls, list) and all(isinstance(c, dict) for c in tool_calls)
+        ):
+            raise bad_param(f"messages[{i}].tool_calls", "must be a list of objects")
+        out.append({**m, "content": content or ""})
+    return out
+
+
+def _tools(tools: Any) -> list[dict[str, Any]] | None:
+    """The request's tool definitions, handed to the chat template as transformers does."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise bad_param("tools", "must be a list of objects")
+    return tools

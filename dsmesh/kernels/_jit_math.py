@@ -1,0 +1,42 @@
+"""``@triton.jit`` helpers shared by the kernels of :mod:`dsmesh.kernels.norm` and
+:mod:`dsmesh.kernels.mla_rope`. This module imports Triton: import it only inside a kernel factory.
+
+The helpers live at module level because Triton's interpreter runs a called ``@triton.jit``
+function against its own module's globals (closures are lost); a kernel built in a factory
+calls them through a module global of its own that the factory binds.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+#: dtypes and the ``KIND`` codes of :func:`round_to` (dsmesh.kernels.norm.SUPPORTED_DTYPES).
+FLOAT32, BFLOAT16, FLOAT16 = 0, 1, 2
+
+
+@triton.jit
+def round_to(v, KIND: tl.constexpr):
+    """float32 ``v`` -> float32 holding the nearest value of dtype ``KIND``, ties to even.
+
+    bf16 is rounded by bit arithmetic: Triton's CPU interpreter truncates float32 -> bf16
+    casts, and this gives the GPU's round-to-nearest-even bits on both. A store of the result
+    into a tensor of that dtype is then exact."""
+    out = v
+    if KIND == 1:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        out = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+        out = tl.where(v != v, v, out)  # NaN stays NaN
+    if KIND == 2:
+        out = v.to(tl.float16).to(tl.float32)
+    return out
+
+
+@triton.jit
+def rotate(x1, x2, cos, sin, KIND: tl.constexpr):
+    """Rope of a pair: ``(x1 * cos - x2 * sin, x2 * cos + x1 * sin)``, each product and sum
+    rounded to dtype ``KIND`` as torch does when it computes in that dtype."""
+    o1 = round_to(round_to(x1 * cos, KIND) - round_to(x2 * sin, KIND), KIND)
+    o2 = round_to(round_to(x2 * cos, KIND) + round_to(x1 * sin, KIND), KIND)
+    return o1, o2

@@ -1,0 +1,100 @@
+"""A prefill instance: engine + transfer engine + gRPC server + kv_broker link."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from dsmesh.clients.broker import BrokerLink
+from dsmesh.engine.llm_engine import EngineConfig
+from dsmesh.instance.attach import (
+    InstanceConfig,
+    TransferConfig,
+    build_instance,
+    new_instance_id,
+    serve_attached,
+)
+from dsmesh.instance.ep_group import RankSpec
+from dsmesh.instance.metrics import start_metrics
+from dsmesh.prefill_svc.servicer import PrefillLimits, PrefillServicer
+from dsmesh.runtime.grpc_server import channel, set_channel_defaults
+from dsmesh.runtime.telemetry import tracing
+from dsmesh.v1 import kv_broker_pb2 as kb
+from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
+from dsmesh.v1 import prefill_pb2, prefill_pb2_grpc
+
+log = logging.getLogger(__name__)
+_SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"]
+SERVICE = _SERVICE.full_name
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillConfig(InstanceConfig):
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(prefix_cache=True))
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    resolve_wait_s: float = 30.0
+    max_queued_tokens: int = 262144
+    max_transfer_backlog_s: float = 1.0
+    ep_rank: RankSpec | None = None  # set on each rank of an expert-parallel group
+
+
+async def serve(
+    config: PrefillConfig, stop: asyncio.Event, ready: Callable[[str, int], None] | None = None
+) -> None:
+    async with tracing("prefill"):  # before any channel or server: they pick their interceptors
+        await _serve(config, stop, ready)
+
+
+async def _serve(
+    config: PrefillConfig, stop: asyncio.Event, ready: Callable[[str, int], None] | None
+) -> None:
+    set_channel_defaults(config.tls, config.max_message_bytes)  # before the broker channel
+    # Prefill runs no decode step (it samples each first token in the prompt's last chunk):
+    # no decode graphs to capture, no memory or start-up time spent on them. Its prompt
+    # pages are copied to decode, a run of pages per layer: keep them in runs.
+    engine = dataclasses.replace(config.engine, cuda_graphs=False, contiguous_prompts=True)
+    parts = await build_instance(engine, config.transfer, config.ep_rank)
+    instance = parts.member(config.instance_id or new_instance_id("prefill"), kb.ROLE_PREFILL)
+    metrics = start_metrics(parts.engine, "prefill", config.metrics_port, config.host)
+    broker_channel = channel(config.broker_address)
+    servicer = PrefillServicer(
+        parts.worker,
+        kb_grpc.KVBrokerStub(broker_channel),
+        parts.layout(),
+        parts.transport,
+        PrefillLimits(
+            instance.instance_id,
+            resolve_wait_s=config.resolve_wait_s,
+            max_queued_tokens=config.max_queued_tokens,
+            max_transfer_backlog_s=config.max_transfer_backlog_s,
+        ),
+        metrics,
+    )
+    broker = BrokerLink(
+        config.broker_address,
+        instance,
+        on_event=servicer.on_broker_event,
+        on_lost=[servicer.on_broker_lost],
+        channel=broker_channel,
+    )
+    try:
+        await serve_attached(
+            "prefill",
+            _SERVICE,
+            lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, s),
+            config,
+            instance,
+            broker,
+            stop,
+            ready,
+            refused=("Prefill", "GetLoad"),
+            background=servicer.drain,
+        )
+    finally:
+        parts.worker.stop()
+        await parts.close_eplb()
+        servicer.close()
+        parts.transport.close()
