@@ -55,7 +55,7 @@ from dsmesh.cli.placement import (
     place,
     visible_gpu_ids,
 )
-from dsmesh.engine.kv_budget import DEFAULT_MEM_FRACTION
+from dsmesh.engine.kv.budget import DEFAULT_MEM_FRACTION
 from dsmesh.runtime.grpc_server import sync_channel
 from dsmesh.runtime.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
 from dsmesh.runtime.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig

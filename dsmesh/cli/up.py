@@ -11,7 +11,7 @@ from dsmesh.cli import argtypes
 from dsmesh.cli.common import add_engine_args, add_security_args, api_keys_from, tls_config_from
 from dsmesh.cli.gpu_sharing import MODES as SHARING_MODES
 from dsmesh.cli.placement import parse_gpu_list
-from dsmesh.engine.kv_budget import DEFAULT_MEM_FRACTION
+from dsmesh.engine.kv.budget import DEFAULT_MEM_FRACTION
 from dsmesh.runtime.security import ENV_API_KEYS
 
 if TYPE_CHECKING:

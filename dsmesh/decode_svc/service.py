@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from dsmesh.clients.broker import BrokerLink
 from dsmesh.decode_svc.handoff import DecodeHandoffs
 from dsmesh.decode_svc.servicer import DecodeLimits, DecodeServicer
-from dsmesh.engine.engine_config import EngineConfig
+from dsmesh.engine.options import EngineConfig
 from dsmesh.instance.attach import (
     InstanceConfig,
     TransferConfig,

@@ -17,12 +17,11 @@ import torch
 
 from dsmesh.engine.config import ModelConfig
 from dsmesh.engine.cuda_graph import CudaGraphRunner, GraphCaptureError, graph_support_problem
-from dsmesh.engine.engine_config import EngineConfig, resolve_model_dir
 from dsmesh.engine.errors import InvalidRequestError, check_prompt
 from dsmesh.engine.forward_batch import ForwardBatch, SequenceChunk
 from dsmesh.engine.grammar import GrammarMatcher, GrammarVocab, bitmask_words
 from dsmesh.engine.kernel_choice import KernelChoice
-from dsmesh.engine.kv_budget import (
+from dsmesh.engine.kv.budget import (
     CPU_MAX_TOTAL_TOKENS,
     DEFAULT_MEM_FRACTION,
     GIB,
@@ -36,6 +35,7 @@ from dsmesh.engine.mla_decode_backend import flashinfer_fits, make_decode_backen
 from dsmesh.engine.model import DeepseekForCausalLM
 from dsmesh.engine.mtp import MTPDraft, build_mtp
 from dsmesh.engine.mtp_weights import load_mtp_weights
+from dsmesh.engine.options import EngineConfig, resolve_model_dir
 from dsmesh.engine.prompt_logprobs import positions_to_score, score_tokens
 from dsmesh.engine.request import Request, RequestStatus
 from dsmesh.engine.sampler import GREEDY_BELOW, Sampler, advance_generator, make_generator

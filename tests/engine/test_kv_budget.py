@@ -1,10 +1,10 @@
-"""dsmesh/engine/kv_budget.py: the KV pool sized from a memory fraction (fake memory numbers)."""
+"""dsmesh/engine/kv/budget.py: the KV pool sized from a memory fraction (fake memory numbers)."""
 
 from __future__ import annotations
 
 import pytest
 
-from dsmesh.engine.kv_budget import GIB, KVBudget, KVBudgetError, kv_pool_tokens
+from dsmesh.engine.kv.budget import GIB, KVBudget, KVBudgetError, kv_pool_tokens
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 
 # DeepSeek-V2-Lite in bf16: 27 layers x (512 + 64) values x 2 bytes
