@@ -79,7 +79,7 @@ def test_transformers_deepseek_imports_beside_dsmesh(tmp_path: Path) -> None:
     code = (
         "import kernels, dsmesh.kernels.mla_decode\n"
         "from transformers import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM\n"
-        "from dsmesh.engine.tiny_model import make_tiny_model\n"
+        "from dsmesh.engine.model.tiny_model import make_tiny_model\n"
         "print(kernels.__file__)\n"
     )
     for cwd in (ROOT, tmp_path):

@@ -26,8 +26,8 @@ import torch
 from safetensors.torch import save_file
 
 from dsmesh.bench.gpu import build_dsmesh, v2_lite_config, v3_layers_config
+from dsmesh.engine.model.weights import official_state_dict
 from dsmesh.engine.tokenizer import write_byte_level_tokenizer
-from dsmesh.engine.weights import official_state_dict
 from dsmesh.kernels.fp8 import quantize_fp8_block
 
 SHAPES = ("v2-lite", "v3-layers", "tiny", "tiny-v3")

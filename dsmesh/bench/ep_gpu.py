@@ -37,8 +37,8 @@ def run_check(ep_size: int, device: str) -> dict:
     from dsmesh.engine.ep.generate import generate_ep
     from dsmesh.engine.ep.runtime import EPConfig
     from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+    from dsmesh.engine.model.tiny_model import make_tiny_model
     from dsmesh.engine.sampling_params import SamplingParams
-    from dsmesh.engine.tiny_model import make_tiny_model
 
     root = os.environ.get("TMPDIR", "/tmp")
     g = torch.Generator().manual_seed(4)
@@ -67,14 +67,14 @@ def run_check(ep_size: int, device: str) -> dict:
 
 def _rank_bench(rank: int, args: argparse.Namespace, port: int, results) -> None:
     from dsmesh.bench.gpu import bench_decode, bench_prefill, init_random_, v3_layers_config
-    from dsmesh.engine.config import ModelConfig
     from dsmesh.engine.ep.all_to_all import AllToAllDispatcher
     from dsmesh.engine.ep.placement import round_robin_placement
     from dsmesh.engine.ep.runtime import EPConfig, init_group
-    from dsmesh.engine.expert_location import ExpertLocation
     from dsmesh.engine.kv_cache import pages_for
     from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-    from dsmesh.engine.loader import build_model
+    from dsmesh.engine.model.build import build_model
+    from dsmesh.engine.model.config import ModelConfig
+    from dsmesh.engine.model.expert_location import ExpertLocation
 
     device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
     n = args.ep_size

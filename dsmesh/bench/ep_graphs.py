@@ -100,7 +100,7 @@ def local_exchange_dispatcher(num_local: int):
     """The all-to-all dispatcher whose static exchange is a device copy (what a one-rank
     all-to-all moves), for ``ep_local_graphs``: bench-only, never served."""
     from dsmesh.engine.ep.all_to_all import AllToAllDispatcher
-    from dsmesh.engine.moe_dispatch import Pending
+    from dsmesh.engine.model.moe_dispatch import Pending
 
     class LocalExchange(AllToAllDispatcher):
         def _exchange_static(self, out: torch.Tensor, src: torch.Tensor) -> Pending:

@@ -27,9 +27,9 @@ import torch
 
 from dsmesh.engine.ep.placement import round_robin_placement
 from dsmesh.engine.ep.rebalance import Rebalancer, changed_slots
-from dsmesh.engine.expert_location import ExpertLocation
-from dsmesh.engine.loader import load_model
-from dsmesh.engine.tiny_model import make_tiny_model
+from dsmesh.engine.model.build import load_model
+from dsmesh.engine.model.expert_location import ExpertLocation
+from dsmesh.engine.model.tiny_model import make_tiny_model
 from dsmesh.eplb_svc.algorithm import balancedness, predicted_rank_load, rebalance_experts
 
 

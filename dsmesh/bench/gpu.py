@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from dsmesh.engine.config import ModelConfig
-from dsmesh.engine.loader import build_model
-from dsmesh.engine.model import DeepseekForCausalLM
+from dsmesh.engine.model.build import build_model
+from dsmesh.engine.model.config import ModelConfig
+from dsmesh.engine.model.deepseek import DeepseekForCausalLM
 
 SEED_INPUT_PER_GPU = 6500.0  # tokens/s, 61-layer V3 (52.3k per 8-GPU node)
 SEED_OUTPUT_PER_GPU = 2800.0  # tokens/s (22.3k per node)

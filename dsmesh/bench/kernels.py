@@ -461,8 +461,8 @@ def moe_fp8_crossover(quick: bool) -> None:
 def _grouped_routed(x, ids, weights, w13, w2):
     """The grouped-GEMM routed-expert path (``moe_backend="grouped"``): LocalDispatcher's
     sort and gather, two ``torch._grouped_mm`` with SwiGLU between, the weighted combine."""
-    from dsmesh.engine.moe import RoutedExperts
-    from dsmesh.engine.moe_dispatch import LocalDispatcher
+    from dsmesh.engine.model.moe import RoutedExperts
+    from dsmesh.engine.model.moe_dispatch import LocalDispatcher
 
     experts = RoutedExperts(w13.shape[0], w13.shape[2], w2.shape[2])
     experts.w13 = torch.nn.Parameter(w13, requires_grad=False)

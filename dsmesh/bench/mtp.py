@@ -49,11 +49,11 @@ from dsmesh.bench.gpu import (
     use_fp8_experts,
     v3_layers_config,
 )
-from dsmesh.engine.config import ModelConfig
 from dsmesh.engine.kv_cache import pages_for
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.loader import build_model
-from dsmesh.engine.mtp import MTPDraft, build_mtp
+from dsmesh.engine.model.build import build_model
+from dsmesh.engine.model.config import ModelConfig
+from dsmesh.engine.model.mtp import MTPDraft, build_mtp
 from dsmesh.engine.sampling_params import SamplingParams
 from dsmesh.runtime.heap import freeze_startup_heap
 

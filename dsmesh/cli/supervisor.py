@@ -773,7 +773,7 @@ SHARING_LABELS = {
 
 
 def default_log_dir() -> Path:
-    from dsmesh.engine.tiny_model import cache_root
+    from dsmesh.engine.model.tiny_model import cache_root
 
     parent = cache_root() / "logs"
     parent.mkdir(parents=True, exist_ok=True)
@@ -784,7 +784,7 @@ def resolve_model(model: str | None) -> str:
     """The checkpoint folder every child gets; builds the default model once, up front, so
     that children do not race to build it."""
     if model is None:
-        from dsmesh.engine.tiny_model import default_model_dir
+        from dsmesh.engine.model.tiny_model import default_model_dir
 
         return str(default_model_dir())
     folder = Path(model).expanduser().resolve()

@@ -13,15 +13,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="write a tiny random DeepSeek-shaped checkpoint (config, safetensors, tokenizer)",
     )
     p.add_argument("out", help="output folder")
-    # Literal copy of dsmesh.engine.tiny_model.TINY_ARCHES so `dsmesh --help` need not import torch;
-    # tests/dsmesh/test_cli_generate.py checks that they agree.
+    # Literal copy of dsmesh.engine.model.tiny_model.TINY_ARCHES so `dsmesh --help` need not import
+    # torch; tests/dsmesh/test_cli_generate.py checks that they agree.
     p.add_argument("--arch", choices=ARCHES, default="v3")
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsmesh.engine.tiny_model import make_tiny_model
+    from dsmesh.engine.model.tiny_model import make_tiny_model
 
     path = make_tiny_model(args.out, arch=args.arch, seed=args.seed)
     print(f"wrote tiny {args.arch} checkpoint to {path}")

@@ -6,7 +6,7 @@ of small kernels per step. The runner re-implements nothing: it keeps fixed inpu
 (:class:`dsmesh.engine.decode_graphs.DecodeInputs`: token ids, positions, KV slots and lengths; one
 page table per page bucket), builds a :meth:`ForwardBatch.decode_only` over them and captures
 ``model.hidden_states`` and ``model.compute_logits``, whose modules never synchronise with
-the host on that path (dsmesh/engine/kernel_choice.py; MoE dispatch in its static mode).
+the host on that path (dsmesh/engine/model/kernel_choice.py; MoE dispatch in its static mode).
 
 A batch of ``n`` rows runs in the smallest bucket ``b >= n``; the padding rows repeat row 0
 exactly (token, position, slot, pages), so they rewrite row 0's KV and change nothing. A row
@@ -36,8 +36,8 @@ import torch
 
 from dsmesh.engine.decode_graphs import DecodeGraphRunner, DecodeInputs, GraphCaptureError, Outputs
 from dsmesh.engine.kv_cache import MLAKVPool, pages_for
-from dsmesh.engine.mla_decode_backend import MLADecodeBackend
-from dsmesh.engine.model import DeepseekForCausalLM
+from dsmesh.engine.model.deepseek import DeepseekForCausalLM
+from dsmesh.engine.model.mla_decode_backend import MLADecodeBackend
 
 __all__ = ["CudaGraphRunner", "GraphCaptureError", "graph_support_problem"]
 

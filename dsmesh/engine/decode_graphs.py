@@ -18,9 +18,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from dsmesh.engine.forward_batch import ForwardBatch
 from dsmesh.engine.graph_buckets import batch_buckets, bucket_for, page_bucket
-from dsmesh.engine.mla_decode_backend import MLADecodeBackend
+from dsmesh.engine.model.forward_batch import ForwardBatch
+from dsmesh.engine.model.mla_decode_backend import MLADecodeBackend
 
 log = logging.getLogger(__name__)
 

@@ -15,12 +15,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dsmesh.engine.config import ModelConfig
 from dsmesh.engine.cuda_graph import CudaGraphRunner, GraphCaptureError, graph_support_problem
 from dsmesh.engine.errors import InvalidRequestError, check_prompt
-from dsmesh.engine.forward_batch import ForwardBatch, SequenceChunk
 from dsmesh.engine.grammar import GrammarMatcher, GrammarVocab, bitmask_words
-from dsmesh.engine.kernel_choice import KernelChoice
 from dsmesh.engine.kv.budget import (
     CPU_MAX_TOTAL_TOKENS,
     DEFAULT_MEM_FRACTION,
@@ -30,11 +27,14 @@ from dsmesh.engine.kv.budget import (
 )
 from dsmesh.engine.kv_cache import MLAKVPool, pages_for
 from dsmesh.engine.load import EngineLoad, engine_load
-from dsmesh.engine.loader import load_model
-from dsmesh.engine.mla_decode_backend import flashinfer_fits, make_decode_backend
-from dsmesh.engine.model import DeepseekForCausalLM
-from dsmesh.engine.mtp import MTPDraft, build_mtp
-from dsmesh.engine.mtp_weights import load_mtp_weights
+from dsmesh.engine.model.build import load_model
+from dsmesh.engine.model.config import ModelConfig
+from dsmesh.engine.model.deepseek import DeepseekForCausalLM
+from dsmesh.engine.model.forward_batch import ForwardBatch, SequenceChunk
+from dsmesh.engine.model.kernel_choice import KernelChoice
+from dsmesh.engine.model.mla_decode_backend import flashinfer_fits, make_decode_backend
+from dsmesh.engine.model.mtp import MTPDraft, build_mtp
+from dsmesh.engine.model.mtp_weights import load_mtp_weights
 from dsmesh.engine.options import EngineConfig, resolve_model_dir
 from dsmesh.engine.prompt_logprobs import positions_to_score, score_tokens
 from dsmesh.engine.request import Request, RequestStatus
@@ -342,7 +342,8 @@ class LLMEngine:
 
     def _set_kernels(self) -> None:
         """Choose the model's kernels and attention backends once, for eager and captured
-        forwards alike (dsmesh/engine/kernel_choice.py, dsmesh/engine/mla_decode_backend.py)."""
+        forwards alike (dsmesh/engine/model/kernel_choice.py,
+        dsmesh/engine/model/mla_decode_backend.py)."""
         cfg = self.config
         dtype = self.kv_pool.buffer.dtype
         attn = self.model.model.layers[0].self_attn

@@ -1,4 +1,4 @@
-"""The MTP draft's forward (dsmesh/engine/mtp.py) as CUDA graphs, one per (batch bucket, page
+"""The MTP draft's forward (dsmesh/engine/model/mtp.py) as CUDA graphs, one per (batch bucket, page
 bucket, MTP layer), over the model runner's own input buffers.
 
 A speculative step's draft forwards are decode-shaped too: the first draft feeds the pairs
@@ -30,8 +30,8 @@ import torch
 from dsmesh.engine.cuda_graph import CudaGraphRunner
 from dsmesh.engine.decode_graphs import DecodeGraphRunner, Outputs
 from dsmesh.engine.graph_buckets import bucket_for
-from dsmesh.engine.mla_decode_backend import MLADecodeBackend
-from dsmesh.engine.mtp import MTPDraft
+from dsmesh.engine.model.mla_decode_backend import MLADecodeBackend
+from dsmesh.engine.model.mtp import MTPDraft
 
 
 class MTPGraphRunner(DecodeGraphRunner):
@@ -70,8 +70,8 @@ class MTPGraphRunner(DecodeGraphRunner):
         min_pages: int = 1,
     ) -> Outputs:
         """Row i feeds ``token_ids[i]`` at ``positions[i]`` with ``hidden[i]``, the hidden
-        state of the position before (dsmesh/engine/mtp.py), through MTP layer ``step % layers``;
-        in bucket (b, p) at least (``min_rows``, ``min_pages``), as the model's runner."""
+        state of the position before (dsmesh/engine/model/mtp.py), through MTP layer ``step %
+        layers``; in bucket (b, p) at least (``min_rows``, ``min_pages``), as the model's runner."""
         b, p, table, seq_lens = self.inputs.load(token_ids, positions, pages, min_rows, min_pages)
         self.decode_backend.prepare_replay(table, seq_lens)
         return self._run(b, p, len(token_ids), hidden, step)

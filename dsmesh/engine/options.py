@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from dsmesh.engine.kernel_choice import KERNEL_SETS, MOE_BACKENDS
-from dsmesh.engine.mla import ATTENTION_MODES
-from dsmesh.engine.mla_decode_backend import ATTENTION_BACKENDS
+from dsmesh.engine.model.kernel_choice import KERNEL_SETS, MOE_BACKENDS
+from dsmesh.engine.model.mla import ATTENTION_MODES
+from dsmesh.engine.model.mla_decode_backend import ATTENTION_BACKENDS
 from dsmesh.engine.speculative import SPECULATIVE_METHODS
 
 
@@ -152,6 +152,6 @@ class EngineConfig:
 def resolve_model_dir(model: str | None) -> Path:
     if model is not None:
         return Path(model)
-    from dsmesh.engine.tiny_model import default_model_dir
+    from dsmesh.engine.model.tiny_model import default_model_dir
 
     return default_model_dir()

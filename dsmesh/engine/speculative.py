@@ -32,10 +32,10 @@ import torch
 
 from dsmesh.engine.cuda_graph import CudaGraphRunner
 from dsmesh.engine.decode_graphs import GraphCaptureError
-from dsmesh.engine.forward_batch import ForwardBatch, SequenceChunk
 from dsmesh.engine.kv_cache import MLAKVPool, pages_for
-from dsmesh.engine.model import DeepseekForCausalLM
-from dsmesh.engine.mtp import MTPDraft
+from dsmesh.engine.model.deepseek import DeepseekForCausalLM
+from dsmesh.engine.model.forward_batch import ForwardBatch, SequenceChunk
+from dsmesh.engine.model.mtp import MTPDraft
 from dsmesh.engine.mtp_graph import MTPGraphRunner
 from dsmesh.engine.request import Request, RequestStatus
 from dsmesh.engine.sampler import GREEDY_BELOW, Sampler, token_logprobs
@@ -689,7 +689,8 @@ class MTPSpeculator:
         return self.config.attention_mode
 
     def _batch(self, seqs: list[SequenceChunk]) -> ForwardBatch:
-        # the model plans its decode attention backend itself (dsmesh/engine/mla_decode_backend.py)
+        # the model plans its decode attention backend itself
+        # (dsmesh/engine/model/mla_decode_backend.py)
         return ForwardBatch.build(seqs, self.config.page_size, self.device)
 
 

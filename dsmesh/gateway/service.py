@@ -11,7 +11,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from dsmesh.engine.config import load_config
+from dsmesh.engine.model.config import load_config
 from dsmesh.engine.tokenizer import Tokenizer
 from dsmesh.gateway.core import CoreLimits, GenerationCore
 from dsmesh.gateway.grpc_servicer import GenerationServicer

@@ -2,8 +2,8 @@
 
 Kernel modules build their ``@triton.jit`` functions inside a cached factory, so Triton is
 imported (and ``TRITON_INTERPRET`` read) only at the first launch. Which kernels the model
-runs is chosen once per engine (dsmesh/engine/kernel_choice.py); :func:`use_triton` is only the
-device rule of helpers below that choice (a CUDA tensor and an importable Triton). Tests may
+runs is chosen once per engine (dsmesh/engine/model/kernel_choice.py); :func:`use_triton` is only
+the device rule of helpers below that choice (a CUDA tensor and an importable Triton). Tests may
 run the same kernels on the CPU under ``TRITON_INTERPRET=1``.
 """
 

@@ -1,7 +1,8 @@
 """MLA decode preparation in one Triton launch: query rope, latent RMSNorm, key rope, cache write.
 
 For the new tokens of one MLA layer (decode rows and prefill alike: the work is per token) it
-replaces this torch sequence (the reference in ``dsmesh.engine.mla.MLAttention._rope_and_cache``)::
+replaces this torch sequence (the reference in
+``dsmesh.engine.model.mla.MLAttention._rope_and_cache``)::
 
     q_pe = rotary(q[..., nope:], cos, sin)              # written back into q here
     latent, k_pe = kv_a.split([kv_lora_rank, rope_dim], -1)
@@ -9,9 +10,9 @@ replaces this torch sequence (the reference in ``dsmesh.engine.mla.MLAttention._
     k_pe = rotary(k_pe, cos, sin)
     kv_pool.write(layer, slots, cat([latent, k_pe], -1))
 
-Rope is :class:`dsmesh.engine.rope.RotaryEmbedding`'s: with ``interleave`` the pairs (x0, x1), (x2,
-x3), ... are rotated and written evens first, then odds; otherwise the two halves are rotated. The
-reference multiplies and adds in the promoted dtype of (x, cos), each op rounding to it; the
+Rope is :class:`dsmesh.engine.model.rope.RotaryEmbedding`'s: with ``interleave`` the pairs (x0, x1),
+(x2, x3), ... are rotated and written evens first, then odds; otherwise the two halves are rotated.
+The reference multiplies and adds in the promoted dtype of (x, cos), each op rounding to it; the
 kernel computes each product and sum in float32 and rounds it to that dtype at the same places
 (float32 products of bf16/fp16 values are exact, and FMA contraction is switched off), so the
 rotated q and k_pe equal the torch result bit for bit, for float32 and bf16 alike. The latent
@@ -46,7 +47,8 @@ _MAX_BLOCK_H = 16
 def rotary_ref(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
 ) -> torch.Tensor:
-    """:meth:`dsmesh.engine.rope.RotaryEmbedding.forward`: x [T, ..., R]; cos/sin [T, R // 2]."""
+    """:meth:`dsmesh.engine.model.rope.RotaryEmbedding.forward`: x [T, ..., R]; cos/sin [T, R //
+    2]."""
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
     cos, sin = cos.view(shape), sin.view(shape)
     if interleave:
@@ -198,7 +200,7 @@ def mla_decode_prep(
     - ``kv_a`` [T, kv_lora_rank + rope_dim] (read only): RMSNorm (``norm_weight``, ``eps``) of
       the first ``kv_lora_rank`` channels and rope of the rest, stored at
       ``kv_cache_flat[slots[t]]`` (``kv_cache_flat`` [num_slots, kv_lora_rank + rope_dim]);
-    - ``cos``/``sin`` [T, rope_dim // 2] (:meth:`dsmesh.engine.rope.RotaryEmbedding.cos_sin`),
+    - ``cos``/``sin`` [T, rope_dim // 2] (:meth:`dsmesh.engine.model.rope.RotaryEmbedding.cos_sin`),
       ``slots`` [T] int64 (or int32).
 
     Rows may have any stride; last dims must be dense. No host syncs (CUDA-graph capturable).

@@ -1,7 +1,8 @@
 """MoE expert compute: token permutation and grouped GEMMs (bf16 and block-scaled FP8).
 
 Rows are grouped by expert (``tokens_per_expert`` rows of expert 0 first, then expert 1 ...),
-as :class:`dsmesh.engine.moe_dispatch.LocalDispatcher` and the all-to-all dispatcher deliver them.
+as :class:`dsmesh.engine.model.moe_dispatch.LocalDispatcher` and the all-to-all dispatcher deliver
+them.
 
 - bf16/fp32: ``torch._grouped_mm`` (one launch for all experts) where it runs, else a loop.
 - FP8: weights e4m3 with 128x128 block scales (the checkpoint's ``weight_scale_inv``),

@@ -1,7 +1,7 @@
 """RMSNorm (and residual add + RMSNorm) in one Triton launch, beside its torch reference.
 
-DeepSeek's RMSNorm (:class:`dsmesh.engine.norm.RMSNorm`) normalises in float32, rounds to the input
-dtype, then multiplies by the weight in the promoted dtype of (weight, input):
+DeepSeek's RMSNorm (:class:`dsmesh.engine.model.norm.RMSNorm`) normalises in float32, rounds to the
+input dtype, then multiplies by the weight in the promoted dtype of (weight, input):
 
     y = weight * (x32 * rsqrt(mean(x32 ** 2) + eps)).to(x.dtype)
 
@@ -47,8 +47,8 @@ _round_to: Any = None
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The torch path of :class:`dsmesh.engine.norm.RMSNorm` (it calls this): x [..., D] -> [...,
-    D]."""
+    """The torch path of :class:`dsmesh.engine.model.norm.RMSNorm` (it calls this): x [..., D] ->
+    [..., D]."""
     dtype = x.dtype
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)

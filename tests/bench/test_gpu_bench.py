@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dsmesh.bench import gpu
-from dsmesh.engine.config import ModelConfig
+from dsmesh.engine.model.config import ModelConfig
 
 
 def test_shapes_are_the_released_configs() -> None:

@@ -10,9 +10,9 @@ import torch
 
 from dsmesh.bench import mtp
 from dsmesh.bench.gpu import init_random_, v3_layers_config
-from dsmesh.engine.config import ModelConfig
-from dsmesh.engine.loader import build_model
-from dsmesh.engine.mtp import build_mtp
+from dsmesh.engine.model.build import build_model
+from dsmesh.engine.model.config import ModelConfig
+from dsmesh.engine.model.mtp import build_mtp
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -47,7 +47,7 @@ def test_cpu_demo_serves_the_offline_engines_tokens(
     env = {"DSMESH_CACHE_DIR": str(cache)}
     # the image's build step: the tiny default model, built once before any service starts
     monkeypatch.setenv("DSMESH_CACHE_DIR", str(cache))
-    from dsmesh.engine.tiny_model import default_model_dir
+    from dsmesh.engine.model.tiny_model import default_model_dir
 
     model_dir = default_model_dir()
     with compose_up(compose, tmp_path, env) as mesh:

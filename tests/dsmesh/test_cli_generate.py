@@ -54,7 +54,7 @@ def test_generate_json_matches_engine_in_input_order(cache: Path) -> None:
     os.environ["DSMESH_CACHE_DIR"] = str(cache)
     try:
         engine = LLMEngine(EngineConfig())
-        from dsmesh.engine.tiny_model import default_model_dir
+        from dsmesh.engine.model.tiny_model import default_model_dir
 
         tok = Tokenizer.from_dir(default_model_dir())
     finally:
@@ -117,6 +117,6 @@ def test_make_tiny_model_and_generate_from_it(tmp_path: Path, cache: Path) -> No
 
 def test_cli_arch_choices_match_engine() -> None:
     from dsmesh.cli.tiny import ARCHES
-    from dsmesh.engine.tiny_model import TINY_ARCHES
+    from dsmesh.engine.model.tiny_model import TINY_ARCHES
 
     assert ARCHES == TINY_ARCHES

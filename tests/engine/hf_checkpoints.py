@@ -27,9 +27,9 @@ from transformers import (
     PreTrainedModel,
 )
 
-from dsmesh.engine.forward_batch import ForwardBatch, SequenceChunk
 from dsmesh.engine.kv_cache import MLAKVPool, pages_for
-from dsmesh.engine.model import DeepseekForCausalLM
+from dsmesh.engine.model.deepseek import DeepseekForCausalLM
+from dsmesh.engine.model.forward_batch import ForwardBatch, SequenceChunk
 
 WEIGHT_STD = 0.15
 NORM_NOISE_STD = 0.1
@@ -292,9 +292,9 @@ def add_mtp_layer(checkpoint_dir: Path, seed: int, std: float = WEIGHT_STD) -> N
     ``mtp.safetensors``. transformers ignores the layer; the engine drafts with it."""
     from safetensors.torch import load_file, save_file
 
-    from dsmesh.engine.config import load_config
-    from dsmesh.engine.mtp import build_mtp, init_random_mtp
-    from dsmesh.engine.mtp_weights import mtp_state_dict
+    from dsmesh.engine.model.config import load_config
+    from dsmesh.engine.model.mtp import build_mtp, init_random_mtp
+    from dsmesh.engine.model.mtp_weights import mtp_state_dict
 
     edit_config(checkpoint_dir, num_nextn_predict_layers=1)
     cfg = load_config(checkpoint_dir)

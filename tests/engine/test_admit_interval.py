@@ -10,11 +10,11 @@ import torch
 
 from dsmesh.engine.kv_cache import PageAllocator
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.loader import load_model
+from dsmesh.engine.model.build import load_model
+from dsmesh.engine.model.tiny_model import make_tiny_model
 from dsmesh.engine.request import Request
 from dsmesh.engine.sampling_params import SamplingParams
 from dsmesh.engine.scheduler import Scheduler, SchedulerConfig
-from dsmesh.engine.tiny_model import make_tiny_model
 
 GREEDY = SamplingParams(max_new_tokens=20, ignore_eos=True)
 

@@ -1,4 +1,5 @@
-"""Tests for dsmesh.engine.config: both config.json spellings, real DeepSeek configs, and errors."""
+"""Tests for dsmesh.engine.model.config: both config.json spellings, real DeepSeek configs, and
+errors."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from dsmesh.engine.config import ConfigError, ModelConfig, load_config
+from dsmesh.engine.model.config import ConfigError, ModelConfig, load_config
 from tests.engine.hf_checkpoints import v2_config, v3_config
 
 # DeepSeek-V3's config.json as released (auto_map dropped).

@@ -17,15 +17,15 @@ import torch
 import torch.nn.functional as F
 
 from dsmesh.engine.cuda_graph import CudaGraphRunner, GraphCaptureError, graph_support_problem
-from dsmesh.engine.forward_batch import ForwardBatch, SequenceChunk
 from dsmesh.engine.graph_buckets import batch_buckets, bucket_for, page_bucket
-from dsmesh.engine.kernel_choice import KernelChoice
 from dsmesh.engine.kv_cache import MLAKVPool, pages_for
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.loader import load_model
-from dsmesh.engine.mla_decode_backend import make_decode_backend
-from dsmesh.engine.moe import DenseMLP
-from dsmesh.engine.moe_dispatch import LocalDispatcher
+from dsmesh.engine.model.build import load_model
+from dsmesh.engine.model.forward_batch import ForwardBatch, SequenceChunk
+from dsmesh.engine.model.kernel_choice import KernelChoice
+from dsmesh.engine.model.mla_decode_backend import make_decode_backend
+from dsmesh.engine.model.moe import DenseMLP
+from dsmesh.engine.model.moe_dispatch import LocalDispatcher
 from dsmesh.engine.sampling_params import SamplingParams
 from tests.engine.hf_checkpoints import HFCheckpoint, random_prompts, relative_error
 
@@ -116,7 +116,7 @@ def test_input_projections_share_one_weight(request, ckpt_name: str, tmp_path) -
     model.set_kernels(KernelChoice.reference())  # choosing again keeps the fused weight
     assert model.model.layers[-1].self_attn.fused_input_weight is weight
     # Saving the model still works: the views do not overlap, which safetensors accepts.
-    from dsmesh.engine.weights import official_state_dict, save_checkpoint_weights
+    from dsmesh.engine.model.weights import official_state_dict, save_checkpoint_weights
 
     save_checkpoint_weights(official_state_dict(model), tmp_path)
     assert (tmp_path / "model.safetensors").stat().st_size > 0
@@ -125,7 +125,7 @@ def test_input_projections_share_one_weight(request, ckpt_name: str, tmp_path) -
 def test_redundant_experts_and_swaps_in_the_captured_forward(v3_ckpt: HFCheckpoint) -> None:
     """Redundant replicas are chosen on the device, so the runner's forward takes them; a
     new placement is copied into the same device tables (captured graphs read it)."""
-    from dsmesh.engine.expert_location import ExpertLocation
+    from dsmesh.engine.model.expert_location import ExpertLocation
 
     cfg = load_model(v3_ckpt.path).config
     n_moe, n_exp = len(cfg.moe_layer_ids), cfg.moe.n_routed_experts

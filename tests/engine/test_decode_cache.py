@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.loader import load_model
+from dsmesh.engine.model.build import load_model
+from dsmesh.engine.model.tiny_model import make_tiny_model
 from dsmesh.engine.sampling_params import SamplingParams
-from dsmesh.engine.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -20,10 +20,10 @@ import torch.multiprocessing as mp
 from dsmesh.engine.cuda_graph import CudaGraphRunner
 from dsmesh.engine.ep.generate import generate_ep
 from dsmesh.engine.ep.runtime import EPConfig, build_ep_engine, free_port, init_group, run_lockstep
-from dsmesh.engine.forward_batch import ForwardBatch
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.model.forward_batch import ForwardBatch
+from dsmesh.engine.model.tiny_model import make_tiny_model
 from dsmesh.engine.sampling_params import SamplingParams
-from dsmesh.engine.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.timeout(400)
 PARAMS = SamplingParams(max_new_tokens=10, ignore_eos=True)

@@ -12,15 +12,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dsmesh.engine.config import load_config
 from dsmesh.engine.ep.placement import round_robin_placement
 from dsmesh.engine.ep.rebalance import Rebalancer, changed_slots
 from dsmesh.engine.ep.runtime import EPConfig, build_ep_engine, free_port, init_group
-from dsmesh.engine.expert_location import ExpertLocation
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.loader import load_model
+from dsmesh.engine.model.build import load_model
+from dsmesh.engine.model.config import load_config
+from dsmesh.engine.model.expert_location import ExpertLocation
+from dsmesh.engine.model.tiny_model import make_tiny_model
 from dsmesh.engine.sampling_params import SamplingParams
-from dsmesh.engine.tiny_model import make_tiny_model
 from dsmesh.eplb_svc.algorithm import rebalance_experts
 
 pytestmark = pytest.mark.timeout(300)

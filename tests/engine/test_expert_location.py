@@ -1,4 +1,4 @@
-"""Tests for dsmesh.engine.expert_location: reverse maps, replica choice, and the model
+"""Tests for dsmesh.engine.model.expert_location: reverse maps, replica choice, and the model
 indirection."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dsmesh.engine.expert_location import ExpertLocation
-from dsmesh.engine.loader import load_model
-from dsmesh.engine.weights import official_state_dict
+from dsmesh.engine.model.build import load_model
+from dsmesh.engine.model.expert_location import ExpertLocation
+from dsmesh.engine.model.weights import official_state_dict
 from tests.engine.hf_checkpoints import (
     HFCheckpoint,
     prefill_logits,

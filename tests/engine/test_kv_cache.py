@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from dsmesh.engine.forward_batch import ForwardBatch, SequenceChunk
 from dsmesh.engine.kv_cache import MLAKVPool, OutOfPagesError, PageAllocator, pages_for, slots_for
+from dsmesh.engine.model.forward_batch import ForwardBatch, SequenceChunk
 
 # --------------------------------------------------------------------------------------------
 # PageAllocator

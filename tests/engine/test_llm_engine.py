@@ -10,9 +10,9 @@ import torch
 from dsmesh.engine.errors import InvalidRequestError
 from dsmesh.engine.kv_cache import OutOfPagesError
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.loader import load_model
+from dsmesh.engine.model.build import load_model
+from dsmesh.engine.model.tiny_model import make_tiny_model
 from dsmesh.engine.sampling_params import SamplingParams
-from dsmesh.engine.tiny_model import make_tiny_model
 
 GREEDY16 = SamplingParams(max_new_tokens=16, ignore_eos=True)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from dsmesh.engine.ep.load_recorder import ExpertLoadRecorder
-from dsmesh.engine.forward_batch import ForwardBatch, SequenceChunk
 from dsmesh.engine.kv_cache import MLAKVPool
-from dsmesh.engine.loader import load_model
-from dsmesh.engine.tiny_model import make_tiny_model
+from dsmesh.engine.model.build import load_model
+from dsmesh.engine.model.forward_batch import ForwardBatch, SequenceChunk
+from dsmesh.engine.model.tiny_model import make_tiny_model
 
 
 def test_window_counts() -> None:

@@ -1,5 +1,5 @@
-"""The MLA attention backends (dsmesh/engine/mla_decode_backend.py,
-dsmesh/engine/mla_prefill_backend.py):
+"""The MLA attention backends (dsmesh/engine/model/mla_decode_backend.py,
+dsmesh/engine/model/mla_prefill_backend.py):
 the choice, each backend against the torch reference, and FlashInfer in eager forwards.
 
 The policy and the Triton backends run everywhere (Triton's CPU interpreter when there is no
@@ -13,20 +13,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsmesh.engine import mla_decode_backend
-from dsmesh.engine.forward_batch import ForwardBatch, SequenceChunk
-from dsmesh.engine.kernel_choice import KernelChoice
 from dsmesh.engine.kv_cache import MLAKVPool
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.loader import load_model
-from dsmesh.engine.mla_decode_backend import (
+from dsmesh.engine.model import mla_decode_backend
+from dsmesh.engine.model.build import load_model
+from dsmesh.engine.model.deepseek import DeepseekForCausalLM
+from dsmesh.engine.model.forward_batch import ForwardBatch, SequenceChunk
+from dsmesh.engine.model.kernel_choice import KernelChoice
+from dsmesh.engine.model.mla_decode_backend import (
     TorchMLADecode,
     TritonMLADecode,
     flashinfer_fits,
     make_decode_backend,
 )
-from dsmesh.engine.mla_prefill_backend import TorchMLAPrefill, TritonMLAPrefill
-from dsmesh.engine.model import DeepseekForCausalLM
+from dsmesh.engine.model.mla_prefill_backend import TorchMLAPrefill, TritonMLAPrefill
 from dsmesh.engine.sampling_params import SamplingParams
 from dsmesh.kernels.backends import available
 from tests.engine.hf_checkpoints import random_prompts, relative_error
@@ -50,7 +50,7 @@ def test_auto_takes_flashinfer_only_where_it_fits(monkeypatch) -> None:
     assert not flashinfer_fits((32, 16), cuda, bf16)  # a tiny model's latent
     monkeypatch.setattr(mla_decode_backend, "choose", lambda kernel: "triton")
     assert not flashinfer_fits(LATENT, cuda, bf16)  # not installed
-    monkeypatch.setattr("dsmesh.engine.kernel_choice.triton_importable", lambda: True)
+    monkeypatch.setattr("dsmesh.engine.model.kernel_choice.triton_importable", lambda: True)
     gpu = KernelChoice.resolve(cuda, bf16, flashinfer_fits=True)
     assert gpu == KernelChoice(triton=True, decode_attention="flashinfer", fused_moe=True)
     assert KernelChoice.resolve(cuda, bf16).decode_attention == "triton"
@@ -126,7 +126,7 @@ def _decode_inputs(device: str, seed: int = 0):
     q = torch.randn(len(lens), heads, rank, generator=g).to(device)
     q_pe = torch.randn(len(lens), heads, rope, generator=g).to(device)
     meta_lens = torch.tensor(lens, dtype=torch.int32)
-    from dsmesh.engine.forward_batch import DecodeMeta
+    from dsmesh.engine.model.forward_batch import DecodeMeta
 
     meta = DecodeMeta(
         None, table.to(device), meta_lens.to(device), (table.numpy(), meta_lens.numpy())

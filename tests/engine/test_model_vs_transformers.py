@@ -14,10 +14,10 @@ import dataclasses
 import pytest
 import torch
 
-from dsmesh.engine.forward_batch import ForwardBatch, SequenceChunk
 from dsmesh.engine.kv_cache import pages_for
-from dsmesh.engine.loader import load_model
-from dsmesh.engine.routing import routing_config, select_experts
+from dsmesh.engine.model.build import load_model
+from dsmesh.engine.model.forward_batch import ForwardBatch, SequenceChunk
+from dsmesh.engine.model.moe_routing import routing_config, select_experts
 from tests.engine.hf_checkpoints import (
     HFCheckpoint,
     copy_checkpoint,

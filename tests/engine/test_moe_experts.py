@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsmesh.engine.moe import RoutedExperts, grouped_mm_supported
+from dsmesh.engine.model.moe import RoutedExperts, grouped_mm_supported
 
 
 @pytest.mark.parametrize("counts", [[3, 0, 2, 4], [0, 0, 0, 5], [1, 1, 1, 1], [0, 0, 0, 0]])

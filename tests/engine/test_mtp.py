@@ -17,18 +17,18 @@ import pytest
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from dsmesh.engine.config import load_config
 from dsmesh.engine.cuda_graph import CudaGraphRunner
-from dsmesh.engine.forward_batch import ForwardBatch, SequenceChunk
 from dsmesh.engine.kv_cache import MLAKVPool, pages_for
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.loader import load_model
-from dsmesh.engine.mtp import build_mtp
+from dsmesh.engine.model.build import load_model
+from dsmesh.engine.model.config import load_config
+from dsmesh.engine.model.forward_batch import ForwardBatch, SequenceChunk
+from dsmesh.engine.model.mtp import build_mtp
+from dsmesh.engine.model.mtp_weights import load_mtp_weights, mtp_state_dict
+from dsmesh.engine.model.weights import WeightError
 from dsmesh.engine.mtp_graph import MTPGraphRunner
-from dsmesh.engine.mtp_weights import load_mtp_weights, mtp_state_dict
 from dsmesh.engine.sampling_params import SamplingParams
 from dsmesh.engine.spec_sampling import accept_greedy, accept_greedy_rows, sampling_probs
-from dsmesh.engine.weights import WeightError
 from tests.engine.hf_checkpoints import (
     HFCheckpoint,
     copy_checkpoint,

@@ -19,12 +19,12 @@ from hypothesis import strategies as st
 from dsmesh.engine import prefix_cache
 from dsmesh.engine.kv_cache import PageAllocator, pages_for
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.loader import load_model
+from dsmesh.engine.model.build import load_model
+from dsmesh.engine.model.tiny_model import make_tiny_model
 from dsmesh.engine.prefix_cache import PrefixCache, page_hashes
 from dsmesh.engine.request import Request
 from dsmesh.engine.sampling_params import SamplingParams
 from dsmesh.engine.scheduler import Scheduler, SchedulerConfig
-from dsmesh.engine.tiny_model import make_tiny_model
 
 GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
 

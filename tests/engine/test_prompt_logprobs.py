@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine, StepOutput
-from dsmesh.engine.loader import load_model
+from dsmesh.engine.model.build import load_model
 from dsmesh.engine.prompt_logprobs import prompt_logprobs_ref, score_tokens
 from dsmesh.engine.sampling_params import SamplingParams
 from dsmesh.engine.token_logprobs import TokenLogprobs

@@ -11,9 +11,9 @@ import torch
 
 from dsmesh.engine.errors import InvalidRequestError
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine, StepOutput
-from dsmesh.engine.loader import load_model
+from dsmesh.engine.model.build import load_model
+from dsmesh.engine.model.tiny_model import make_tiny_model
 from dsmesh.engine.sampling_params import SamplingParams
-from dsmesh.engine.tiny_model import make_tiny_model
 from dsmesh.engine.token_logprobs import TokenLogprobs
 
 

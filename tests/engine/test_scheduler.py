@@ -14,11 +14,11 @@ import torch
 from dsmesh.engine.errors import InvalidRequestError
 from dsmesh.engine.kv_cache import OutOfPagesError, PageAllocator
 from dsmesh.engine.llm_engine import EngineConfig, GenerationResult, LLMEngine
-from dsmesh.engine.loader import load_model
+from dsmesh.engine.model.build import load_model
+from dsmesh.engine.model.tiny_model import make_tiny_model
 from dsmesh.engine.request import Request, RequestStatus
 from dsmesh.engine.sampling_params import INT32_MAX, SamplingParams
 from dsmesh.engine.scheduler import Scheduler, SchedulerConfig
-from dsmesh.engine.tiny_model import make_tiny_model
 
 GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
 

@@ -1,4 +1,4 @@
-"""Tests for dsmesh.engine.tiny_model: the checkpoint format, determinism and the shared cache
+"""Tests for dsmesh.engine.model.tiny_model: the checkpoint format, determinism and the shared cache
 folder."""
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsmesh.engine import tiny_model
-from dsmesh.engine.config import ModelConfig, load_config
-from dsmesh.engine.forward_batch import ForwardBatch, SequenceChunk
 from dsmesh.engine.kv_cache import MLAKVPool
-from dsmesh.engine.loader import load_model
-from dsmesh.engine.model import DeepseekForCausalLM
-from dsmesh.engine.tiny_model import (
+from dsmesh.engine.model import tiny_model
+from dsmesh.engine.model.build import load_model
+from dsmesh.engine.model.config import ModelConfig, load_config
+from dsmesh.engine.model.deepseek import DeepseekForCausalLM
+from dsmesh.engine.model.forward_batch import ForwardBatch, SequenceChunk
+from dsmesh.engine.model.tiny_model import (
     COMPLETE_MARKER,
     TINY_ARCHES,
     cache_root,

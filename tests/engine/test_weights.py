@@ -26,8 +26,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dsmesh.engine.loader import load_model
-from dsmesh.engine.weights import (
+from dsmesh.engine.model.build import load_model
+from dsmesh.engine.model.weights import (
     Fp8Weight,
     WeightError,
     official_state_dict,

@@ -40,7 +40,7 @@ HOT = {2: 0.4, 3: 0.4, 4: 0.4, 5: 0.4}
 
 
 def skewed_checkpoint(root: Path) -> Path:
-    from dsmesh.engine.tiny_model import default_model_dir
+    from dsmesh.engine.model.tiny_model import default_model_dir
 
     out = root / "skewed"
     shutil.copytree(default_model_dir(), out)

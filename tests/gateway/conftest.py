@@ -72,7 +72,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory):
     cache = tmp_path_factory.mktemp("gw-cache")
     logs = tmp_path_factory.mktemp("gw-logs")
     os.environ["DSMESH_CACHE_DIR"] = str(cache)
-    from dsmesh.engine.tiny_model import default_model_dir
+    from dsmesh.engine.model.tiny_model import default_model_dir
 
     model = default_model_dir()
     out = open(logs / "up.out", "w")  # noqa: SIM115 - closed below

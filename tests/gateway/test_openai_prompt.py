@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from dsmesh.engine.tiny_model import tiny_config
+from dsmesh.engine.model.tiny_model import tiny_config
 from dsmesh.engine.tokenizer import Tokenizer
 from dsmesh.gateway.admission import MeshLoads
 from dsmesh.gateway.core import CoreLimits, GenerationCore

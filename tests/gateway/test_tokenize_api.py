@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from dsmesh.engine.config import load_config
+from dsmesh.engine.model.config import load_config
 from dsmesh.engine.tokenizer import Tokenizer
 from tests.gateway.test_gateway import post
 

@@ -38,7 +38,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_reference_equals_engine_naive_attention() -> None:
     """One request with a prefix: the reference equals MLAttention.attend_naive's math."""
-    from dsmesh.engine.mla import MLAttention
+    from dsmesh.engine.model.mla import MLAttention
 
     q_nope, q_pe, k_nope, k_pe, v, cu_q, cu_k = make_case(
         [5], [7], 3, 8, 4, 6, torch.float32, "cpu"

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from dsmesh.engine.config import RopeConfig
 from dsmesh.engine.kv_cache import MLAKVPool
-from dsmesh.engine.norm import RMSNorm
-from dsmesh.engine.rope import RotaryEmbedding
+from dsmesh.engine.model.config import RopeConfig
+from dsmesh.engine.model.norm import RMSNorm
+from dsmesh.engine.model.rope import RotaryEmbedding
 from dsmesh.kernels.mla_rope import mla_decode_prep, mla_decode_prep_ref
 from tests.kernels.conftest import needs_cuda, needs_triton
 from tests.kernels.test_norm import assert_close_ulp

@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from dsmesh.engine.loader import build_model, init_random
-from dsmesh.engine.tiny_model import tiny_config
-from dsmesh.engine.weights import Fp8Weight
+from dsmesh.engine.model.build import build_model, init_random
+from dsmesh.engine.model.tiny_model import tiny_config
+from dsmesh.engine.model.weights import Fp8Weight
 from dsmesh.kernels.fp8 import (
     Fp8ExpertWeights,
     dequantize_fp8_block,
@@ -190,9 +190,9 @@ def test_attach_fp8_experts_stacks_the_checkpoint_tensors() -> None:
 def test_model_with_fp8_experts_on_gpu() -> None:
     """On CUDA an MoE layer with attached FP8 experts equals routing + permutation + the FP8
     torch reference + shared experts; the whole model runs and stays near its dense logits."""
-    from dsmesh.engine.forward_batch import ForwardBatch, SequenceChunk
-    from dsmesh.engine.kernel_choice import KernelChoice
     from dsmesh.engine.kv_cache import MLAKVPool
+    from dsmesh.engine.model.forward_batch import ForwardBatch, SequenceChunk
+    from dsmesh.engine.model.kernel_choice import KernelChoice
 
     model = tiny_fp8_model().to("cuda")
     # Triton glue: the FP8 experts run only where kernels were chosen with Triton on

@@ -1,14 +1,14 @@
-"""Triton RMSNorm and residual-add + RMSNorm equal dsmesh.engine.norm.RMSNorm's torch math: float32
-to a few ulp, bf16/fp16 to one ulp (the residual sum bit for bit), strided rows included; the
-engine's RMSNorm dispatches to the kernel."""
+"""Triton RMSNorm and residual-add + RMSNorm equal dsmesh.engine.model.norm.RMSNorm's torch math:
+float32 to a few ulp, bf16/fp16 to one ulp (the residual sum bit for bit), strided rows included;
+the engine's RMSNorm dispatches to the kernel."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import dsmesh.engine.norm as engine_norm
-from dsmesh.engine.norm import RMSNorm
+import dsmesh.engine.model.norm as engine_norm
+from dsmesh.engine.model.norm import RMSNorm
 from dsmesh.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from tests.kernels.conftest import needs_triton
 

@@ -115,7 +115,7 @@ def test_no_bias_and_empty(device: str) -> None:
 def test_expert_map_gives_physical_ids(name: str, device: str) -> None:
     """With a logical -> physical map the same launch writes ``map[ids]``; the engine's
     select_experts does the same on the CPU."""
-    from dsmesh.engine.routing import select_experts
+    from dsmesh.engine.model.moe_routing import select_experts
 
     cfg = CONFIGS[name]
     logits, bias = inputs(cfg, 21, device, seed=4)
@@ -133,7 +133,7 @@ def test_expert_map_gives_physical_ids(name: str, device: str) -> None:
 
 def test_engine_dispatch_uses_reference_without_triton() -> None:
     """Without the Triton kernels chosen, the engine's select_experts is the reference."""
-    from dsmesh.engine.routing import select_experts
+    from dsmesh.engine.model.moe_routing import select_experts
 
     cfg = CONFIGS["v3"]
     logits, bias = inputs(cfg, 9, "cpu", seed=3)
@@ -147,7 +147,7 @@ def test_engine_dispatch_uses_reference_without_triton() -> None:
 def test_large_batch_on_gpu(name: str) -> None:
     cfg = CONFIGS[name]
     logits, bias = inputs(cfg, 8192, "cuda", seed=4)
-    from dsmesh.engine.routing import select_experts
+    from dsmesh.engine.model.moe_routing import select_experts
 
     w, ids = by_id(*select_experts(logits, cfg, bias, triton=True))  # the engine's CUDA path
     w_ref, ids_ref = by_id(*select_experts_ref(logits, cfg, bias))

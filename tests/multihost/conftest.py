@@ -139,7 +139,7 @@ def network() -> Iterator[netns.Network]:
 def mesh(network: netns.Network, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     """The services run on hosts of the same name ("kv-broker", ...; "spare" runs none until
     a test starts one), tracing to an OTLP receiver on the bridge's address."""
-    from dsmesh.engine.tiny_model import default_model_dir
+    from dsmesh.engine.model.tiny_model import default_model_dir
 
     model_dir = default_model_dir()  # built once here, before four processes look for it
     log_dir = tmp_path_factory.mktemp("multihost-logs")

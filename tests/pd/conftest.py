@@ -38,7 +38,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory):
     env = {"DSMESH_CACHE_DIR": str(cache)}
     # Build the default model once, before several processes race for it.
     os.environ["DSMESH_CACHE_DIR"] = str(cache)
-    from dsmesh.engine.tiny_model import default_model_dir
+    from dsmesh.engine.model.tiny_model import default_model_dir
 
     default_model_dir()
     broker = start_service(

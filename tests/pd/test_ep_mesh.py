@@ -56,7 +56,7 @@ def ep_mesh(tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("logs")
     env = {"DSMESH_CACHE_DIR": str(cache)}
     os.environ["DSMESH_CACHE_DIR"] = str(cache)
-    from dsmesh.engine.tiny_model import default_model_dir
+    from dsmesh.engine.model.tiny_model import default_model_dir
 
     model = str(default_model_dir())
     procs = []

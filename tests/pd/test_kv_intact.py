@@ -33,7 +33,7 @@ def recompute_pages(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
 
 
 def test_pages_received_by_decode_equal_a_prefill_side_recompute(mesh) -> None:
-    from dsmesh.engine.tiny_model import default_model_dir
+    from dsmesh.engine.model.tiny_model import default_model_dir
 
     model_dir = str(default_model_dir())
     page_size = 16

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def offline(mesh) -> LLMEngine:
-    from dsmesh.engine.tiny_model import default_model_dir
+    from dsmesh.engine.model.tiny_model import default_model_dir
 
     return LLMEngine(EngineConfig(model=str(default_model_dir()), max_total_tokens=1 << 16))
 

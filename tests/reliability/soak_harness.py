@@ -52,7 +52,7 @@ def shared_cache(tmp_path_factory) -> Path:
 
 def model_dir(cache: Path) -> Path:
     """The tiny default model under ``cache``, built here so that children never race."""
-    from dsmesh.engine.tiny_model import default_model_dir
+    from dsmesh.engine.model.tiny_model import default_model_dir
 
     return default_model_dir(cache_dir=cache)
 

@@ -51,7 +51,7 @@ NAMED_SPANS = {
 def traced_mesh(receiver, tmp_path_factory: pytest.TempPathFactory):
     cache = os.environ.get("DSMESH_CACHE_DIR") or str(tmp_path_factory.mktemp("cache"))
     logs = tmp_path_factory.mktemp("logs")
-    from dsmesh.engine.tiny_model import default_model_dir
+    from dsmesh.engine.model.tiny_model import default_model_dir
 
     default_model_dir(cache_dir=cache)  # once, before the services race for it
     env = {"DSMESH_CACHE_DIR": cache, **receiver.exporter_env()}

@@ -22,7 +22,7 @@ SERVICES = {"gateway", "prefill", "decode", "kv-broker"}
 def test_rest_request_is_one_trace_across_four_services(receiver, tmp_path_factory) -> None:
     cache = os.environ.get("DSMESH_CACHE_DIR") or str(tmp_path_factory.mktemp("cache"))
     logs = tmp_path_factory.mktemp("logs")
-    from dsmesh.engine.tiny_model import default_model_dir
+    from dsmesh.engine.model.tiny_model import default_model_dir
 
     default_model_dir(cache_dir=cache)
     env = {"DSMESH_CACHE_DIR": cache, **receiver.exporter_env()}

@@ -58,7 +58,7 @@ def start_mesh(
 ) -> Iterator[UnifiedMesh]:
     env = {"DSMESH_CACHE_DIR": str(cache)}
     os.environ["DSMESH_CACHE_DIR"] = str(cache)
-    from dsmesh.engine.tiny_model import default_model_dir
+    from dsmesh.engine.model.tiny_model import default_model_dir
 
     model = default_model_dir()  # built once here, before the children race for it
     started: list[ServiceProcess] = []

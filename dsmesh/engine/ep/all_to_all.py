@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dsmesh.engine.moe_dispatch import DispatchOutput, MoEDispatcher, Pending
+from dsmesh.engine.model.moe_dispatch import DispatchOutput, MoEDispatcher, Pending
 from dsmesh.kernels.ep_static import ids_of, pack_static, pack_static_ref
 from dsmesh.kernels.moe_gemm import gather_combine, gather_combine_ref
 

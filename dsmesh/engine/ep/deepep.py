@@ -8,8 +8,8 @@ Two modes, fixed per instance because every rank of a group must use the same on
   per-expert slots, in FP8 (dequantised here for the bf16 experts), and its combine applies
   the routing weights.
 
-Both implement :class:`~dsmesh.engine.moe_dispatch.MoEDispatcher`, so the MoE layer is unchanged.
-``deep_ep`` is imported lazily; :func:`deepep_available` says whether it can be used.
+Both implement :class:`~dsmesh.engine.model.moe_dispatch.MoEDispatcher`, so the MoE layer is
+unchanged. ``deep_ep`` is imported lazily; :func:`deepep_available` says whether it can be used.
 
 Status: written against deep_ep 1.0.0's documented API; it has not run yet: the machines
 lent so far have not had a DeepEP build (see docs/EP.md). The all-to-all backend is the one
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dsmesh.engine.moe_dispatch import DispatchOutput, MoEDispatcher
+from dsmesh.engine.model.moe_dispatch import DispatchOutput, MoEDispatcher
 
 DEEPEP_MODES = ("normal", "low_latency")
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from dsmesh.engine.ep.load_recorder import ExpertLoadRecorder
 from dsmesh.engine.ep.rebalance import Rebalancer, StagedPlacement
-from dsmesh.engine.model import DeepseekForCausalLM
+from dsmesh.engine.model.deepseek import DeepseekForCausalLM
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dsmesh.engine.expert_location import ExpertLocation
+from dsmesh.engine.model.expert_location import ExpertLocation
 
 
 def round_robin_placement(

@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from dsmesh.engine.expert_location import ExpertLocation
-from dsmesh.engine.model import DeepseekForCausalLM
-from dsmesh.engine.weights import WeightError, checkpoint_files
+from dsmesh.engine.model.deepseek import DeepseekForCausalLM
+from dsmesh.engine.model.expert_location import ExpertLocation
+from dsmesh.engine.model.weights import WeightError, checkpoint_files
 from dsmesh.kernels.fp8 import dequantize_fp8_block
 
 log = logging.getLogger(__name__)

@@ -8,13 +8,13 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from dsmesh.engine.config import ModelConfig, load_config
-from dsmesh.engine.expert_location import ExpertLocation
-from dsmesh.engine.kernel_choice import KernelChoice
-from dsmesh.engine.model import DeepseekForCausalLM
-from dsmesh.engine.moe import MoEGate
-from dsmesh.engine.moe_dispatch import MoEDispatcher
-from dsmesh.engine.weights import load_weights
+from dsmesh.engine.model.config import ModelConfig, load_config
+from dsmesh.engine.model.deepseek import DeepseekForCausalLM
+from dsmesh.engine.model.expert_location import ExpertLocation
+from dsmesh.engine.model.kernel_choice import KernelChoice
+from dsmesh.engine.model.moe import MoEGate
+from dsmesh.engine.model.moe_dispatch import MoEDispatcher
+from dsmesh.engine.model.weights import load_weights
 
 M = TypeVar("M", bound=nn.Module)
 

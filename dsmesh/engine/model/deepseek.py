@@ -1,7 +1,8 @@
 """DeepSeek-V2/V3 decoder over ragged batches and the paged latent cache.
 
 Module and parameter names follow the checkpoint (``model.layers.N.self_attn.q_a_proj`` ...),
-except routed experts, which are stacked per rank (see :class:`dsmesh.engine.moe.RoutedExperts`).
+except routed experts, which are stacked per rank (see
+:class:`dsmesh.engine.model.moe.RoutedExperts`).
 """
 
 from __future__ import annotations
@@ -11,18 +12,22 @@ import contextlib
 import torch
 from torch import nn
 
-from dsmesh.engine.config import ModelConfig
-from dsmesh.engine.expert_location import ExpertLocation
-from dsmesh.engine.forward_batch import ForwardBatch
-from dsmesh.engine.kernel_choice import KernelChoice
 from dsmesh.engine.kv_cache import MLAKVPool
-from dsmesh.engine.mla import MLAttention
-from dsmesh.engine.mla_decode_backend import MLADecodeBackend, TorchMLADecode, make_decode_backend
-from dsmesh.engine.mla_prefill_backend import make_prefill_backend
-from dsmesh.engine.moe import DeepseekMoE, DenseMLP
-from dsmesh.engine.moe_dispatch import LocalDispatcher, MoEDispatcher, static_mode
-from dsmesh.engine.norm import RMSNorm
-from dsmesh.engine.rope import RotaryEmbedding
+from dsmesh.engine.model.config import ModelConfig
+from dsmesh.engine.model.expert_location import ExpertLocation
+from dsmesh.engine.model.forward_batch import ForwardBatch
+from dsmesh.engine.model.kernel_choice import KernelChoice
+from dsmesh.engine.model.mla import MLAttention
+from dsmesh.engine.model.mla_decode_backend import (
+    MLADecodeBackend,
+    TorchMLADecode,
+    make_decode_backend,
+)
+from dsmesh.engine.model.mla_prefill_backend import make_prefill_backend
+from dsmesh.engine.model.moe import DeepseekMoE, DenseMLP
+from dsmesh.engine.model.moe_dispatch import LocalDispatcher, MoEDispatcher, static_mode
+from dsmesh.engine.model.norm import RMSNorm
+from dsmesh.engine.model.rope import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
@@ -87,8 +92,9 @@ class DeepseekForCausalLM(nn.Module):
     """The whole model for one rank.
 
     ``expert_location`` and ``dispatcher`` default to a single rank holding every expert.
-    Build on the ``meta`` device and load weights with :func:`dsmesh.engine.weights.load_weights`,
-    or call :meth:`init_random` for tests and the tiny default model.
+    Build on the ``meta`` device and load weights with
+    :func:`dsmesh.engine.model.weights.load_weights`, or call :meth:`init_random` for tests and the
+    tiny default model.
     """
 
     def __init__(

@@ -1,12 +1,12 @@
 """The engine's routing hook: one fused Triton launch when the Triton kernels are chosen
-(dsmesh/engine/kernel_choice.py), the plain-torch reference otherwise. The policies themselves
+(dsmesh/engine/model/kernel_choice.py), the plain-torch reference otherwise. The policies themselves
 (``greedy``, ``group_limited_greedy``, ``noaux_tc``) are :mod:`dsmesh.kernels.routing`'s."""
 
 from __future__ import annotations
 
 import torch
 
-from dsmesh.engine.config import MoEConfig
+from dsmesh.engine.model.config import MoEConfig
 from dsmesh.kernels.routing import RoutingConfig, fused_select_experts, select_experts_ref
 
 

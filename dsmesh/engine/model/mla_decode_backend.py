@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 import torch
 
-from dsmesh.engine.forward_batch import DecodeMeta
+from dsmesh.engine.model.forward_batch import DecodeMeta
 from dsmesh.kernels.backends import available, choose
 from dsmesh.kernels.mla_decode import mla_decode_ref
 

@@ -1,12 +1,12 @@
 """Load and save the MTP layers of a checkpoint (``model.layers.{num_hidden_layers + i}.*``).
 
-The main model's loader (:mod:`dsmesh.engine.weights`) skips these tensors; this module reads them
-into an :class:`dsmesh.engine.mtp.MTPDraft`. FP8 block weights are dequantised to the draft's dtype.
-Of the routed experts only those the draft's placement puts on its rank are read (all of
-them on a single rank).
+The main model's loader (:mod:`dsmesh.engine.model.weights`) skips these tensors; this module reads
+them into an :class:`dsmesh.engine.model.mtp.MTPDraft`. FP8 block weights are dequantised to the
+draft's dtype. Of the routed experts only those the draft's placement puts on its rank are read (all
+of them on a single rank).
 The checkpoint's copies of the embedding and the LM head (``embed_tokens``,
 ``shared_head.head``) are not read: the draft uses the main model's. A missing or mis-shaped
-tensor raises :class:`dsmesh.engine.weights.WeightError` naming it.
+tensor raises :class:`dsmesh.engine.model.weights.WeightError` naming it.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from dsmesh.engine.mtp import MTPDraft, mtp_moe_layers
-from dsmesh.engine.weights import (
+from dsmesh.engine.model.mtp import MTPDraft, mtp_moe_layers
+from dsmesh.engine.model.weights import (
     _SCALE_SUFFIX,
     WeightError,
     _copy,

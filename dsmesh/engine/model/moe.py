@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsmesh.engine.config import ModelConfig
-from dsmesh.engine.expert_location import DeviceExpertMap, ExpertLocation
-from dsmesh.engine.kernel_choice import KernelChoice
-from dsmesh.engine.linear_fusion import fuse_linears
-from dsmesh.engine.moe_dispatch import DispatchOutput, LocalDispatcher, MoEDispatcher, Pending
-from dsmesh.engine.routing import routing_config, select_experts
+from dsmesh.engine.model.config import ModelConfig
+from dsmesh.engine.model.expert_location import DeviceExpertMap, ExpertLocation
+from dsmesh.engine.model.kernel_choice import KernelChoice
+from dsmesh.engine.model.linear_fusion import fuse_linears
+from dsmesh.engine.model.moe_dispatch import DispatchOutput, LocalDispatcher, MoEDispatcher, Pending
+from dsmesh.engine.model.moe_routing import routing_config, select_experts
 from dsmesh.kernels.fp8 import Fp8ExpertWeights
 from dsmesh.kernels.moe_gemm import expert_ffn, expert_ffn_fp8, grouped_mm_supported
 
@@ -40,7 +40,7 @@ class DenseMLP(nn.Module):
 
     def fuse_gate_up(self) -> bool:
         """Move gate and up into one weight, so one GEMM computes both (three launches a
-        forward instead of five; dsmesh/engine/linear_fusion.py): every reader, the fused MoE
+        forward instead of five; dsmesh/engine/model/linear_fusion.py): every reader, the fused MoE
         kernel's shared experts too, sees the same values. Returns whether fused."""
         self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)
         return self.gate_up_weight is not None

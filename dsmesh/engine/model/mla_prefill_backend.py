@@ -1,9 +1,11 @@
 """MLA prefill attention backends: the new tokens of prefill (and chunked-prefill) requests
 attend their whole context, causally, with the latents expanded to per-head K and V (naive
-MLA). Chosen once at engine start, beside the decode backend (dsmesh/engine/mla_decode_backend.py):
+MLA). Chosen once at engine start, beside the decode backend
+(dsmesh/engine/model/mla_decode_backend.py):
 
 - :class:`TorchMLAPrefill`: the reference, one request at a time
-  (:meth:`dsmesh.engine.mla.MLAttention.attend_naive`, or ``attend_absorbed`` in "absorbed" mode);
+  (:meth:`dsmesh.engine.model.mla.MLAttention.attend_naive`, or ``attend_absorbed`` in "absorbed"
+  mode);
 - :class:`TritonMLAPrefill`: one launch over the ragged batch (dsmesh.kernels.mla_prefill).
 """
 
@@ -16,11 +18,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from dsmesh.engine.forward_batch import ForwardBatch, host_to_device
 from dsmesh.engine.kv_cache import MLAKVPool
+from dsmesh.engine.model.forward_batch import ForwardBatch, host_to_device
 
 if TYPE_CHECKING:
-    from dsmesh.engine.mla import MLAttention
+    from dsmesh.engine.model.mla import MLAttention
 
 
 class MLAPrefillBackend(ABC):

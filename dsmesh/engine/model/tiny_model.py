@@ -29,8 +29,9 @@ from pathlib import Path
 
 import torch
 
-from dsmesh.engine.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig
-from dsmesh.engine.loader import build_model, init_random
+from dsmesh.engine.model.build import build_model, init_random
+from dsmesh.engine.model.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig
+from dsmesh.engine.model.weights import official_state_dict, save_checkpoint_weights
 from dsmesh.engine.tokenizer import (
     BOS_TOKEN,
     EOS_TOKEN,
@@ -39,7 +40,6 @@ from dsmesh.engine.tokenizer import (
     Tokenizer,
     write_byte_level_tokenizer,
 )
-from dsmesh.engine.weights import official_state_dict, save_checkpoint_weights
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dsmesh.engine.model import DeepseekForCausalLM
-from dsmesh.engine.moe import RoutedExperts
+from dsmesh.engine.model.deepseek import DeepseekForCausalLM
+from dsmesh.engine.model.moe import RoutedExperts
 from dsmesh.kernels.fp8 import dequantize_fp8_block
 
 _EXPERT_RE = re.compile(

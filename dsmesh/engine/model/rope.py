@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from dsmesh.engine.config import RopeConfig, yarn_get_mscale
+from dsmesh.engine.model.config import RopeConfig, yarn_get_mscale
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:

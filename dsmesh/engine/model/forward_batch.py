@@ -56,10 +56,10 @@ class ForwardBatch:
     last_rows: [B] int64 row of each request's last new token (its logits row).
     decode_ids: indices (into the request list) of single-token requests.
     decode: the paged context of those requests' rows, as every decode attention backend
-        reads it (dsmesh/engine/mla_decode_backend.py); None when there are none.
+        reads it (dsmesh/engine/model/mla_decode_backend.py); None when there are none.
     last_rows may be None: every row is a request's last (decode-only batches).
     plans: what attention backends derive from the batch once per forward and reuse in
-        every layer (dsmesh/engine/mla_prefill_backend.py), by the backend's key.
+        every layer (dsmesh/engine/model/mla_prefill_backend.py), by the backend's key.
     """
 
     input_ids: torch.Tensor

@@ -26,18 +26,18 @@ import contextlib
 import torch
 from torch import nn
 
-from dsmesh.engine.config import ModelConfig
-from dsmesh.engine.expert_location import ExpertLocation
-from dsmesh.engine.forward_batch import ForwardBatch
-from dsmesh.engine.kernel_choice import KernelChoice
 from dsmesh.engine.kv_cache import MLAKVPool
-from dsmesh.engine.loader import materialize
-from dsmesh.engine.mla_decode_backend import MLADecodeBackend, TorchMLADecode
-from dsmesh.engine.model import DecoderLayer, DeepseekForCausalLM
-from dsmesh.engine.moe import DeepseekMoE, DenseMLP
-from dsmesh.engine.moe_dispatch import LocalDispatcher, MoEDispatcher, static_mode
-from dsmesh.engine.norm import RMSNorm
-from dsmesh.engine.rope import RotaryEmbedding
+from dsmesh.engine.model.build import materialize
+from dsmesh.engine.model.config import ModelConfig
+from dsmesh.engine.model.deepseek import DecoderLayer, DeepseekForCausalLM
+from dsmesh.engine.model.expert_location import ExpertLocation
+from dsmesh.engine.model.forward_batch import ForwardBatch
+from dsmesh.engine.model.kernel_choice import KernelChoice
+from dsmesh.engine.model.mla_decode_backend import MLADecodeBackend, TorchMLADecode
+from dsmesh.engine.model.moe import DeepseekMoE, DenseMLP
+from dsmesh.engine.model.moe_dispatch import LocalDispatcher, MoEDispatcher, static_mode
+from dsmesh.engine.model.norm import RMSNorm
+from dsmesh.engine.model.rope import RotaryEmbedding
 
 
 class SharedHead(nn.Module):
@@ -190,7 +190,7 @@ def build_mtp(
 
 @torch.no_grad()
 def init_random_mtp(draft: MTPDraft, seed: int, std: float = 0.02) -> None:
-    """Deterministic random weights, as :func:`dsmesh.engine.loader.init_random` does for a
+    """Deterministic random weights, as :func:`dsmesh.engine.model.build.init_random` does for a
     model."""
     gen = torch.Generator().manual_seed(seed)
     for name, tensor in sorted(draft.state_dict(keep_vars=True).items()):

@@ -16,15 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsmesh.engine.config import ModelConfig
-from dsmesh.engine.forward_batch import DecodeMeta, ForwardBatch
-from dsmesh.engine.kernel_choice import KernelChoice
 from dsmesh.engine.kv_cache import MLAKVPool
-from dsmesh.engine.linear_fusion import fuse_linears
-from dsmesh.engine.mla_decode_backend import MLADecodeBackend, TorchMLADecode
-from dsmesh.engine.mla_prefill_backend import MLAPrefillBackend, TorchMLAPrefill
-from dsmesh.engine.norm import RMSNorm
-from dsmesh.engine.rope import RotaryEmbedding
+from dsmesh.engine.model.config import ModelConfig
+from dsmesh.engine.model.forward_batch import DecodeMeta, ForwardBatch
+from dsmesh.engine.model.kernel_choice import KernelChoice
+from dsmesh.engine.model.linear_fusion import fuse_linears
+from dsmesh.engine.model.mla_decode_backend import MLADecodeBackend, TorchMLADecode
+from dsmesh.engine.model.mla_prefill_backend import MLAPrefillBackend, TorchMLAPrefill
+from dsmesh.engine.model.norm import RMSNorm
+from dsmesh.engine.model.rope import RotaryEmbedding
 
 ATTENTION_MODES = ("auto", "naive", "absorbed")
 
@@ -73,8 +73,8 @@ class MLAttention(nn.Module):
 
     def fuse_input_projections(self) -> bool:
         """Move the two projections of the layer input into one weight, so that one GEMM
-        computes both (dsmesh/engine/linear_fusion.py; FP8-quantised or biased projections keep two
-        GEMMs). Returns whether fused."""
+        computes both (dsmesh/engine/model/linear_fusion.py; FP8-quantised or biased projections
+        keep two GEMMs). Returns whether fused."""
         q = self.q_proj if self.q_lora_rank is None else self.q_a_proj
         self.fused_input_weight = fuse_linears(q, self.kv_a_proj_with_mqa)
         return self.fused_input_weight is not None

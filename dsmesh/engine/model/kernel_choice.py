@@ -1,8 +1,8 @@
 """Which kernels the model's modules run: chosen once when an engine starts, never per call.
 
 The model's modules (RMSNorm, MLAttention, DeepseekMoE, the router) read one frozen
-:class:`KernelChoice` that :meth:`dsmesh.engine.model.DeepseekForCausalLM.set_kernels` hands them.
-Nothing reads the environment or re-decides per forward; the torch references stay the
+:class:`KernelChoice` that :meth:`dsmesh.engine.model.deepseek.DeepseekForCausalLM.set_kernels`
+hands them. Nothing reads the environment or re-decides per forward; the torch references stay the
 exact path on CPU and in float32, and ``kernels="torch"`` forces them anywhere (A/B runs).
 """
 
@@ -26,7 +26,7 @@ class KernelChoice:
     """triton: dsmesh's Triton kernels for the glue (RMSNorm and add + RMSNorm, rope + latent
         norm + cache write, routing, FP8 experts) and the ragged prefill attention;
     decode_attention: "torch" (reference), "triton" or "flashinfer" (see
-        :mod:`dsmesh.engine.mla_decode_backend`);
+        :mod:`dsmesh.engine.model.mla_decode_backend`);
     fused_moe: decode-sized batches (``<= fused_moe_max_tokens``) run the one-launch MoE
         kernel (dsmesh.kernels.moe_fused) with the shared experts riding along, on a single rank.
     """
