@@ -70,7 +70,7 @@ def _rank_bench(rank: int, args: argparse.Namespace, port: int, results) -> None
     from dsmesh.engine.ep.all_to_all import AllToAllDispatcher
     from dsmesh.engine.ep.placement import round_robin_placement
     from dsmesh.engine.ep.runtime import EPConfig, init_group
-    from dsmesh.engine.kv_cache import pages_for
+    from dsmesh.engine.kv.pool import pages_for
     from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
     from dsmesh.engine.model.build import build_model
     from dsmesh.engine.model.config import ModelConfig

@@ -369,7 +369,7 @@ def add_cpu_graph_runner(engine, max_batch: int) -> None:
 def make_engine(model, device, max_batch: int, args):
     """An engine whose pool holds ``max_batch`` decode requests of ``args.context`` tokens
     (plus the steps) and one prefill forward of ``args.prefill_prompts`` prompts."""
-    from dsmesh.engine.kv_cache import pages_for
+    from dsmesh.engine.kv.pool import pages_for
     from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 
     page_size = args.page_size

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from dsmesh.engine.kv_cache import MLAKVPool, pages_for
+from dsmesh.engine.kv.pool import MLAKVPool, pages_for
 from dsmesh.runtime.transfer import RemotePool
 from dsmesh.runtime.transfer.mooncake import MooncakeTransport
 

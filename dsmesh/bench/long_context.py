@@ -20,8 +20,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dsmesh.engine.kv.prefix_cache import PrefixCache
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.prefix_cache import PrefixCache
 from dsmesh.engine.sampling_params import SamplingParams
 
 

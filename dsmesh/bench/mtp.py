@@ -49,7 +49,7 @@ from dsmesh.bench.gpu import (
     use_fp8_experts,
     v3_layers_config,
 )
-from dsmesh.engine.kv_cache import pages_for
+from dsmesh.engine.kv.pool import pages_for
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.model.build import build_model
 from dsmesh.engine.model.config import ModelConfig

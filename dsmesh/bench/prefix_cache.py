@@ -1,4 +1,4 @@
-"""Prefix cache host cost: insert and lookup of one long prompt (dsmesh/engine/prefix_cache.py).
+"""Prefix cache host cost: insert and lookup of one long prompt (dsmesh/engine/kv/prefix_cache.py).
 
     python -m dsmesh.bench.prefix_cache [--tokens 32768 131072] [--page-sizes 1 16] [--repeats 7]
 
@@ -19,8 +19,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from dsmesh.engine.kv_cache import PageAllocator, pages_for
-from dsmesh.engine.prefix_cache import PrefixCache
+from dsmesh.engine.kv.pool import PageAllocator, pages_for
+from dsmesh.engine.kv.prefix_cache import PrefixCache
 
 
 @dataclass(frozen=True)

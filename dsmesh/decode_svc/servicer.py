@@ -25,7 +25,7 @@ from dsmesh.decode_svc.handoff import (
     broker_unreachable,
 )
 from dsmesh.engine.errors import InvalidRequestError
-from dsmesh.engine.kv_cache import OutOfPagesError
+from dsmesh.engine.kv.pool import OutOfPagesError
 from dsmesh.engine.llm_engine import LLMEngine, StepOutput
 from dsmesh.engine.request import RequestStatus
 from dsmesh.engine.sampling_params import SamplingParams

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from dsmesh.engine.decode_graphs import DecodeGraphRunner, DecodeInputs, GraphCaptureError, Outputs
-from dsmesh.engine.kv_cache import MLAKVPool, pages_for
+from dsmesh.engine.kv.pool import MLAKVPool, pages_for
 from dsmesh.engine.model.deepseek import DeepseekForCausalLM
 from dsmesh.engine.model.mla_decode_backend import MLADecodeBackend
 

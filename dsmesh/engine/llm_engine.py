@@ -25,7 +25,7 @@ from dsmesh.engine.kv.budget import (
     KVBudget,
     kv_pool_tokens,
 )
-from dsmesh.engine.kv_cache import MLAKVPool, pages_for
+from dsmesh.engine.kv.pool import MLAKVPool, pages_for
 from dsmesh.engine.load import EngineLoad, engine_load
 from dsmesh.engine.model.build import load_model
 from dsmesh.engine.model.config import ModelConfig

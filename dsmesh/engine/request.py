@@ -67,8 +67,8 @@ class Request:
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
     num_spec_verifications: int = 0
-    # chained hashes of its full prompt pages (dsmesh/engine/prefix_hashes.py), once the scheduler
-    # needed them
+    # chained hashes of its full prompt pages (dsmesh/engine/kv/prefix_hashes.py), once the
+    # scheduler needed them
     prompt_page_names: list[int] | None = field(default=None, repr=False, compare=False)
     _pages_np: np.ndarray = field(
         default_factory=lambda: np.empty(0, np.int32), repr=False, compare=False

@@ -32,9 +32,9 @@ import itertools
 from collections import deque
 from dataclasses import dataclass
 
-from dsmesh.engine.kv_cache import OutOfPagesError, PageAllocator, pages_for
-from dsmesh.engine.prefix_cache import PrefixCache
-from dsmesh.engine.prefix_hashes import page_hashes
+from dsmesh.engine.kv.pool import OutOfPagesError, PageAllocator, pages_for
+from dsmesh.engine.kv.prefix_cache import PrefixCache
+from dsmesh.engine.kv.prefix_hashes import page_hashes
 from dsmesh.engine.request import Request, RequestStatus
 
 # A waiting request waits for a running one computing the same prompt prefix when they share
@@ -316,7 +316,7 @@ class Scheduler:
     # ---- prompts that share a prefix being computed ----------------------------------------
 
     def _prompt_page_names(self, request: Request) -> list[int]:
-        """Chained hashes of ``request``'s full prompt pages (dsmesh/engine/prefix_hashes.py),
+        """Chained hashes of ``request``'s full prompt pages (dsmesh/engine/kv/prefix_hashes.py),
         computed once."""
         if request.prompt_page_names is None:
             request.prompt_page_names = page_hashes(request.prompt_ids, self.config.page_size)

@@ -32,7 +32,7 @@ import torch
 
 from dsmesh.engine.cuda_graph import CudaGraphRunner
 from dsmesh.engine.decode_graphs import GraphCaptureError
-from dsmesh.engine.kv_cache import MLAKVPool, pages_for
+from dsmesh.engine.kv.pool import MLAKVPool, pages_for
 from dsmesh.engine.model.deepseek import DeepseekForCausalLM
 from dsmesh.engine.model.forward_batch import ForwardBatch, SequenceChunk
 from dsmesh.engine.model.mtp import MTPDraft

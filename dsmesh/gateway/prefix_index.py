@@ -1,8 +1,8 @@
 """The gateway's copy of which prompt prefixes each instance's prefix cache holds: pure state.
 
 Prefill, decode and unified instances name every cached page by a chained hash of its whole
-prefix (dsmesh/engine/prefix_hashes.py) and answer the registry's ``GetLoad`` polls with the names
-cached and evicted since the gateway's cursor. :class:`PrefixIndex` keeps one set of names per
+prefix (dsmesh/engine/kv/prefix_hashes.py) and answer the registry's ``GetLoad`` polls with the
+names cached and evicted since the gateway's cursor. :class:`PrefixIndex` keeps one set of names per
 instance from those answers; an instance holds the leading pages of a prompt whose names are
 all in its set, so the prompt's cached length there is the run of its names found, times the
 page size. A routing hint only: the instance's cache matches tokens, not names.
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from dsmesh.engine.prefix_hashes import PrefixChanges, page_hashes
+from dsmesh.engine.kv.prefix_hashes import PrefixChanges, page_hashes
 
 
 class PromptPages:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from dsmesh.engine.prefix_hashes import PrefixChanges
+from dsmesh.engine.kv.prefix_hashes import PrefixChanges
 from dsmesh.gateway.admission import MeshLoads
 from dsmesh.gateway.prefix_index import PrefixIndex
 from dsmesh.gateway.routing import DecodeLoad, PrefillLoad

@@ -22,8 +22,8 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from dsmesh.engine.kv_cache import pages_for
-from dsmesh.engine.prefix_hashes import prefix_name
+from dsmesh.engine.kv.pool import pages_for
+from dsmesh.engine.kv.prefix_hashes import prefix_name
 from dsmesh.instance.failures import CallFailed, Code, already_active, handoff_failed
 from dsmesh.v1 import kv_broker_pb2 as kb
 
@@ -103,7 +103,7 @@ def same_prefix(
     prompt: Sequence[int], cached_pages: int, cached_prefix: int, page_size: int
 ) -> bool:
     """Whether ``cached_prefix``, decode's name for the ``cached_pages`` leading pages it
-    holds, names this prompt's first pages (dsmesh/engine/prefix_hashes.py)."""
+    holds, names this prompt's first pages (dsmesh/engine/kv/prefix_hashes.py)."""
     try:
         return prefix_name(prompt, cached_pages, page_size) == cached_prefix
     except ValueError:  # the prompt has not that many pages

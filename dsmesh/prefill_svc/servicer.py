@@ -19,7 +19,7 @@ import torch
 from opentelemetry.context import Context
 
 from dsmesh.engine.errors import InvalidRequestError
-from dsmesh.engine.kv_cache import pages_for
+from dsmesh.engine.kv.pool import pages_for
 from dsmesh.engine.llm_engine import LLMEngine, StepOutput
 from dsmesh.engine.sampling_params import SamplingParams
 from dsmesh.engine.token_logprobs import TokenLogprobs

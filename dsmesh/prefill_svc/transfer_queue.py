@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from opentelemetry.context import Context
 
-from dsmesh.engine.kv_cache import MLAKVPool
+from dsmesh.engine.kv.pool import MLAKVPool
 from dsmesh.prefill_svc.estimate import RateMeter
 from dsmesh.runtime import telemetry
 from dsmesh.runtime.transfer import (

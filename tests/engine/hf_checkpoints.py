@@ -27,7 +27,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from dsmesh.engine.kv_cache import MLAKVPool, pages_for
+from dsmesh.engine.kv.pool import MLAKVPool, pages_for
 from dsmesh.engine.model.deepseek import DeepseekForCausalLM
 from dsmesh.engine.model.forward_batch import ForwardBatch, SequenceChunk
 

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from dsmesh.engine.kv_cache import PageAllocator
+from dsmesh.engine.kv.pool import PageAllocator
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.model.build import load_model
 from dsmesh.engine.model.tiny_model import make_tiny_model

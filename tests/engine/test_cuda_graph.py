@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from dsmesh.engine.cuda_graph import CudaGraphRunner, GraphCaptureError, graph_support_problem
 from dsmesh.engine.graph_buckets import batch_buckets, bucket_for, page_bucket
-from dsmesh.engine.kv_cache import MLAKVPool, pages_for
+from dsmesh.engine.kv.pool import MLAKVPool, pages_for
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.model.build import load_model
 from dsmesh.engine.model.forward_batch import ForwardBatch, SequenceChunk

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 from dsmesh.engine.ep.all_to_all import AllToAllDispatcher
 from dsmesh.engine.ep.placement import round_robin_placement
-from dsmesh.engine.kv_cache import MLAKVPool
+from dsmesh.engine.kv.pool import MLAKVPool
 from dsmesh.engine.model.build import load_model
 from dsmesh.engine.model.forward_batch import ForwardBatch, SequenceChunk
 from dsmesh.engine.model.tiny_model import make_tiny_model

@@ -1,4 +1,4 @@
-"""Tests for dsmesh.engine.kv_cache: the page allocator, slot mapping and the paged latent pool."""
+"""Tests for dsmesh.engine.kv.pool: the page allocator, slot mapping and the paged latent pool."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from dsmesh.engine.kv_cache import MLAKVPool, OutOfPagesError, PageAllocator, pages_for, slots_for
+from dsmesh.engine.kv.pool import MLAKVPool, OutOfPagesError, PageAllocator, pages_for, slots_for
 from dsmesh.engine.model.forward_batch import ForwardBatch, SequenceChunk
 
 # --------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsmesh.engine.errors import InvalidRequestError
-from dsmesh.engine.kv_cache import OutOfPagesError
+from dsmesh.engine.kv.pool import OutOfPagesError
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.model.build import load_model
 from dsmesh.engine.model.tiny_model import make_tiny_model

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dsmesh.engine.ep.load_recorder import ExpertLoadRecorder
-from dsmesh.engine.kv_cache import MLAKVPool
+from dsmesh.engine.kv.pool import MLAKVPool
 from dsmesh.engine.model.build import load_model
 from dsmesh.engine.model.forward_batch import ForwardBatch, SequenceChunk
 from dsmesh.engine.model.tiny_model import make_tiny_model

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsmesh.engine.kv_cache import MLAKVPool
+from dsmesh.engine.kv.pool import MLAKVPool
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.model import mla_decode_backend
 from dsmesh.engine.model.build import load_model

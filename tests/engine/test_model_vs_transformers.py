@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from dsmesh.engine.kv_cache import pages_for
+from dsmesh.engine.kv.pool import pages_for
 from dsmesh.engine.model.build import load_model
 from dsmesh.engine.model.forward_batch import ForwardBatch, SequenceChunk
 from dsmesh.engine.model.moe_routing import routing_config, select_experts

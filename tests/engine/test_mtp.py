@@ -18,7 +18,7 @@ import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from dsmesh.engine.cuda_graph import CudaGraphRunner
-from dsmesh.engine.kv_cache import MLAKVPool, pages_for
+from dsmesh.engine.kv.pool import MLAKVPool, pages_for
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.model.build import load_model
 from dsmesh.engine.model.config import load_config

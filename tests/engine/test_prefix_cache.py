@@ -16,12 +16,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsmesh.engine import prefix_cache
-from dsmesh.engine.kv_cache import PageAllocator, pages_for
+from dsmesh.engine.kv import prefix_cache
+from dsmesh.engine.kv.pool import PageAllocator, pages_for
+from dsmesh.engine.kv.prefix_cache import PrefixCache, page_hashes
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.model.build import load_model
 from dsmesh.engine.model.tiny_model import make_tiny_model
-from dsmesh.engine.prefix_cache import PrefixCache, page_hashes
 from dsmesh.engine.request import Request
 from dsmesh.engine.sampling_params import SamplingParams
 from dsmesh.engine.scheduler import Scheduler, SchedulerConfig

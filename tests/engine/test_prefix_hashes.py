@@ -6,9 +6,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsmesh.engine.kv_cache import PageAllocator
-from dsmesh.engine.prefix_cache import PrefixCache
-from dsmesh.engine.prefix_hashes import PrefixChanges, PrefixEventLog, page_hashes
+from dsmesh.engine.kv.pool import PageAllocator
+from dsmesh.engine.kv.prefix_cache import PrefixCache
+from dsmesh.engine.kv.prefix_hashes import PrefixChanges, PrefixEventLog, page_hashes
 
 
 def snapshot(limit: int) -> list[int]:

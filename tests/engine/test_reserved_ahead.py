@@ -4,7 +4,7 @@ on demand, admitted or reserved on a decode instance, takes none."""
 
 from __future__ import annotations
 
-from dsmesh.engine.kv_cache import PageAllocator
+from dsmesh.engine.kv.pool import PageAllocator
 from dsmesh.engine.request import Request
 from dsmesh.engine.sampling_params import SamplingParams
 from dsmesh.engine.scheduler import Scheduler, SchedulerConfig

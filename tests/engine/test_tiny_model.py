@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsmesh.engine.kv_cache import MLAKVPool
+from dsmesh.engine.kv.pool import MLAKVPool
 from dsmesh.engine.model import tiny_model
 from dsmesh.engine.model.build import load_model
 from dsmesh.engine.model.config import ModelConfig, load_config

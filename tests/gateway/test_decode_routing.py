@@ -4,7 +4,7 @@ instance is, so a follow-up turn goes back to it (pure policy, no processes)."""
 
 from __future__ import annotations
 
-from dsmesh.engine.prefix_hashes import PrefixChanges, page_hashes
+from dsmesh.engine.kv.prefix_hashes import PrefixChanges, page_hashes
 from dsmesh.gateway.admission import AdmissionQueue, MeshLoads, Ticket
 from dsmesh.gateway.prefix_index import PrefixIndex, PromptPages
 from dsmesh.gateway.routing import (

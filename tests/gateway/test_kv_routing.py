@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from dsmesh.engine.prefix_hashes import PrefixChanges, page_hashes
+from dsmesh.engine.kv.prefix_hashes import PrefixChanges, page_hashes
 from dsmesh.gateway.admission import AdmissionQueue, MeshLoads, Ticket
 from dsmesh.gateway.prefix_index import PrefixIndex, PromptPages
 from dsmesh.gateway.routing import (

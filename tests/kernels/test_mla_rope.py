@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from dsmesh.engine.kv_cache import MLAKVPool
+from dsmesh.engine.kv.pool import MLAKVPool
 from dsmesh.engine.model.config import RopeConfig
 from dsmesh.engine.model.norm import RMSNorm
 from dsmesh.engine.model.rope import RotaryEmbedding

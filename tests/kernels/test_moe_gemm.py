@@ -190,7 +190,7 @@ def test_attach_fp8_experts_stacks_the_checkpoint_tensors() -> None:
 def test_model_with_fp8_experts_on_gpu() -> None:
     """On CUDA an MoE layer with attached FP8 experts equals routing + permutation + the FP8
     torch reference + shared experts; the whole model runs and stays near its dense logits."""
-    from dsmesh.engine.kv_cache import MLAKVPool
+    from dsmesh.engine.kv.pool import MLAKVPool
     from dsmesh.engine.model.forward_batch import ForwardBatch, SequenceChunk
     from dsmesh.engine.model.kernel_choice import KernelChoice
 

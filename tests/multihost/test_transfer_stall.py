@@ -24,7 +24,7 @@ import pytest
 
 pytest.importorskip("mooncake.engine")
 
-from dsmesh.engine.kv_cache import MLAKVPool  # noqa: E402
+from dsmesh.engine.kv.pool import MLAKVPool  # noqa: E402
 from dsmesh.prefill_svc.transfer_queue import (  # noqa: E402
     ChunkJob,
     FinalJob,

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from dsmesh.engine.kv_cache import MLAKVPool
+from dsmesh.engine.kv.pool import MLAKVPool
 from dsmesh.runtime.transfer.mooncake import MooncakeTransport
 
 NUM_LAYERS, NUM_PAGES, PAGE_SIZE, KV_DIM = 2, 4, 16, 64

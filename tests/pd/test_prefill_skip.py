@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsmesh.engine.prefix_hashes import ROOT_HASH, page_hashes, prefix_name
+from dsmesh.engine.kv.prefix_hashes import ROOT_HASH, page_hashes, prefix_name
 from dsmesh.instance.failures import Code
 from dsmesh.prefill_svc.handoff import Free, Notice, PrefillHandoff, same_prefix
 from dsmesh.v1 import kv_broker_pb2 as kb

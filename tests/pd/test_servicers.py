@@ -20,7 +20,7 @@ from dsmesh.clients.broker import BrokerLink
 from dsmesh.clients.pd import PDError, generate_pd
 from dsmesh.decode_svc.handoff import DecodeHandoffs, HandoffEnd
 from dsmesh.decode_svc.servicer import DecodeLimits, DecodeServicer
-from dsmesh.engine.kv_cache import MLAKVPool
+from dsmesh.engine.kv.pool import MLAKVPool
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.request import RequestStatus
 from dsmesh.engine.sampling_params import SamplingParams

@@ -30,7 +30,7 @@ REPLY_TIMEOUT_S = 60.0
 
 
 def _decode_main(requests: mp.Queue, replies: mp.Queue) -> None:
-    from dsmesh.engine.kv_cache import MLAKVPool
+    from dsmesh.engine.kv.pool import MLAKVPool
     from dsmesh.runtime.transfer import make_transport
 
     try:
@@ -102,7 +102,7 @@ def _mismatches(got: torch.Tensor, want: torch.Tensor, remote_pages: list[int]) 
 
 @pytest.mark.parametrize("busy", [False, True], ids=["idle", "during-forward"])
 def test_pages_written_through_the_lanes_equal_the_finished_source(decode_peer, busy) -> None:
-    from dsmesh.engine.kv_cache import MLAKVPool
+    from dsmesh.engine.kv.pool import MLAKVPool
     from dsmesh.prefill_svc.transfer_queue import (
         ChunkJob,
         FinalJob,
@@ -163,7 +163,7 @@ def test_a_1000_token_v2_lite_handoff_moves_fast(decode_peer) -> None:
     layout scaled to this pool (576 bf16 values per token per layer) through write_pages."""
     import time
 
-    from dsmesh.engine.kv_cache import MLAKVPool
+    from dsmesh.engine.kv.pool import MLAKVPool
     from dsmesh.runtime.transfer import make_transport
 
     remote, read = decode_peer

@@ -24,7 +24,7 @@ import torch
 
 pytest.importorskip("mooncake.engine")
 
-from dsmesh.engine.kv_cache import MLAKVPool  # noqa: E402
+from dsmesh.engine.kv.pool import MLAKVPool  # noqa: E402
 from dsmesh.runtime.transfer import RemotePool, TransferError, make_transport  # noqa: E402
 from dsmesh.runtime.transfer.mooncake import MooncakeTransport  # noqa: E402
 

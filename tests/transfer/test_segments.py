@@ -8,7 +8,7 @@ from importlib.machinery import ModuleSpec
 import pytest
 import torch
 
-from dsmesh.engine.kv_cache import MLAKVPool
+from dsmesh.engine.kv.pool import MLAKVPool
 from dsmesh.runtime.transfer import (
     RemotePool,
     make_transport,

@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dsmesh.cli.launcher import dsmesh_command, start_service
-from dsmesh.engine.kv_cache import PageAllocator
+from dsmesh.engine.kv.pool import PageAllocator
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.load import engine_load
 from dsmesh.engine.request import Request

@@ -12,7 +12,7 @@ import contextlib
 import torch
 from torch import nn
 
-from dsmesh.engine.kv_cache import MLAKVPool
+from dsmesh.engine.kv.pool import MLAKVPool
 from dsmesh.engine.model.config import ModelConfig
 from dsmesh.engine.model.expert_location import ExpertLocation
 from dsmesh.engine.model.forward_batch import ForwardBatch

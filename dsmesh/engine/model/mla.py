@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsmesh.engine.kv_cache import MLAKVPool
+from dsmesh.engine.kv.pool import MLAKVPool
 from dsmesh.engine.model.config import ModelConfig
 from dsmesh.engine.model.forward_batch import DecodeMeta, ForwardBatch
 from dsmesh.engine.model.kernel_choice import KernelChoice

@@ -26,7 +26,7 @@ import contextlib
 import torch
 from torch import nn
 
-from dsmesh.engine.kv_cache import MLAKVPool
+from dsmesh.engine.kv.pool import MLAKVPool
 from dsmesh.engine.model.build import materialize
 from dsmesh.engine.model.config import ModelConfig
 from dsmesh.engine.model.deepseek import DecoderLayer, DeepseekForCausalLM

@@ -1,7 +1,7 @@
 """The KV transport interface: write a request's KV pages into another process's pool.
 
 A process's KV cache is one contiguous tensor ``[num_layers, num_pages, page_size, kv_dim]``
-(``dsmesh.engine.kv_cache.MLAKVPool.buffer``), so page ``p`` of layer ``l`` lives at
+(``dsmesh.engine.kv.pool.MLAKVPool.buffer``), so page ``p`` of layer ``l`` lives at
 ``base + (l * num_pages + p) * page_bytes``. Two pools that hold the same model agree on
 ``num_layers`` and ``page_bytes`` but usually not on ``num_pages``, which is the layer stride.
 Moving a request's KV is therefore a list of ``(local_ptr, remote_ptr, nbytes)`` segments:
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from dsmesh.engine.kv_cache import MLAKVPool
+    from dsmesh.engine.kv.pool import MLAKVPool
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from dsmesh.runtime.transfer.protocol import intranode_env
 from dsmesh.runtime.transfer.stall import StallGuard
 
 if TYPE_CHECKING:
-    from dsmesh.engine.kv_cache import MLAKVPool
+    from dsmesh.engine.kv.pool import MLAKVPool
 
 P2P_HANDSHAKE = "P2PHANDSHAKE"
 _bound = threading.local()  # the CUDA device this thread has made current for the engine

@@ -10,7 +10,7 @@ Each node also carries a chained hash of its whole prefix, ``hash((parent_hash, 
 :data:`ROOT_HASH` (:func:`page_hashes` computes the same chain from tokens). The hashes name
 prefixes to other processes (KV-aware routing): :meth:`PrefixCache.num_cached_pages_of`
 answers from them alone, as a hint, and every page cached or evicted is logged
-(``events``, dsmesh/engine/prefix_hashes.py) so that a router can keep a copy of the names
+(``events``, dsmesh/engine/kv/prefix_hashes.py) so that a router can keep a copy of the names
 (:meth:`PrefixCache.changes_since`). Reuse of KV always goes through the token match.
 
 Ownership: a page is owned either by exactly one request, or by the cache. :meth:`match`
@@ -36,8 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
-from dsmesh.engine.kv_cache import PageAllocator
-from dsmesh.engine.prefix_hashes import ROOT_HASH, PrefixChanges, PrefixEventLog, page_hashes
+from dsmesh.engine.kv.pool import PageAllocator
+from dsmesh.engine.kv.prefix_hashes import ROOT_HASH, PrefixChanges, PrefixEventLog, page_hashes
 
 __all__ = ["ROOT_HASH", "PrefixCache", "PrefixCacheStats", "page_hashes"]
 
@@ -242,7 +242,7 @@ class PrefixCache:
     def changes_since(self, epoch: int, seq: int) -> PrefixChanges:
         """The page names cached and evicted since a reader's cursor ``(epoch, seq)``, or
         the whole set when the log no longer reaches back that far (see
-        :class:`~dsmesh.engine.prefix_hashes.PrefixEventLog`)."""
+        :class:`~dsmesh.engine.kv.prefix_hashes.PrefixEventLog`)."""
         return self.events.since(epoch, seq, self.cached_hashes)
 
     def cached_hashes(self, limit: int) -> list[int]:
