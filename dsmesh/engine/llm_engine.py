@@ -26,7 +26,6 @@ from dsmesh.engine.kv.budget import (
     kv_pool_tokens,
 )
 from dsmesh.engine.kv.pool import MLAKVPool, pages_for
-from dsmesh.engine.load import EngineLoad, engine_load
 from dsmesh.engine.model.build import load_model
 from dsmesh.engine.model.config import ModelConfig
 from dsmesh.engine.model.deepseek import DeepseekForCausalLM
@@ -40,7 +39,8 @@ from dsmesh.engine.prompt_logprobs import positions_to_score, score_tokens
 from dsmesh.engine.request import Request, RequestStatus
 from dsmesh.engine.sampler import GREEDY_BELOW, Sampler, advance_generator, make_generator
 from dsmesh.engine.sampling_params import SamplingParams
-from dsmesh.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerStats
+from dsmesh.engine.sched.load_report import EngineLoad, engine_load
+from dsmesh.engine.sched.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerStats
 from dsmesh.engine.spec_graphs import GroupBuckets
 from dsmesh.engine.speculative import MTPSpeculator, SpecStats, SpeculativeConfig
 from dsmesh.engine.token_logprobs import TokenLogprobs

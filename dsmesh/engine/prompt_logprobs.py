@@ -8,9 +8,9 @@ token has no logprob. Logits are materialised :data:`SCORE_ROWS` positions at a 
 long prompt never needs [prompt, vocab] floats, nor even [chunk, vocab].
 
 Positions a request skips are never scored, so a request that still owes prompt logprobs
-takes no prefix-cache hit (``Request.owes_prompt_logprobs``, dsmesh/engine/scheduler.py), as vLLM
-does. A request retracted and recomputed scores each position once: ``Request.num_prompt_scored``
-remembers how far it got.
+takes no prefix-cache hit (``Request.owes_prompt_logprobs``, dsmesh/engine/sched/scheduler.py), as
+vLLM does. A request retracted and recomputed scores each position once:
+``Request.num_prompt_scored`` remembers how far it got.
 """
 
 from __future__ import annotations

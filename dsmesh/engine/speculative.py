@@ -39,7 +39,7 @@ from dsmesh.engine.model.mtp import MTPDraft
 from dsmesh.engine.mtp_graph import MTPGraphRunner
 from dsmesh.engine.request import Request, RequestStatus
 from dsmesh.engine.sampler import GREEDY_BELOW, Sampler, token_logprobs
-from dsmesh.engine.scheduler import ScheduledChunk, Scheduler
+from dsmesh.engine.sched.scheduler import ScheduledChunk, Scheduler
 from dsmesh.engine.spec_graphs import GreedyStep, GroupBuckets, SpecGraphs
 from dsmesh.engine.spec_sampling import accept_greedy, accept_sampled, draw, sampling_probs
 from dsmesh.engine.token_logprobs import TokenLogprobs

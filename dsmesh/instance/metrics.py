@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from dsmesh.engine.llm_engine import LLMEngine
-from dsmesh.engine.load import EngineLoad
+from dsmesh.engine.sched.load_report import EngineLoad
 
 log = logging.getLogger(__name__)
 

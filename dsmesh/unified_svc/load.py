@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsmesh.engine.load import EngineLoad
+from dsmesh.engine.sched.load_report import EngineLoad
 
 
 @dataclass(frozen=True)

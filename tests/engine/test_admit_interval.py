@@ -14,7 +14,7 @@ from dsmesh.engine.model.build import load_model
 from dsmesh.engine.model.tiny_model import make_tiny_model
 from dsmesh.engine.request import Request
 from dsmesh.engine.sampling_params import SamplingParams
-from dsmesh.engine.scheduler import Scheduler, SchedulerConfig
+from dsmesh.engine.sched.scheduler import Scheduler, SchedulerConfig
 
 GREEDY = SamplingParams(max_new_tokens=20, ignore_eos=True)
 

@@ -18,10 +18,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from dsmesh.cli.launcher import dsmesh_command, start_service
 from dsmesh.engine.kv.pool import PageAllocator
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.load import engine_load
 from dsmesh.engine.request import Request
 from dsmesh.engine.sampling_params import SamplingParams
-from dsmesh.engine.scheduler import Scheduler, SchedulerConfig
+from dsmesh.engine.sched.load_report import engine_load
+from dsmesh.engine.sched.scheduler import Scheduler, SchedulerConfig
 from dsmesh.runtime.convert import sampling_to_proto
 from dsmesh.runtime.grpc_server import channel
 from dsmesh.unified_svc.load import unified_load

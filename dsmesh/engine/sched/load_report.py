@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsmesh.engine.scheduler import Scheduler
+from dsmesh.engine.sched.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
