@@ -36,7 +36,7 @@ def main() -> None:
 
     from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
     from dsmesh.engine.model.tiny_model import default_model_dir
-    from dsmesh.engine.sampling_params import SamplingParams
+    from dsmesh.engine.sampling.params import SamplingParams
 
     model_dir = default_model_dir()
     g = torch.Generator().manual_seed(0)

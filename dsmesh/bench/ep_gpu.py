@@ -38,7 +38,7 @@ def run_check(ep_size: int, device: str) -> dict:
     from dsmesh.engine.ep.runtime import EPConfig
     from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
     from dsmesh.engine.model.tiny_model import make_tiny_model
-    from dsmesh.engine.sampling_params import SamplingParams
+    from dsmesh.engine.sampling.params import SamplingParams
 
     root = os.environ.get("TMPDIR", "/tmp")
     g = torch.Generator().manual_seed(4)

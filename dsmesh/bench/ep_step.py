@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from dsmesh.engine.ep.runtime import EPConfig, build_ep_engine, free_port, init_group
 from dsmesh.engine.llm_engine import EngineConfig
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 
 
 def _rank(rank: int, ep_size: int, port: int, per_rank: int, steps: int, tbo: bool, out) -> None:

@@ -399,7 +399,7 @@ def random_prompt(vocab: int, length: int, seed: int) -> list[int]:
 
 def bench_prefill(engine, vocab: int, prompt_len: int, num_prompts: int, repeats: int) -> float:
     """Median seconds of one engine step prefilling ``num_prompts`` prompts together."""
-    from dsmesh.engine.sampling_params import SamplingParams
+    from dsmesh.engine.sampling.params import SamplingParams
 
     def once(seed: int) -> float:
         ids = [
@@ -438,7 +438,7 @@ def bench_decode(
     ``steps`` steps run back to back after ``warmup`` (which capture the graphs). With
     ``host_profile``, two more steps run under cProfile and its table (host functions by
     own time; the GPU wait shows as the call that synchronises) lands in ``host_profile``."""
-    from dsmesh.engine.sampling_params import SamplingParams
+    from dsmesh.engine.sampling.params import SamplingParams
 
     runner = engine.graph_runner
     engine.graph_runner = runner if graphs else None
@@ -513,7 +513,7 @@ def profile_prefill(engine, vocab: int, prompt_len: int, num_prompts: int, rows:
         return ""
     from torch.profiler import ProfilerActivity, profile
 
-    from dsmesh.engine.sampling_params import SamplingParams
+    from dsmesh.engine.sampling.params import SamplingParams
 
     ids = [
         engine.add_request(

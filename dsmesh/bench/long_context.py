@@ -22,7 +22,7 @@ from pathlib import Path
 
 from dsmesh.engine.kv.prefix_cache import PrefixCache
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import torch
 
 from dsmesh.bench.gpu import build_dsmesh, random_prompt, sync, v2_lite_config
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 
 LONG = SamplingParams(max_new_tokens=1000, ignore_eos=True)
 

@@ -54,7 +54,7 @@ from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.model.build import build_model
 from dsmesh.engine.model.config import ModelConfig
 from dsmesh.engine.model.mtp import MTPDraft, build_mtp
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.runtime.heap import freeze_startup_heap
 
 

@@ -39,9 +39,9 @@ import numpy as np
 import torch
 
 from dsmesh.bench.gpu import build_dsmesh, v2_lite_config
-from dsmesh.engine.grammar import GrammarSpec, GrammarVocab, bitmask_words
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.grammar import GrammarSpec, GrammarVocab, bitmask_words
+from dsmesh.engine.sampling.params import SamplingParams
 
 VOCAB_SIZE = 129280  # DeepSeek-V3's embedding rows (its tokenizer's 128815 ids, padded)
 BOS_ID, EOS_ID = 0, 1  # DeepSeek-V3's

@@ -55,7 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dsmesh.engine.llm_engine import LLMEngine, resolve_model_dir
-    from dsmesh.engine.sampling_params import SamplingParams
+    from dsmesh.engine.sampling.params import SamplingParams
     from dsmesh.engine.tokenizer import Tokenizer
 
     if not args.inputs:

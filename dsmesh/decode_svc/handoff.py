@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from dsmesh.engine.kv.prefix_hashes import prefix_name
-from dsmesh.engine.token_logprobs import TokenLogprobs
+from dsmesh.engine.sampling.token_logprobs import TokenLogprobs
 from dsmesh.instance.failures import CallFailed, Code, already_active, handoff_failed
 from dsmesh.v1 import kv_broker_pb2 as kb
 

@@ -28,7 +28,7 @@ from dsmesh.engine.errors import InvalidRequestError
 from dsmesh.engine.kv.pool import OutOfPagesError
 from dsmesh.engine.llm_engine import LLMEngine, StepOutput
 from dsmesh.engine.request import RequestStatus
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.instance.metrics import InstanceMetrics
 from dsmesh.instance.prefixes import prefix_digest
 from dsmesh.instance.rpc import parse_request, server_stream, unary

@@ -17,7 +17,6 @@ import torch
 
 from dsmesh.engine.cuda_graph import CudaGraphRunner, GraphCaptureError, graph_support_problem
 from dsmesh.engine.errors import InvalidRequestError, check_prompt
-from dsmesh.engine.grammar import GrammarMatcher, GrammarVocab, bitmask_words
 from dsmesh.engine.kv.budget import (
     CPU_MAX_TOTAL_TOKENS,
     DEFAULT_MEM_FRACTION,
@@ -35,16 +34,17 @@ from dsmesh.engine.model.mla_decode_backend import flashinfer_fits, make_decode_
 from dsmesh.engine.model.mtp import MTPDraft, build_mtp
 from dsmesh.engine.model.mtp_weights import load_mtp_weights
 from dsmesh.engine.options import EngineConfig, resolve_model_dir
-from dsmesh.engine.prompt_logprobs import positions_to_score, score_tokens
 from dsmesh.engine.request import Request, RequestStatus
-from dsmesh.engine.sampler import GREEDY_BELOW, Sampler, advance_generator, make_generator
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.grammar import GrammarMatcher, GrammarVocab, bitmask_words
+from dsmesh.engine.sampling.params import SamplingParams
+from dsmesh.engine.sampling.prompt_logprobs import positions_to_score, score_tokens
+from dsmesh.engine.sampling.sampler import GREEDY_BELOW, Sampler, advance_generator, make_generator
+from dsmesh.engine.sampling.token_logprobs import TokenLogprobs
+from dsmesh.engine.sampling.token_mask import apply_token_bitmask
 from dsmesh.engine.sched.load_report import EngineLoad, engine_load
 from dsmesh.engine.sched.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerStats
 from dsmesh.engine.spec_graphs import GroupBuckets
 from dsmesh.engine.speculative import MTPSpeculator, SpecStats, SpeculativeConfig
-from dsmesh.engine.token_logprobs import TokenLogprobs
-from dsmesh.engine.token_mask import apply_token_bitmask
 
 if TYPE_CHECKING:
     from dsmesh.engine.ep.runtime import GroupVote
@@ -61,7 +61,7 @@ class StepOutput:
     ``logprobs`` has one entry per new token when the request asks for logprobs, else None.
     ``prompt_logprobs``: when the request asks for them, the prompt tokens this step scored,
     in order, continuing where the previous output left off (the first prompt token has none;
-    dsmesh/engine/prompt_logprobs.py), else None.
+    dsmesh/engine/sampling/prompt_logprobs.py), else None.
     """
 
     request_id: str
@@ -203,8 +203,8 @@ class LLMEngine:
         self._idle_page: list[int] = []
         self.num_launched_ahead = 0  # decode steps launched before the previous one's end
         self.num_split_steps = 0  # mixed steps run as a decode graph + an eager forward
-        # structured outputs (dsmesh/engine/grammar.py): the vocabulary indexed on the first
-        # constrained request; the allowed-token bitmask rows of a step, reused (pinned on
+        # structured outputs (dsmesh/engine/sampling/grammar.py): the vocabulary indexed on the
+        # first constrained request; the allowed-token bitmask rows of a step, reused (pinned on
         # CUDA: the sampler's copy to the device is asynchronous)
         self._grammar_vocab: GrammarVocab | None = None
         self._bitmask = torch.empty(

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dsmesh.engine.grammar import GrammarMatcher
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.grammar import GrammarMatcher
+from dsmesh.engine.sampling.params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -93,8 +93,8 @@ class Request:
     @property
     def owes_prompt_logprobs(self) -> bool:
         """It asks for prompt logprobs and some prompt positions are still to be scored
-        (dsmesh/engine/prompt_logprobs.py): it must compute them, not take them from the prefix
-        cache."""
+        (dsmesh/engine/sampling/prompt_logprobs.py): it must compute them, not take them from the
+        prefix cache."""
         return (
             self.params.prompt_logprobs is not None
             and self.num_prompt_scored < len(self.prompt_ids) - 1

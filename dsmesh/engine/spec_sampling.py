@@ -24,14 +24,15 @@ from collections.abc import Sequence
 
 import torch
 
-from dsmesh.engine.sampler import _top_k_top_p_mask
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
+from dsmesh.engine.sampling.sampler import _top_k_top_p_mask
 
 
 def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """float32 logits [n, vocab] -> the probabilities [n, vocab] that
-    :class:`dsmesh.engine.sampler.Sampler` draws row i from under ``params[i]`` (temperature > 0, no
-    logit adjustment): temperature, then top-k, top-p and min-p, renormalised."""
+    :class:`dsmesh.engine.sampling.sampler.Sampler` draws row i from under ``params[i]``
+    (temperature > 0, no logit adjustment): temperature, then top-k, top-p and min-p,
+    renormalised."""
     device = logits.device
     vocab = logits.shape[1]
     temperature = torch.tensor([p.temperature for p in params], device=device)

@@ -38,11 +38,11 @@ from dsmesh.engine.model.forward_batch import ForwardBatch, SequenceChunk
 from dsmesh.engine.model.mtp import MTPDraft
 from dsmesh.engine.mtp_graph import MTPGraphRunner
 from dsmesh.engine.request import Request, RequestStatus
-from dsmesh.engine.sampler import GREEDY_BELOW, Sampler, token_logprobs
+from dsmesh.engine.sampling.sampler import GREEDY_BELOW, Sampler, token_logprobs
+from dsmesh.engine.sampling.token_logprobs import TokenLogprobs
 from dsmesh.engine.sched.scheduler import ScheduledChunk, Scheduler
 from dsmesh.engine.spec_graphs import GreedyStep, GroupBuckets, SpecGraphs
 from dsmesh.engine.spec_sampling import accept_greedy, accept_sampled, draw, sampling_probs
-from dsmesh.engine.token_logprobs import TokenLogprobs
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from opentelemetry.context import Context
 from dsmesh.clients.pd import PDError, generate_pd, generate_unified
 from dsmesh.engine.errors import InvalidRequestError, check_prompt
 from dsmesh.engine.model.config import ModelConfig
-from dsmesh.engine.sampling_params import SamplingParams
-from dsmesh.engine.token_logprobs import TokenLogprobs
+from dsmesh.engine.sampling.params import SamplingParams
+from dsmesh.engine.sampling.token_logprobs import TokenLogprobs
 from dsmesh.engine.tokenizer import Tokenizer
 from dsmesh.gateway.admission import (
     AdmissionError,

@@ -29,7 +29,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from dsmesh.engine.token_logprobs import TokenLogprobs
+from dsmesh.engine.sampling.token_logprobs import TokenLogprobs
 from dsmesh.engine.tokenizer import Tokenizer
 from dsmesh.gateway.choices import choice_inputs, generate_choices
 from dsmesh.gateway.core import Delta, GatewayError, GenerationCore, GenerationInput

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dsmesh.engine.token_logprobs import TokenLogprobs
+from dsmesh.engine.sampling.token_logprobs import TokenLogprobs
 from dsmesh.gateway.openai_logprobs import LogprobsFormatter
 
 

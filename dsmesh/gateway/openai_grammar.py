@@ -1,5 +1,5 @@
 """Structured outputs on the OpenAI routes: the request fields that constrain the output, as
-one :class:`GrammarSpec` (dsmesh/engine/grammar.py, enforced by the engine's sampler).
+one :class:`GrammarSpec` (dsmesh/engine/sampling/grammar.py, enforced by the engine's sampler).
 
 Accepted, at most one per request:
 
@@ -21,7 +21,7 @@ import json
 from typing import Any
 
 from dsmesh.engine.errors import InvalidRequestError
-from dsmesh.engine.grammar import GrammarSpec, lark_literal
+from dsmesh.engine.sampling.grammar import GrammarSpec, lark_literal
 
 # field -> the kind of GrammarSpec it gives (besides response_format)
 EXTRA_FIELDS = {

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from dsmesh.engine.token_logprobs import TokenLogprobs
+from dsmesh.engine.sampling.token_logprobs import TokenLogprobs
 from dsmesh.engine.tokenizer import Tokenizer
 
 MIN_LOGPROB = -9999.0

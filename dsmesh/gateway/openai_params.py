@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from dsmesh.engine.errors import InvalidRequestError
-from dsmesh.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from dsmesh.engine.sampling.params import MAX_LOGPROBS, SamplingParams
 from dsmesh.gateway.choices import MAX_CHOICES
 from dsmesh.gateway.openai_grammar import grammar_from_openai
 from dsmesh.runtime.convert import MAX_STOP_STRINGS

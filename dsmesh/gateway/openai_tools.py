@@ -5,8 +5,8 @@ they ask of generation.
 - ``"auto"`` (the default with tools): the output is parsed into ``tool_calls``
   (dsmesh/gateway/tool_calls.py) when the model writes calls.
 - ``"required"``, or a named function (``{"type": "function", "function": {"name": ...}}``):
-  a grammar (dsmesh/engine/grammar.py) makes the output one or more calls in DeepSeek-V3's format
-  (exactly one of the named function), each call's arguments JSON that follows the
+  a grammar (dsmesh/engine/sampling/grammar.py) makes the output one or more calls in DeepSeek-V3's
+  format (exactly one of the named function), each call's arguments JSON that follows the
   function's ``parameters`` schema, so even random weights yield a valid call.
 - ``parallel_tool_calls: false``: at most one call. Enforced calls: the grammar allows one;
   ``"auto"``: generation stops at the first call's ``<｜tool▁call▁end｜>`` token.
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsmesh.engine.errors import InvalidRequestError
-from dsmesh.engine.grammar import JSON_OPTIONS, GrammarSpec, lark_literal
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.grammar import JSON_OPTIONS, GrammarSpec, lark_literal
+from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.engine.tokenizer import Tokenizer
 from dsmesh.gateway.openai_params import bad_param
 from dsmesh.gateway.tool_calls import (

@@ -16,7 +16,7 @@ from typing import Any, Protocol, TypeVar
 import grpc
 
 from dsmesh.engine.errors import InvalidRequestError
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.instance.failures import CallFailed
 from dsmesh.runtime.convert import require_request_id, sampling_from_proto
 from dsmesh.v1 import generation_pb2

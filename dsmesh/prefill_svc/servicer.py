@@ -21,8 +21,8 @@ from opentelemetry.context import Context
 from dsmesh.engine.errors import InvalidRequestError
 from dsmesh.engine.kv.pool import pages_for
 from dsmesh.engine.llm_engine import LLMEngine, StepOutput
-from dsmesh.engine.sampling_params import SamplingParams
-from dsmesh.engine.token_logprobs import TokenLogprobs
+from dsmesh.engine.sampling.params import SamplingParams
+from dsmesh.engine.sampling.token_logprobs import TokenLogprobs
 from dsmesh.instance.failures import CallFailed
 from dsmesh.instance.metrics import InstanceMetrics
 from dsmesh.instance.prefixes import prefix_digest

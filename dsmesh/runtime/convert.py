@@ -5,9 +5,9 @@ from __future__ import annotations
 import grpc
 
 from dsmesh.engine.errors import InvalidRequestError
-from dsmesh.engine.grammar import GrammarSpec
-from dsmesh.engine.sampling_params import SamplingParams
-from dsmesh.engine.token_logprobs import TokenLogprobs
+from dsmesh.engine.sampling.grammar import GrammarSpec
+from dsmesh.engine.sampling.params import SamplingParams
+from dsmesh.engine.sampling.token_logprobs import TokenLogprobs
 from dsmesh.v1 import generation_pb2
 
 DEFAULT_MAX_NEW_TOKENS = 16

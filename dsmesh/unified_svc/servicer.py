@@ -11,7 +11,7 @@ import grpc
 from dsmesh.engine.errors import InvalidRequestError
 from dsmesh.engine.llm_engine import LLMEngine, StepOutput
 from dsmesh.engine.request import Request
-from dsmesh.engine.token_logprobs import TokenLogprobs
+from dsmesh.engine.sampling.token_logprobs import TokenLogprobs
 from dsmesh.instance.failures import already_active
 from dsmesh.instance.metrics import InstanceMetrics
 from dsmesh.instance.prefixes import prefix_digest

@@ -21,7 +21,7 @@ MAX_NEW_TOKENS = 8
 
 def offline_tokens(model_dir: Path) -> tuple[list[int], str]:
     from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-    from dsmesh.engine.sampling_params import SamplingParams
+    from dsmesh.engine.sampling.params import SamplingParams
     from dsmesh.engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(model_dir)

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dsmesh.engine.kv.prefix_hashes import page_hashes
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.instance.metrics import InstanceMetrics
 from dsmesh.instance.prefixes import prefix_digest
 from dsmesh.v1 import prefill_pb2

@@ -9,7 +9,7 @@ import torch
 
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.model.tiny_model import make_tiny_model
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,

@@ -26,7 +26,7 @@ from dsmesh.engine.model.kernel_choice import KernelChoice
 from dsmesh.engine.model.mla_decode_backend import make_decode_backend
 from dsmesh.engine.model.moe import DenseMLP
 from dsmesh.engine.model.moe_dispatch import LocalDispatcher
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 from tests.engine.hf_checkpoints import HFCheckpoint, random_prompts, relative_error
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

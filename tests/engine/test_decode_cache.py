@@ -10,7 +10,7 @@ import torch
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.model.build import load_model
 from dsmesh.engine.model.tiny_model import make_tiny_model
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 
 
 @pytest.fixture(scope="module")

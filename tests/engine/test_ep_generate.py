@@ -23,7 +23,7 @@ from dsmesh.engine.ep.runtime import EPConfig, build_ep_engine, free_port, init_
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.model.forward_batch import ForwardBatch
 from dsmesh.engine.model.tiny_model import make_tiny_model
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.timeout(400)
 PARAMS = SamplingParams(max_new_tokens=10, ignore_eos=True)

@@ -29,7 +29,7 @@ from dsmesh.engine.ep.runtime import EPConfig, build_ep_engine, free_port, init_
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.model.config import load_config
 from dsmesh.engine.model.forward_batch import ForwardBatch
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 from tests.engine.hf_checkpoints import add_mtp_layer, make_hf_v3, random_prompts
 
 pytestmark = pytest.mark.timeout(400)

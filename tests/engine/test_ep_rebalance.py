@@ -20,7 +20,7 @@ from dsmesh.engine.model.build import load_model
 from dsmesh.engine.model.config import load_config
 from dsmesh.engine.model.expert_location import ExpertLocation
 from dsmesh.engine.model.tiny_model import make_tiny_model
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.eplb_svc.algorithm import rebalance_experts
 
 pytestmark = pytest.mark.timeout(300)

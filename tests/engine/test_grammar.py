@@ -1,5 +1,5 @@
-"""Structured outputs in the engine (dsmesh/engine/grammar.py, dsmesh/engine/token_mask.py): the
-bitmask
+"""Structured outputs in the engine (dsmesh/engine/sampling/grammar.py,
+dsmesh/engine/sampling/token_mask.py): the bitmask
 against its reference, the sampler's masked greedy and sampled rows, and constrained generation
 with DeepSeek-V3's real tokenizer (vocabulary 129280) over random tiny weights: every output
 parses and validates against its schema, for several seeds, greedy and sampled; regex, GBNF
@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from dsmesh.engine.errors import InvalidRequestError
-from dsmesh.engine.grammar import GrammarSpec, bitmask_words, lark_json
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.sampler import Sampler
-from dsmesh.engine.sampling_params import SamplingParams
-from dsmesh.engine.token_mask import apply_token_bitmask, apply_token_bitmask_ref
+from dsmesh.engine.sampling.grammar import GrammarSpec, bitmask_words, lark_json
+from dsmesh.engine.sampling.params import SamplingParams
+from dsmesh.engine.sampling.sampler import Sampler
+from dsmesh.engine.sampling.token_mask import apply_token_bitmask, apply_token_bitmask_ref
 from dsmesh.engine.tokenizer import Tokenizer
 from tests.engine.deepseek_checkpoint import EOS_ID, make_tiny_deepseek_model
 

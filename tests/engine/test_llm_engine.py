@@ -12,7 +12,7 @@ from dsmesh.engine.kv.pool import OutOfPagesError
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.model.build import load_model
 from dsmesh.engine.model.tiny_model import make_tiny_model
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 
 GREEDY16 = SamplingParams(max_new_tokens=16, ignore_eos=True)
 

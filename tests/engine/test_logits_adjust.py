@@ -1,5 +1,5 @@
-"""dsmesh/engine/logits_adjust.py: logit bias and the repetition, frequency and presence penalties,
-batched, against a hand-computed case and against the row-by-row reference."""
+"""dsmesh/engine/sampling/logits_adjust.py: logit bias and the repetition, frequency and presence
+penalties, batched, against a hand-computed case and against the row-by-row reference."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from dsmesh.engine.errors import InvalidRequestError
-from dsmesh.engine.logits_adjust import adjust_logits, adjust_logits_ref
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.logits_adjust import adjust_logits, adjust_logits_ref
+from dsmesh.engine.sampling.params import SamplingParams
 
 
 def test_hand_computed_row() -> None:

@@ -27,7 +27,7 @@ from dsmesh.engine.model.mla_decode_backend import (
     make_decode_backend,
 )
 from dsmesh.engine.model.mla_prefill_backend import TorchMLAPrefill, TritonMLAPrefill
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.kernels.backends import available
 from tests.engine.hf_checkpoints import random_prompts, relative_error
 

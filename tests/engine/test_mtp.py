@@ -27,7 +27,7 @@ from dsmesh.engine.model.mtp import build_mtp
 from dsmesh.engine.model.mtp_weights import load_mtp_weights, mtp_state_dict
 from dsmesh.engine.model.weights import WeightError
 from dsmesh.engine.mtp_graph import MTPGraphRunner
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.engine.spec_sampling import accept_greedy, accept_greedy_rows, sampling_probs
 from tests.engine.hf_checkpoints import (
     HFCheckpoint,

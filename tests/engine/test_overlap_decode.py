@@ -14,7 +14,7 @@ import pytest
 
 from dsmesh.engine.cuda_graph import CudaGraphRunner
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 from tests.engine.hf_checkpoints import HFCheckpoint, random_prompts
 
 LENGTHS = [3, 9, 17, 30]

@@ -11,9 +11,9 @@ import torch
 
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine, StepOutput
 from dsmesh.engine.model.build import load_model
-from dsmesh.engine.prompt_logprobs import prompt_logprobs_ref, score_tokens
-from dsmesh.engine.sampling_params import SamplingParams
-from dsmesh.engine.token_logprobs import TokenLogprobs
+from dsmesh.engine.sampling.params import SamplingParams
+from dsmesh.engine.sampling.prompt_logprobs import prompt_logprobs_ref, score_tokens
+from dsmesh.engine.sampling.token_logprobs import TokenLogprobs
 from tests.engine.hf_checkpoints import HFCheckpoint, hf_logits, random_prompts
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dsmesh.engine.kv.pool import PageAllocator
 from dsmesh.engine.request import Request
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.engine.sched.scheduler import Scheduler, SchedulerConfig
 
 GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)

@@ -1,7 +1,7 @@
-"""Tests for dsmesh.engine.sampler: greedy, filters, empirical frequencies, per-request
+"""Tests for dsmesh.engine.sampling.sampler: greedy, filters, empirical frequencies, per-request
 reproducibility,
-logit adjustments (against dsmesh/engine/logits_adjust.py's reference) and logprobs (against
-log_softmax of the raw logits)."""
+logit adjustments (against dsmesh/engine/sampling/logits_adjust.py's reference) and logprobs
+(against log_softmax of the raw logits)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from dsmesh.engine.logits_adjust import adjust_logits_ref
-from dsmesh.engine.sampler import Sampler, make_generator
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.logits_adjust import adjust_logits_ref
+from dsmesh.engine.sampling.params import SamplingParams
+from dsmesh.engine.sampling.sampler import Sampler, make_generator
 
 # A hand-built distribution; its prefixes have cumulative mass 0.5, 0.8, 0.95, 1.0.
 PROBS = [0.5, 0.3, 0.15, 0.05]

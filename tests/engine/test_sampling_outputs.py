@@ -13,8 +13,8 @@ from dsmesh.engine.errors import InvalidRequestError
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine, StepOutput
 from dsmesh.engine.model.build import load_model
 from dsmesh.engine.model.tiny_model import make_tiny_model
-from dsmesh.engine.sampling_params import SamplingParams
-from dsmesh.engine.token_logprobs import TokenLogprobs
+from dsmesh.engine.sampling.params import SamplingParams
+from dsmesh.engine.sampling.token_logprobs import TokenLogprobs
 
 
 @pytest.fixture(scope="module")

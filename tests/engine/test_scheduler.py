@@ -17,7 +17,7 @@ from dsmesh.engine.llm_engine import EngineConfig, GenerationResult, LLMEngine
 from dsmesh.engine.model.build import load_model
 from dsmesh.engine.model.tiny_model import make_tiny_model
 from dsmesh.engine.request import Request, RequestStatus
-from dsmesh.engine.sampling_params import INT32_MAX, SamplingParams
+from dsmesh.engine.sampling.params import INT32_MAX, SamplingParams
 from dsmesh.engine.sched.scheduler import Scheduler, SchedulerConfig
 
 GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)

@@ -374,7 +374,7 @@ def test_engine_fp8_experts_switch_keeps_fp8_data_and_tokens(fp8_ckpt) -> None:
     """``EngineConfig.fp8_experts`` (``--fp8-experts``) loads with the FP8 data kept; on the
     CPU the dense path runs, with the same greedy tokens as a plain load."""
     from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-    from dsmesh.engine.sampling_params import SamplingParams
+    from dsmesh.engine.sampling.params import SamplingParams
 
     path, _, _, names = fp8_ckpt
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)

@@ -12,7 +12,7 @@ import pytest
 
 from dsmesh.engine.model.config import load_config
 from dsmesh.engine.model.tiny_model import default_model_dir
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.engine.tokenizer import Tokenizer
 from dsmesh.gateway.core import CoreLimits, GatewayError, GenerationCore, Placement
 from dsmesh.gateway.metrics import GatewayMetrics

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.engine.tokenizer import Tokenizer
 from dsmesh.gateway.openai_api import _messages
 from tests.engine.deepseek_checkpoint import make_tiny_deepseek_model, package_dir

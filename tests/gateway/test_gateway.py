@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.engine.tokenizer import Tokenizer
 from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import generation_pb2 as pb

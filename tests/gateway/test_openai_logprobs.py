@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dsmesh.engine.token_logprobs import TokenLogprobs
+from dsmesh.engine.sampling.token_logprobs import TokenLogprobs
 from dsmesh.engine.tokenizer import Tokenizer
 from dsmesh.gateway.openai_logprobs import MIN_LOGPROB, LogprobsFormatter
 from tests.engine.deepseek_checkpoint import write_deepseek_tokenizer

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.gateway.openai_api import OpenAIRoutes, served_model_names
 from dsmesh.gateway.openai_params import (
     OpenAIError,

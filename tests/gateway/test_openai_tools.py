@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from dsmesh.engine.grammar import GrammarSpec, GrammarVocab, bitmask_words
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.grammar import GrammarSpec, GrammarVocab, bitmask_words
+from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.engine.tokenizer import Tokenizer, write_byte_level_tokenizer
 from dsmesh.gateway.openai_params import OpenAIError
 from dsmesh.gateway.openai_tools import (

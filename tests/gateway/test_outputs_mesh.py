@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.prompt_logprobs import prompt_logprobs_ref
-from dsmesh.engine.sampling_params import SamplingParams
-from dsmesh.engine.token_logprobs import TokenLogprobs
+from dsmesh.engine.sampling.params import SamplingParams
+from dsmesh.engine.sampling.prompt_logprobs import prompt_logprobs_ref
+from dsmesh.engine.sampling.token_logprobs import TokenLogprobs
 from dsmesh.engine.tokenizer import Tokenizer
 from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import generation_pb2 as pb

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.engine.tokenizer import SPECIAL_TOKENS, Tokenizer
 from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import generation_pb2 as pb

@@ -10,7 +10,7 @@ import urllib.error
 import urllib.request
 
 from dsmesh.engine.llm_engine import LLMEngine
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import generation_pb2 as pb
 from dsmesh.v1 import generation_pb2_grpc

@@ -24,7 +24,7 @@ import torch
 from dsmesh.cli.launcher import dsmesh_command
 from dsmesh.clients.pd import generate_pd
 from dsmesh.engine.llm_engine import EngineConfig, GenerationResult, LLMEngine
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.engine.tokenizer import Tokenizer
 from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import decode_pb2_grpc, generation_pb2, prefill_pb2, prefill_pb2_grpc

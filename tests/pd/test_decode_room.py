@@ -8,7 +8,7 @@ from dsmesh.decode_svc.handoff import Reservation
 from dsmesh.decode_svc.servicer import _try_reserve
 from dsmesh.engine.errors import InvalidRequestError
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 
 
 @pytest.fixture(scope="module")

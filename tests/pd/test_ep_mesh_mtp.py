@@ -19,7 +19,7 @@ import pytest
 from dsmesh.cli.launcher import ServiceProcess, dsmesh_command, start_service
 from dsmesh.clients.pd import generate_pd
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.runtime.convert import sampling_to_proto
 from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import decode_pb2_grpc, prefill_pb2_grpc

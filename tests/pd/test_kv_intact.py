@@ -11,7 +11,7 @@ import torch
 
 from dsmesh.clients.broker import BrokerLink
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.instance.layout import layout_of
 from dsmesh.runtime.grpc_server import channel
 from dsmesh.runtime.transfer import make_transport

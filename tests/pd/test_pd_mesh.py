@@ -12,7 +12,7 @@ import torch
 
 from dsmesh.clients.pd import PDError, generate_pd
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.runtime.convert import sampling_to_proto
 from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import decode_pb2_grpc, generation_pb2, prefill_pb2, prefill_pb2_grpc

@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 from dsmesh.cli.launcher import dsmesh_command, start_service
 from dsmesh.clients.pd import generate_pd
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.runtime.convert import sampling_to_proto
 from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import (

@@ -18,7 +18,7 @@ import pytest
 
 from dsmesh.cli.launcher import dsmesh_command
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.engine.tokenizer import Tokenizer
 from tests.gateway.kv_mesh import metric, scrape
 from tests.gateway.mesh_processes import running_gateway_mesh

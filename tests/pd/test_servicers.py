@@ -23,7 +23,7 @@ from dsmesh.decode_svc.servicer import DecodeLimits, DecodeServicer
 from dsmesh.engine.kv.pool import MLAKVPool
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.request import RequestStatus
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.instance.failures import Code
 from dsmesh.instance.layout import layout_of
 from dsmesh.instance.worker import EngineWorker

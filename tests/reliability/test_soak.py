@@ -22,7 +22,7 @@ import grpc
 import pytest
 
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.engine.tokenizer import Tokenizer
 from dsmesh.v1 import generation_pb2 as pb
 from dsmesh.v1 import generation_pb2_grpc

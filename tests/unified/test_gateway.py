@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.v1 import generation_pb2 as pb
 from dsmesh.v1 import generation_pb2_grpc
 from tests.reliability.soak_harness import (

@@ -19,7 +19,7 @@ from dsmesh.cli.launcher import dsmesh_command, start_service
 from dsmesh.engine.kv.pool import PageAllocator
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.request import Request
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.engine.sched.load_report import engine_load
 from dsmesh.engine.sched.scheduler import Scheduler, SchedulerConfig
 from dsmesh.runtime.convert import sampling_to_proto

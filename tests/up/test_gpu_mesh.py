@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.v1 import generation_pb2, generation_pb2_grpc
 from tests.up.harness import UpProcess, free_port
 

@@ -383,7 +383,7 @@ def test_unified_only_mesh_serves_the_engines_greedy_tokens(cache_env: dict[str,
     import json
 
     from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-    from dsmesh.engine.sampling_params import SamplingParams
+    from dsmesh.engine.sampling.params import SamplingParams
 
     http_port = free_port()
     up = UpProcess(

@@ -18,7 +18,7 @@ from dsmesh.engine.ep.runtime import (
     run_lockstep,
 )
 from dsmesh.engine.llm_engine import EngineConfig, GenerationResult
-from dsmesh.engine.sampling_params import SamplingParams
+from dsmesh.engine.sampling.params import SamplingParams
 
 
 def _rank_main(

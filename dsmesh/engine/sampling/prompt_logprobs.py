@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from dsmesh.engine.token_logprobs import TokenLogprobs
+from dsmesh.engine.sampling.token_logprobs import TokenLogprobs
 
 SCORE_ROWS = 256  # positions whose logits are materialised at once: [256, vocab] float32
 

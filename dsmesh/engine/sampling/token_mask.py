@@ -1,4 +1,4 @@
-"""Allowed-token bitmasks applied to logits (structured outputs, dsmesh/engine/grammar.py).
+"""Allowed-token bitmasks applied to logits (structured outputs, dsmesh/engine/sampling/grammar.py).
 
 A bitmask row is ``ceil(vocab / 32)`` int32 words; token ``t`` is allowed when bit ``t % 32``
 of word ``t // 32`` is set (llguidance's and xgrammar's layout). :func:`apply_token_bitmask`

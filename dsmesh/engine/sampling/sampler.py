@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dsmesh.engine.logits_adjust import adjust_logits, mask_tokens, min_tokens_bans
-from dsmesh.engine.sampling_params import SamplingParams
-from dsmesh.engine.token_logprobs import TokenLogprobs
-from dsmesh.engine.token_mask import apply_token_bitmask
+from dsmesh.engine.sampling.logits_adjust import adjust_logits, mask_tokens, min_tokens_bans
+from dsmesh.engine.sampling.params import SamplingParams
+from dsmesh.engine.sampling.token_logprobs import TokenLogprobs
+from dsmesh.engine.sampling.token_mask import apply_token_bitmask
 
 GREEDY_BELOW = 1e-5
 
@@ -59,9 +59,9 @@ class Sampler:
     rows of the batch.
 
     Before any of that, rows with a logit bias or a penalty get their logits adjusted
-    (dsmesh/engine/logits_adjust.py); greedy rows then take the argmax of the adjusted logits. Rows
-    that ask for logprobs get them from the raw logits (see :class:`TokenLogprobs`), as vLLM
-    reports them by default. Rows below their ``min_tokens`` cannot sample ``eos_token_ids``
+    (dsmesh/engine/sampling/logits_adjust.py); greedy rows then take the argmax of the adjusted
+    logits. Rows that ask for logprobs get them from the raw logits (see :class:`TokenLogprobs`), as
+    vLLM reports them by default. Rows below their ``min_tokens`` cannot sample ``eos_token_ids``
     (unless they ignore EOS) or their stop token ids.
     """
 
@@ -83,8 +83,8 @@ class Sampler:
         default RNG of the logits' device. Greedy rows draw nothing. ``prompt_ids[i]`` and
         ``output_ids[i]`` are row i's request's tokens so far, needed only when a row has a
         penalty (read, never kept). ``allowed`` [batch, ceil(vocab / 32)] int32 (any device) is
-        a bitmask of the tokens each row may take (dsmesh/engine/token_mask.py; all bits set for a
-        free row), applied after every other adjustment, to greedy and sampled rows alike.
+        a bitmask of the tokens each row may take (dsmesh/engine/sampling/token_mask.py; all bits
+        set for a free row), applied after every other adjustment, to greedy and sampled rows alike.
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")

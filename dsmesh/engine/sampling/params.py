@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from dsmesh.engine.errors import InvalidRequestError
-from dsmesh.engine.grammar import GrammarSpec
+from dsmesh.engine.sampling.grammar import GrammarSpec
 
 INT32_MAX = 2**31 - 1  # the wire format's int32 fields
 MAX_LOGPROBS = 20  # top alternatives a request may ask for per token (OpenAI's top_logprobs)
@@ -31,7 +31,7 @@ class SamplingParams:
     most likely tokens' (0 = only its own; None = nothing), under the model's raw distribution:
     ``log_softmax`` of the logits, before any of the adjustments above or temperature.
     ``prompt_logprobs`` set to k reports the same for every prompt token after the first,
-    computed during prefill (dsmesh/engine/prompt_logprobs.py).
+    computed during prefill (dsmesh/engine/sampling/prompt_logprobs.py).
 
     ``min_tokens``: until that many tokens are generated, EOS (unless ``ignore_eos``) and
     ``stop_token_ids`` are masked out of the sampled distribution (as vLLM does; logprobs still
@@ -54,7 +54,7 @@ class SamplingParams:
     logprobs: int | None = None
     min_tokens: int = 0
     prompt_logprobs: int | None = None
-    # structured outputs: every token must follow this grammar (dsmesh/engine/grammar.py)
+    # structured outputs: every token must follow this grammar (dsmesh/engine/sampling/grammar.py)
     grammar: GrammarSpec | None = None
 
     @property
