@@ -354,7 +354,7 @@ def add_cpu_graph_runner(engine, max_batch: int) -> None:
     capture, so ``--tiny`` smoke runs cover it."""
     if engine.graph_runner is not None or engine.device.type != "cpu":
         return
-    from dsmesh.engine.cuda_graph import CudaGraphRunner
+    from dsmesh.engine.runner.cuda_graph import CudaGraphRunner
 
     pool = engine.kv_pool
     engine.graph_runner = CudaGraphRunner(
@@ -537,7 +537,7 @@ def graph_replay_seconds(runner, batch: int, device: torch.device) -> float | No
     scheduling, upload or sampling): the GPU time of a decode step."""
     if runner is None or not runner.graphs:
         return None
-    from dsmesh.engine.graph_buckets import bucket_for
+    from dsmesh.engine.runner.graph_buckets import bucket_for
 
     b = bucket_for(batch, runner.buckets)
     keys = [k for k in runner.graphs if k[0] == b]
@@ -550,7 +550,7 @@ def graph_replay_seconds(runner, batch: int, device: torch.device) -> float | No
 def profile_static_forward(runner, batch: int, device: torch.device, rows: int = 60) -> str:
     """Kernel table (CUDA time) of one decode forward at ``batch``, run uncaptured on the
     runner's buffers of the last step of that bucket."""
-    from dsmesh.engine.graph_buckets import bucket_for
+    from dsmesh.engine.runner.graph_buckets import bucket_for
 
     b = bucket_for(batch, runner.buckets)
     keys = [k for k in runner.keys_used if k[0] == b]

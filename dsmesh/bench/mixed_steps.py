@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for run, split in enumerate((False, True, False, True)):
         engine = LLMEngine(dataclasses.replace(base, split_mixed_steps=split), model=model)
         if engine.graph_runner is None and device.type == "cpu":
-            from dsmesh.engine.cuda_graph import CudaGraphRunner
+            from dsmesh.engine.runner.cuda_graph import CudaGraphRunner
 
             engine.graph_runner = CudaGraphRunner(
                 model, engine.kv_pool, args.decode_rows + 8, context, use_graphs=False

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dsmesh.engine.cuda_graph import CudaGraphRunner, GraphCaptureError, graph_support_problem
 from dsmesh.engine.errors import InvalidRequestError, check_prompt
 from dsmesh.engine.kv.budget import (
     CPU_MAX_TOTAL_TOKENS,
@@ -35,6 +34,11 @@ from dsmesh.engine.model.mtp import MTPDraft, build_mtp
 from dsmesh.engine.model.mtp_weights import load_mtp_weights
 from dsmesh.engine.options import EngineConfig, resolve_model_dir
 from dsmesh.engine.request import Request, RequestStatus
+from dsmesh.engine.runner.cuda_graph import (
+    CudaGraphRunner,
+    GraphCaptureError,
+    graph_support_problem,
+)
 from dsmesh.engine.sampling.grammar import GrammarMatcher, GrammarVocab, bitmask_words
 from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.engine.sampling.prompt_logprobs import positions_to_score, score_tokens
@@ -43,8 +47,8 @@ from dsmesh.engine.sampling.token_logprobs import TokenLogprobs
 from dsmesh.engine.sampling.token_mask import apply_token_bitmask
 from dsmesh.engine.sched.load_report import EngineLoad, engine_load
 from dsmesh.engine.sched.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerStats
-from dsmesh.engine.spec_graphs import GroupBuckets
-from dsmesh.engine.speculative import MTPSpeculator, SpecStats, SpeculativeConfig
+from dsmesh.engine.spec.graphs import GroupBuckets
+from dsmesh.engine.spec.worker import MTPSpeculator, SpecStats, SpeculativeConfig
 
 if TYPE_CHECKING:
     from dsmesh.engine.ep.runtime import GroupVote
@@ -391,7 +395,7 @@ class LLMEngine:
         same number of draft forwards after its target forward, padding ones where it has
         fewer or none (MTPSpeculator.pad_group_drafts). Decode-only speculative steps replay
         graphs too: the same vote agrees on the verify's rows (requests x (1 + drafts)), the
-        pages every forward reads and the chain's rows (dsmesh/engine/spec_graphs.py, GroupBuckets);
+        pages every forward reads and the chain's rows (dsmesh/engine/spec/graphs.py, GroupBuckets);
         plain and idle ranks run their target forward at that bucket and pad their draft
         forwards at it."""
         self._group = vote

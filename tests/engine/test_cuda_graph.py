@@ -1,4 +1,4 @@
-"""CUDA graphs of the model's own decode forward (dsmesh/engine/cuda_graph.py).
+"""CUDA graphs of the model's own decode forward (dsmesh/engine/runner/cuda_graph.py).
 
 On CPU the runner's forward over its fixed buffers runs without capture: its logits must
 equal the eager ForwardBatch path, and the engine's greedy tokens through it must equal the
@@ -16,8 +16,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsmesh.engine.cuda_graph import CudaGraphRunner, GraphCaptureError, graph_support_problem
-from dsmesh.engine.graph_buckets import batch_buckets, bucket_for, page_bucket
 from dsmesh.engine.kv.pool import MLAKVPool, pages_for
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.model.build import load_model
@@ -26,6 +24,12 @@ from dsmesh.engine.model.kernel_choice import KernelChoice
 from dsmesh.engine.model.mla_decode_backend import make_decode_backend
 from dsmesh.engine.model.moe import DenseMLP
 from dsmesh.engine.model.moe_dispatch import LocalDispatcher
+from dsmesh.engine.runner.cuda_graph import (
+    CudaGraphRunner,
+    GraphCaptureError,
+    graph_support_problem,
+)
+from dsmesh.engine.runner.graph_buckets import batch_buckets, bucket_for, page_bucket
 from dsmesh.engine.sampling.params import SamplingParams
 from tests.engine.hf_checkpoints import HFCheckpoint, random_prompts, relative_error
 

@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dsmesh.engine.cuda_graph import CudaGraphRunner
 from dsmesh.engine.ep.generate import generate_ep
 from dsmesh.engine.ep.runtime import EPConfig, build_ep_engine, free_port, init_group, run_lockstep
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.model.forward_batch import ForwardBatch
 from dsmesh.engine.model.tiny_model import make_tiny_model
+from dsmesh.engine.runner.cuda_graph import CudaGraphRunner
 from dsmesh.engine.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.timeout(400)

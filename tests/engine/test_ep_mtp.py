@@ -23,12 +23,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import PreTrainedModel
 
-from dsmesh.engine.cuda_graph import CudaGraphRunner
 from dsmesh.engine.ep.generate import generate_ep
 from dsmesh.engine.ep.runtime import EPConfig, build_ep_engine, free_port, init_group, run_lockstep
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.model.config import load_config
 from dsmesh.engine.model.forward_batch import ForwardBatch
+from dsmesh.engine.runner.cuda_graph import CudaGraphRunner
 from dsmesh.engine.sampling.params import SamplingParams
 from tests.engine.hf_checkpoints import add_mtp_layer, make_hf_v3, random_prompts
 

@@ -1,6 +1,6 @@
 """Structured outputs in the engine (dsmesh/engine/sampling/grammar.py,
-dsmesh/engine/sampling/token_mask.py): the bitmask
-against its reference, the sampler's masked greedy and sampled rows, and constrained generation
+dsmesh/engine/sampling/token_mask.py): the bitmask against its reference, the sampler's masked
+greedy and sampled rows, and constrained generation
 with DeepSeek-V3's real tokenizer (vocabulary 129280) over random tiny weights: every output
 parses and validates against its schema, for several seeds, greedy and sampled; regex, GBNF
 and Lark grammars with V3's tool-call special tokens; EOS only where the grammar may end; the
@@ -317,7 +317,7 @@ def test_greedy_constrained_decode_launches_ahead(folder: Path, tok: Tokenizer) 
     one's tokens are booked, and each step's mask is computed (from the grammars advanced by
     the previous tokens) while it runs. On CPU the graph runner runs uncaptured, which
     exercises the bookkeeping; the tokens equal the engine without overlap, every time."""
-    from dsmesh.engine.cuda_graph import CudaGraphRunner
+    from dsmesh.engine.runner.cuda_graph import CudaGraphRunner
 
     outs = []
     for overlap in (False, True):

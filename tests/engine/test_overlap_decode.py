@@ -12,8 +12,8 @@ import dataclasses
 
 import pytest
 
-from dsmesh.engine.cuda_graph import CudaGraphRunner
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.runner.cuda_graph import CudaGraphRunner
 from dsmesh.engine.sampling.params import SamplingParams
 from tests.engine.hf_checkpoints import HFCheckpoint, random_prompts
 

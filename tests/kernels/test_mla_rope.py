@@ -65,7 +65,7 @@ def make_case(t, heads, nope, rope, lora, dtype, device, interleave, pad=0, seed
 
 
 def engine_sequence(c: Case) -> tuple[torch.Tensor, torch.Tensor]:
-    """What dsmesh.engine.cuda_graph's ``_attention`` does with the modules -> (q_pe, cache
+    """What dsmesh.engine.runner.cuda_graph's ``_attention`` does with the modules -> (q_pe, cache
     rows)."""
     q_pe = c.rotary(c.q[..., c.nope :], c.cos, c.sin).contiguous()
     latent, k_pe = c.kv_a.split([c.lora, c.rope], -1)

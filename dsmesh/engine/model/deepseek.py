@@ -216,7 +216,7 @@ class DeepseekForCausalLM(nn.Module):
         each micro-batch's tokens travel while the other computes. Returns the hidden states
         [T, hidden] before the last norm, the micro-batches' rows end to end (batch order).
         A decode-only batch over device tensors (the graph runner's) splits at half its rows
-        with no host work, so the same order is captured (dsmesh/engine/cuda_graph.py)."""
+        with no host work, so the same order is captured (dsmesh/engine/runner/cuda_graph.py)."""
         m = self.model
         halves = batch.split()
         xs = [m.embed_tokens(h.input_ids) for h in halves]

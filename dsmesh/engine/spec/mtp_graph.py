@@ -3,8 +3,9 @@ bucket, MTP layer), over the model runner's own input buffers.
 
 A speculative step's draft forwards are decode-shaped too: the first draft feeds the pairs
 ``(h[p], x[p + 1])`` of the verify rows (same positions, same pages), each chained step one
-row per request. :class:`MTPGraphRunner` reads the :class:`dsmesh.engine.decode_graphs.DecodeInputs`
-of an :class:`dsmesh.engine.cuda_graph.CudaGraphRunner` plus a hidden-state buffer of its own, so:
+row per request. :class:`MTPGraphRunner` reads the
+:class:`dsmesh.engine.runner.decode_graphs.DecodeInputs` of an
+:class:`dsmesh.engine.runner.cuda_graph.CudaGraphRunner` plus a hidden-state buffer of its own, so:
 
 - :meth:`MTPGraphRunner.run` loads rows from the host, as the model's runner does;
 - :meth:`MTPGraphRunner.run_loaded` reuses the rows the model's runner just loaded (the
@@ -17,7 +18,7 @@ The draft layer's KV writes happen inside the graphs. Its graphs have their own 
 pool, so a draft replay never overwrites the model runner's outputs (and the reverse). Its
 MoE dispatch runs in its fixed-shape mode (``MTPDraft.static_dispatch``), so in an
 expert-parallel group the all-to-alls are captured too; ``min_rows`` / ``min_pages`` put
-every rank's forward in the bucket the group agreed on (dsmesh/engine/spec_graphs.py).
+every rank's forward in the bucket the group agreed on (dsmesh/engine/spec/graphs.py).
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from dsmesh.engine.cuda_graph import CudaGraphRunner
-from dsmesh.engine.decode_graphs import DecodeGraphRunner, Outputs
-from dsmesh.engine.graph_buckets import bucket_for
 from dsmesh.engine.model.mla_decode_backend import MLADecodeBackend
 from dsmesh.engine.model.mtp import MTPDraft
+from dsmesh.engine.runner.cuda_graph import CudaGraphRunner
+from dsmesh.engine.runner.decode_graphs import DecodeGraphRunner, Outputs
+from dsmesh.engine.runner.graph_buckets import bucket_for
 
 
 class MTPGraphRunner(DecodeGraphRunner):

@@ -4,9 +4,9 @@ A decode-shaped forward feeds one token per row, each row with its own position 
 table row: a request's decode step, or a speculative step's verify rows (a request's last
 token and its drafts, one row per position). Its runners capture their module's own forward
 over the buffers of a :class:`DecodeInputs` once per bucket and replay it:
-:class:`dsmesh.engine.cuda_graph.CudaGraphRunner` for the model and
-:class:`dsmesh.engine.mtp_graph.MTPGraphRunner` for the MTP draft, which reads the same buffers as
-the model's runner, so a speculative step's first draft runs over its verify rows as loaded.
+:class:`dsmesh.engine.runner.cuda_graph.CudaGraphRunner` for the model and
+:class:`dsmesh.engine.spec.mtp_graph.MTPGraphRunner` for the MTP draft, which reads the same buffers
+as the model's runner, so a speculative step's first draft runs over its verify rows as loaded.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from dsmesh.engine.graph_buckets import batch_buckets, bucket_for, page_bucket
 from dsmesh.engine.model.forward_batch import ForwardBatch
 from dsmesh.engine.model.mla_decode_backend import MLADecodeBackend
+from dsmesh.engine.runner.graph_buckets import batch_buckets, bucket_for, page_bucket
 
 log = logging.getLogger(__name__)
 

@@ -3,9 +3,9 @@
 A decode step (every request feeds one token) does the same work at every step of the same
 batch size, so it is captured once and replayed, which removes the launch gaps of thousands
 of small kernels per step. The runner re-implements nothing: it keeps fixed input buffers
-(:class:`dsmesh.engine.decode_graphs.DecodeInputs`: token ids, positions, KV slots and lengths; one
-page table per page bucket), builds a :meth:`ForwardBatch.decode_only` over them and captures
-``model.hidden_states`` and ``model.compute_logits``, whose modules never synchronise with
+(:class:`dsmesh.engine.runner.decode_graphs.DecodeInputs`: token ids, positions, KV slots and
+lengths; one page table per page bucket), builds a :meth:`ForwardBatch.decode_only` over them and
+captures ``model.hidden_states`` and ``model.compute_logits``, whose modules never synchronise with
 the host on that path (dsmesh/engine/model/kernel_choice.py; MoE dispatch in its static mode).
 
 A batch of ``n`` rows runs in the smallest bucket ``b >= n``; the padding rows repeat row 0
@@ -34,10 +34,15 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from dsmesh.engine.decode_graphs import DecodeGraphRunner, DecodeInputs, GraphCaptureError, Outputs
 from dsmesh.engine.kv.pool import MLAKVPool, pages_for
 from dsmesh.engine.model.deepseek import DeepseekForCausalLM
 from dsmesh.engine.model.mla_decode_backend import MLADecodeBackend
+from dsmesh.engine.runner.decode_graphs import (
+    DecodeGraphRunner,
+    DecodeInputs,
+    GraphCaptureError,
+    Outputs,
+)
 
 __all__ = ["CudaGraphRunner", "GraphCaptureError", "graph_support_problem"]
 

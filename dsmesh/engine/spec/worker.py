@@ -7,7 +7,7 @@ A step of a speculating engine runs in two halves around the engine's bookkeepin
    of the batch (a row per position, context growing by one: causal attention over the
    paged cache through the batched decode path, exactly the attention a plain decode step
    computes). Prompt chunks run as usual. The emitted tokens follow
-   :mod:`dsmesh.engine.spec_sampling`; the engine then books them, cutting the run at a stop token
+   :mod:`dsmesh.engine.spec.acceptance`; the engine then books them, cutting the run at a stop token
    or ``max_new_tokens``. KV written for rejected positions is simply overwritten later:
    ``num_computed`` is the roll-back (in the target's layers and the draft's alike).
 2. :meth:`MTPSpeculator.draft` runs the MTP layer over every position whose target hidden
@@ -30,19 +30,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dsmesh.engine.cuda_graph import CudaGraphRunner
-from dsmesh.engine.decode_graphs import GraphCaptureError
 from dsmesh.engine.kv.pool import MLAKVPool, pages_for
 from dsmesh.engine.model.deepseek import DeepseekForCausalLM
 from dsmesh.engine.model.forward_batch import ForwardBatch, SequenceChunk
 from dsmesh.engine.model.mtp import MTPDraft
-from dsmesh.engine.mtp_graph import MTPGraphRunner
 from dsmesh.engine.request import Request, RequestStatus
+from dsmesh.engine.runner.cuda_graph import CudaGraphRunner
+from dsmesh.engine.runner.decode_graphs import GraphCaptureError
 from dsmesh.engine.sampling.sampler import GREEDY_BELOW, Sampler, token_logprobs
 from dsmesh.engine.sampling.token_logprobs import TokenLogprobs
 from dsmesh.engine.sched.scheduler import ScheduledChunk, Scheduler
-from dsmesh.engine.spec_graphs import GreedyStep, GroupBuckets, SpecGraphs
-from dsmesh.engine.spec_sampling import accept_greedy, accept_sampled, draw, sampling_probs
+from dsmesh.engine.spec.acceptance import accept_greedy, accept_sampled, draw, sampling_probs
+from dsmesh.engine.spec.graphs import GreedyStep, GroupBuckets, SpecGraphs
+from dsmesh.engine.spec.mtp_graph import MTPGraphRunner
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ class MTPSpeculator:
 
     def attach_graphs(self, target: CudaGraphRunner, warmup_tokens: int = 0) -> None:
         """Run decode-only steps on ``target``'s graphs and the draft's own over the same
-        buffers (dsmesh/engine/spec_graphs.py), capturing the draft's buckets for contexts up to
+        buffers (dsmesh/engine/spec/graphs.py), capturing the draft's buckets for contexts up to
         ``warmup_tokens`` now (before any request exists). A capture failure leaves the
         steps eager. ``target`` must take ``K + 1`` rows per request of a speculative step."""
         try:
