@@ -10,7 +10,7 @@ from dsmesh.engine.kv.budget import CPU_MAX_TOTAL_TOKENS, DEFAULT_MEM_FRACTION
 from dsmesh.engine.llm_engine import EngineConfig
 from dsmesh.engine.model.kernel_choice import KERNEL_SETS, MOE_BACKENDS
 from dsmesh.engine.model.mla_decode_backend import ATTENTION_BACKENDS
-from dsmesh.engine.spec.worker import SPECULATIVE_METHODS
+from dsmesh.engine.model.mtp import SPECULATIVE_METHODS
 from dsmesh.runtime.address import (
     LOOPBACK,
     advertise_host,

@@ -47,8 +47,10 @@ from dsmesh.engine.sampling.token_logprobs import TokenLogprobs
 from dsmesh.engine.sampling.token_mask import apply_token_bitmask
 from dsmesh.engine.sched.load_report import EngineLoad, engine_load
 from dsmesh.engine.sched.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerStats
+from dsmesh.engine.spec.config import SpeculativeConfig
 from dsmesh.engine.spec.graphs import GroupBuckets
-from dsmesh.engine.spec.worker import MTPSpeculator, SpecStats, SpeculativeConfig
+from dsmesh.engine.spec.verifier import SpecStats
+from dsmesh.engine.spec.worker import MTPSpeculator
 
 if TYPE_CHECKING:
     from dsmesh.engine.ep.runtime import GroupVote

@@ -11,7 +11,7 @@ import torch
 from dsmesh.engine.model.kernel_choice import KERNEL_SETS, MOE_BACKENDS
 from dsmesh.engine.model.mla import ATTENTION_MODES
 from dsmesh.engine.model.mla_decode_backend import ATTENTION_BACKENDS
-from dsmesh.engine.spec.worker import SPECULATIVE_METHODS
+from dsmesh.engine.model.mtp import SPECULATIVE_METHODS
 
 
 @dataclass(frozen=True)

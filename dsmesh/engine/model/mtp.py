@@ -39,6 +39,10 @@ from dsmesh.engine.model.moe_dispatch import LocalDispatcher, MoEDispatcher, sta
 from dsmesh.engine.model.norm import RMSNorm
 from dsmesh.engine.model.rope import RotaryEmbedding
 
+# The speculative decoding methods the engine offers (EngineConfig.speculative): drafting
+# with this module, the checkpoint's MTP layers.
+SPECULATIVE_METHODS = ("mtp",)
+
 
 class SharedHead(nn.Module):
     """``shared_head.norm``; the head itself is the main model's ``lm_head``."""
