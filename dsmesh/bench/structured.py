@@ -112,7 +112,7 @@ def decode_ms(
     if mode == "free_no_overlap":
         engine.config = dataclasses.replace(base_config, overlap_decode=False)
     mask_s = [0.0]
-    masks = engine._masks
+    masks = engine.grammar_masks.masks
 
     def timed(matchers):  # the host time of the bitmasks (the bench's own instrument)
         start = time.perf_counter()
@@ -121,7 +121,7 @@ def decode_ms(
         finally:
             mask_s[0] += time.perf_counter() - start
 
-    engine._masks = timed  # type: ignore[method-assign]
+    engine.grammar_masks.masks = timed  # type: ignore[method-assign]
     rng = random.Random(batch)
     ids = []
     try:
@@ -144,7 +144,7 @@ def decode_ms(
         for rid in ids:
             engine.abort(rid)
         engine.config = base_config
-        del engine._masks
+        del engine.grammar_masks.masks
     return elapsed / args.steps * 1e3, mask_s[0] / args.steps * 1e3
 
 

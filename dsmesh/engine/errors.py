@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dsmesh.engine.kv.pool import pages_for
+
 
 class InvalidRequestError(ValueError):
     """A request is malformed: ``field`` names the offending input (``input_ids``,
@@ -36,3 +38,28 @@ def check_prompt(
             f"prompt has {len(ids)} tokens; the model's context is {max_context}, "
             "which leaves no room to generate",
         )
+
+
+def check_fits_pool(
+    num_prompt: int, new_tokens: int, max_context: int, page_size: int, num_pages: int
+) -> int:
+    """A request of ``num_prompt`` tokens that may generate ``new_tokens`` must fit a pool of
+    ``num_pages`` pages alone: pages come as its tokens need them, and the oldest request can
+    always reclaim every page by retracting the newer ones. Returns the tokens it may reach
+    (prompt + new tokens, at most the context); InvalidRequestError naming ``input_ids`` or
+    ``sampling.max_new_tokens`` when it could never fit."""
+    first = pages_for(num_prompt + 1, page_size)
+    if first > num_pages:
+        raise InvalidRequestError(
+            "input_ids",
+            f"prompt has {num_prompt} tokens; with its first new token it needs {first} KV "
+            f"pages but the pool has only {num_pages}",
+        )
+    total = min(num_prompt + new_tokens, max_context)
+    need = pages_for(total, page_size)
+    if need > num_pages:
+        raise InvalidRequestError(
+            "sampling.max_new_tokens",
+            f"prompt + max_new_tokens needs {need} KV pages but the pool has only {num_pages}",
+        )
+    return total

@@ -82,7 +82,7 @@ def _count_graph_work(engine: LLMEngine) -> dict[str, int]:
     ForwardBatch.split_rows = split  # this rank's process only
     dispatcher = engine.model.moe_layers()[0].dispatcher  # every MoE layer's
     dispatcher._dispatch_static = counted("static", dispatcher._dispatch_static)
-    engine._idle_graph_step = counted("idle", engine._idle_graph_step)
+    engine.lockstep.idle_graph_step = counted("idle", engine.lockstep.idle_graph_step)
     return counts
 
 

@@ -157,7 +157,7 @@ def test_reserve_while_a_step_is_launched_ahead(v2_greedy_ckpt: HFCheckpoint) ->
         for o in engine.step():
             if o.request_id in out:
                 out[o.request_id].extend(o.new_token_ids)
-        if not reserved and engine._inflight is not None:
+        if not reserved and engine.launch_ahead.inflight is not None:
             engine.reserve(prompts[0], SamplingParams(max_new_tokens=2), "arriving")
             reserved = True
     assert reserved

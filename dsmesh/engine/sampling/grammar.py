@@ -31,12 +31,13 @@ trie); it is built once per engine (about a second for DeepSeek-V3's 129280 ids)
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from dsmesh.engine.errors import InvalidRequestError
 
@@ -223,6 +224,67 @@ class GrammarVocab:
             self._executor.unsafe_compute_mask_ptr(
                 rows, out.ctypes.data, out.shape[1] * 4, out.shape[0]
             )
+
+
+class GrammarMasks:
+    """One engine's side of structured outputs: the checkpoint's vocabulary for matchers,
+    indexed on first use, and the allowed-token bitmask rows of a step, in a buffer reused
+    from step to step (pinned on CUDA: the sampler's copy to the device is asynchronous, and
+    done before the next step fills the buffer, since each step waits for its tokens).
+
+    ``checkpoint_dir`` names the folder whose ``tokenizer.json`` is indexed (called once,
+    on the first grammar). Not thread-safe: the engine thread only."""
+
+    def __init__(
+        self,
+        checkpoint_dir: Callable[[], Path],
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        device: torch.device,
+    ) -> None:
+        self._checkpoint_dir = checkpoint_dir
+        self._vocab_size = vocab_size
+        self._eos_token_ids = eos_token_ids
+        self._device = device
+        self._vocab: GrammarVocab | None = None
+        self._bitmask = torch.empty(0, bitmask_words(vocab_size), dtype=torch.int32)
+
+    def vocab(self) -> GrammarVocab:
+        """The tokenizer's vocabulary for grammar matchers, indexed on first use (about a
+        second for DeepSeek-V3's); InvalidRequestError when the checkpoint has no
+        ``tokenizer.json``."""
+        if self._vocab is None:
+            folder = self._checkpoint_dir()
+            try:
+                self._vocab = GrammarVocab.from_checkpoint(
+                    folder, self._vocab_size, self._eos_token_ids
+                )
+            except FileNotFoundError as exc:
+                raise InvalidRequestError(
+                    "grammar", f"structured outputs need the checkpoint's tokenizer.json: {exc}"
+                ) from exc
+        return self._vocab
+
+    def allowed(self, matchers: Sequence[GrammarMatcher | None]) -> torch.Tensor | None:
+        """The allowed-token bitmask [len(matchers), ceil(vocab / 32)] int32 (host memory)
+        of a step whose rows sample under ``matchers``, or None when none is constrained.
+        Called after the forward is launched, so on a GPU the grammar's work overlaps it."""
+        if all(m is None for m in matchers):
+            return None
+        return self.masks(matchers)
+
+    def masks(self, matchers: Sequence[GrammarMatcher | None]) -> torch.Tensor:
+        """The allowed-token bitmask [len(matchers), words] int32 of one step (every token
+        for a None row), in the step's buffer: pinned on CUDA and reused, since a step's copy
+        from it is done before the next step fills it (each step waits for its tokens)."""
+        n = len(matchers)
+        if self._bitmask.shape[0] < n:
+            pin = self._device.type == "cuda"
+            shape = (n, self._bitmask.shape[1])
+            self._bitmask = torch.empty(shape, dtype=torch.int32, pin_memory=pin)
+        rows = self._bitmask[:n]
+        self.vocab().fill_bitmask(matchers, rows.numpy())
+        return rows
 
 
 def _check(spec: GrammarSpec, grammar: str, tokenizer: llguidance.LLTokenizer | None) -> None:

@@ -22,15 +22,20 @@ the same batch. The draft KV lives in the same pages as the target's, as extra p
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 
 from dsmesh.engine.kv.pool import MLAKVPool
 from dsmesh.engine.model.deepseek import DeepseekForCausalLM
-from dsmesh.engine.model.mtp import MTPDraft
+from dsmesh.engine.model.mtp import MTPDraft, build_mtp
+from dsmesh.engine.model.mtp_weights import load_mtp_weights
+from dsmesh.engine.options import EngineConfig, resolve_model_dir
+from dsmesh.engine.output_processor import OutputProcessor, StepOutput
 from dsmesh.engine.request import Request
 from dsmesh.engine.runner.cuda_graph import CudaGraphRunner
+from dsmesh.engine.runner.model_runner import ModelRunner, scores_prompt
 from dsmesh.engine.sampling.sampler import Sampler
 from dsmesh.engine.sched.scheduler import ScheduledChunk, Scheduler
 from dsmesh.engine.spec.config import SpeculativeConfig
@@ -68,6 +73,10 @@ class MTPSpeculator:
         return self.verifier.stats()
 
     @property
+    def draft_model(self) -> MTPDraft:
+        return self.runner.draft_model
+
+    @property
     def graphs(self) -> SpecGraphs | None:
         """The graphs decode-only steps replay, None when every step runs eagerly."""
         return self.runner.graphs
@@ -88,6 +97,39 @@ class MTPSpeculator:
         """Whether this step speculates: its decode batch is at most ``max_batch``."""
         decoding = sum(1 for c in chunks if not c.request.is_prefilling)
         return decoding <= self.config.max_batch
+
+    def speculates(self, chunks: list[ScheduledChunk]) -> bool:
+        """This step of ``chunks`` runs speculatively (verify, then draft): it has work, its
+        decode batch is at most ``max_batch`` and it scores no prompt logprobs (such steps
+        run the plain path)."""
+        if not chunks:
+            return False
+        return self.runs(chunks) and not any(scores_prompt(c) for c in chunks)
+
+    def step(self, chunks: list[ScheduledChunk], output: OutputProcessor) -> list[StepOutput]:
+        """A step of speculative decoding: verify (one target forward), book the emitted
+        tokens through ``output``, draft."""
+        verified = self.verify(chunks, output.allowed_tokens)
+        outputs: list[StepOutput] = []
+        for v in verified:
+            req = v.request
+            if not v.decoding and v.start < len(req.prompt_ids):
+                req.num_computed = v.first_computed
+                output.scheduler.share_prompt(req)
+            if not v.tokens:
+                req.num_computed = v.first_computed
+                computed = (v.start, req.num_computed)
+                outputs.append(StepOutput(req.request_id, [], False, None, computed))
+                continue
+            out = output.book_run(req, v.start, v.first_computed, v.tokens, v.logprobs)
+            counts = (
+                req.num_spec_draft_tokens,
+                req.num_spec_accepted_tokens,
+                req.num_spec_verifications,
+            )
+            outputs.append(dataclasses.replace(out, spec_counts=counts))
+        self.draft(verified)
+        return outputs
 
     def verify(
         self, chunks: list[ScheduledChunk], allowed_tokens: AllowedTokens
@@ -128,3 +170,43 @@ class MTPSpeculator:
 
     def pad_group_drafts(self) -> None:
         self.runner.pad_group_drafts()
+
+
+def make_speculator(
+    config: EngineConfig,
+    runner: ModelRunner,
+    scheduler: Scheduler,
+    sampler: Sampler,
+    draft: MTPDraft | None = None,
+) -> MTPSpeculator | None:
+    """The speculative worker of an engine whose ``config`` speculates (None otherwise),
+    drafting with ``draft`` or the checkpoint's MTP layer, over ``runner``'s model and KV
+    pool; decode-only speculative steps replay ``runner``'s graphs when it has them."""
+    if config.speculative is None:
+        return None
+    mc = runner.model_config
+    if mc.num_nextn_predict_layers <= 0:
+        raise ValueError(
+            "--speculative mtp needs a checkpoint with an MTP layer "
+            "(config.json num_nextn_predict_layers is 0)"
+        )
+    model = runner.model
+    if draft is None:
+        draft = build_mtp(mc, next(model.parameters()).dtype, runner.device)
+        load_mtp_weights(draft, resolve_model_dir(config.model))
+    draft.share_with(model)
+    draft.set_kernels(model)
+    spec_config = SpeculativeConfig(
+        num_draft_tokens=config.num_draft_tokens,
+        max_batch=config.speculative_max_batch,
+        forced_acceptance=config.spec_forced_acceptance,
+        attention_mode=config.attention_mode,
+        page_size=config.page_size,
+        tbo=config.tbo,
+    )
+    speculator = MTPSpeculator(
+        spec_config, model, draft, runner.kv_pool, scheduler, sampler, runner.device
+    )
+    if runner.graph_runner is not None:  # decode-only speculative steps replay graphs
+        speculator.attach_graphs(runner.graph_runner, config.cuda_graph_warmup_tokens)
+    return speculator
