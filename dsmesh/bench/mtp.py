@@ -10,7 +10,7 @@ KV). Random weights accept no draft, so the speculating engine runs with the ben
 ``spec_forced_acceptance`` (each draft accepted with that probability, as the seed's blog
 simulated MTP). Measures, per batch size, decode tokens/s of the plain engine (CUDA graphs,
 overlapped decode) and of the MTP engine (K drafts; its decode-only steps replay the verify
-and draft graphs, dsmesh/engine/spec/graphs.py, or run eagerly with ``--eager-spec``) at each
+and draft graphs, dsmesh/engine/speculative/graphs.py, or run eagerly with ``--eager-spec``) at each
 acceptance, and prints one JSON line with the figures and each speed-up.
 
 The target has only ``--layers`` layers beside one MTP layer, so the draft weighs far more

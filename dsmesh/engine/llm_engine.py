@@ -13,7 +13,7 @@ tests use, and the reference that the PD mesh must match. It holds the parts and
   state, stop conditions, logprobs, grammars;
 - launch-ahead (dsmesh/engine/runner/launch_ahead.py): the next greedy decode step launched
   before this one's bookkeeping;
-- the speculative worker (dsmesh/engine/spec/worker.py), with ``speculative="mtp"``;
+- the speculative worker (dsmesh/engine/speculative/worker.py), with ``speculative="mtp"``;
 - the group lockstep (dsmesh/engine/lockstep.py), as one rank of an expert-parallel group.
 """
 
@@ -45,8 +45,8 @@ from dsmesh.engine.sampling.sampler import Sampler, advance_generator
 from dsmesh.engine.sampling.token_logprobs import TokenLogprobs
 from dsmesh.engine.sched.load_report import EngineLoad, engine_load
 from dsmesh.engine.sched.scheduler import Scheduler, SchedulerConfig, SchedulerStats
-from dsmesh.engine.spec.verifier import SpecStats
-from dsmesh.engine.spec.worker import make_speculator
+from dsmesh.engine.speculative.verifier import SpecStats
+from dsmesh.engine.speculative.worker import make_speculator
 
 __all__ = ["EngineConfig", "GenerationResult", "LLMEngine", "StepOutput"]
 

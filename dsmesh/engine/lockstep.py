@@ -17,8 +17,8 @@ from typing import Protocol
 from dsmesh.engine.kv.pool import pages_for
 from dsmesh.engine.runner.model_runner import ModelRunner, scores_prompt
 from dsmesh.engine.sched.scheduler import ScheduledChunk
-from dsmesh.engine.spec.graphs import GroupBuckets
-from dsmesh.engine.spec.worker import MTPSpeculator
+from dsmesh.engine.speculative.graphs import GroupBuckets
+from dsmesh.engine.speculative.worker import MTPSpeculator
 
 
 class GroupVote(Protocol):

@@ -61,8 +61,8 @@ class Request:
     grammar: GrammarMatcher | None = None
     # prompt tokens after the first whose logprobs were reported (params.prompt_logprobs)
     num_prompt_scored: int = 0
-    # speculative decoding (dsmesh/engine/spec/worker.py): the drafts waiting for the next step
-    # (a DraftProposal), and how many tokens were drafted for it and accepted
+    # speculative decoding (dsmesh/engine/speculative/worker.py): the drafts waiting for the next
+    # step (a DraftProposal), and how many tokens were drafted for it and accepted
     spec_draft: Any = None
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0

@@ -27,8 +27,8 @@ from dsmesh.engine.model.mtp_weights import load_mtp_weights, mtp_state_dict
 from dsmesh.engine.model.weights import WeightError
 from dsmesh.engine.runner.cuda_graph import CudaGraphRunner
 from dsmesh.engine.sampling.params import SamplingParams
-from dsmesh.engine.spec.acceptance import accept_greedy, accept_greedy_rows, sampling_probs
-from dsmesh.engine.spec.mtp_graph import MTPGraphRunner
+from dsmesh.engine.speculative.acceptance import accept_greedy, accept_greedy_rows, sampling_probs
+from dsmesh.engine.speculative.mtp_graph import MTPGraphRunner
 from tests.engine.hf_checkpoints import (
     HFCheckpoint,
     copy_checkpoint,
@@ -400,7 +400,7 @@ def test_prefills_drafts_cross_the_handoff_and_decodes_first_step_verifies_them(
     assert prefill.num_pages_in_use == 0 and decode.num_pages_in_use == 0
 
 
-# ---- speculative steps on the graph runners (dsmesh/engine/spec/graphs.py)
+# ---- speculative steps on the graph runners (dsmesh/engine/speculative/graphs.py)
 # ------------------------
 #
 # On CPU the runners run their forwards uncaptured over the same fixed buffers, so these tests

@@ -13,16 +13,39 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
+from torch import nn
 
 from dsmesh.engine.kv.pool import MLAKVPool
 from dsmesh.engine.model.forward_batch import ForwardBatch, host_to_device
 
-if TYPE_CHECKING:
-    from dsmesh.engine.model.mla import MLAttention
+
+class MLALayer(Protocol):
+    """What a prefill backend reads of the attention layer it serves
+    (:class:`dsmesh.engine.model.mla.MLAttention`): its KV pool layer, shapes, the latent's
+    up-projection to per-head K and V, and the reference attention over one request's
+    context (q_nope [n, H, nope], q_pe [n, H, rope], ctx [S, kv_lora + rope], the
+    request's prefix length -> [n, H, v])."""
+
+    layer_idx: int
+    num_heads: int
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
+    kv_lora_rank: int
+    scale: float
+    kv_b_proj: nn.Linear
+
+    def attend_naive(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: torch.Tensor, prefix: int
+    ) -> torch.Tensor: ...
+
+    def attend_absorbed(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: torch.Tensor, prefix: int
+    ) -> torch.Tensor: ...
 
 
 class MLAPrefillBackend(ABC):
@@ -37,7 +60,7 @@ class MLAPrefillBackend(ABC):
     @abstractmethod
     def forward(
         self,
-        attn: MLAttention,
+        attn: MLALayer,
         q_nope: torch.Tensor,
         q_pe: torch.Tensor,
         kv_pool: MLAKVPool,

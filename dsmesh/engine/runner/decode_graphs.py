@@ -5,8 +5,9 @@ table row: a request's decode step, or a speculative step's verify rows (a reque
 token and its drafts, one row per position). Its runners capture their module's own forward
 over the buffers of a :class:`DecodeInputs` once per bucket and replay it:
 :class:`dsmesh.engine.runner.cuda_graph.CudaGraphRunner` for the model and
-:class:`dsmesh.engine.spec.mtp_graph.MTPGraphRunner` for the MTP draft, which reads the same buffers
-as the model's runner, so a speculative step's first draft runs over its verify rows as loaded.
+:class:`dsmesh.engine.speculative.mtp_graph.MTPGraphRunner` for the MTP draft, which reads the same
+buffers as the model's runner, so a speculative step's first draft runs over its verify rows as
+loaded.
 """
 
 from __future__ import annotations

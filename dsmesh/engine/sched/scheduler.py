@@ -50,7 +50,8 @@ class SchedulerConfig:
     max_batch_tokens: int = 2048  # new tokens per forward; also the prefill chunk size
     prefix_cache: bool = False
     # Slots a decoding request may write past its next token in a step: the drafts that
-    # speculative decoding verifies (dsmesh/engine/spec/worker.py); its pages are taken with it.
+    # speculative decoding verifies (dsmesh/engine/speculative/worker.py); its pages are taken with
+    # it.
     num_lookahead_tokens: int = 0
     # While requests decode, waiting requests join at most every ``admit_interval`` steps,
     # so the prompt chunks of several arrivals share one forward (a step with prompt chunks

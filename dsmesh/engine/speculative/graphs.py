@@ -4,12 +4,13 @@ greedy steps resolved on the device with one host sync.
 A decode-only speculative step is decode-shaped throughout: the verify forward feeds each
 request's last token and its drafts one row per position (the model's
 :class:`dsmesh.engine.runner.cuda_graph.CudaGraphRunner`), and the draft forwards feed one row per
-position too (:class:`dsmesh.engine.spec.mtp_graph.MTPGraphRunner`, over the same input buffers). A
-step where every request takes the argmax (greedy, no logit adjustment, no logprobs, no grammar)
-needs the host only at its end (:meth:`SpecGraphs.greedy_step`):
+position too (:class:`dsmesh.engine.speculative.mtp_graph.MTPGraphRunner`, over the same input
+buffers). A step where every request takes the argmax (greedy, no logit adjustment, no logprobs, no
+grammar) needs the host only at its end (:meth:`SpecGraphs.greedy_step`):
 
 1. verify: the model replays the rows; ``t`` = each row's argmax;
-2. acceptance on the device (:func:`dsmesh.engine.spec.acceptance.accept_greedy_rows`), or, for the
+2. acceptance on the device (:func:`dsmesh.engine.speculative.acceptance.accept_greedy_rows`), or,
+for the
    benchmark's forced acceptance, counts drawn on the host before the step;
 3. first draft: the draft replays the same rows fed ``t`` (row ``j`` of a request at position
    ``p + j`` feeds ``t_j``, the token at ``p + j + 1`` when ``j <= a``, the accepted count).
@@ -39,8 +40,8 @@ import torch
 
 from dsmesh.engine.runner.cuda_graph import CudaGraphRunner
 from dsmesh.engine.runner.decode_graphs import Outputs
-from dsmesh.engine.spec.acceptance import accept_greedy_rows
-from dsmesh.engine.spec.mtp_graph import MTPGraphRunner
+from dsmesh.engine.speculative.acceptance import accept_greedy_rows
+from dsmesh.engine.speculative.mtp_graph import MTPGraphRunner
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """How a speculating engine drafts: the speculative worker's own configuration, derived
-from the engine's options (dsmesh/engine/spec/worker.py, ``make_speculator``)."""
+from the engine's options (dsmesh/engine/speculative/worker.py, ``make_speculator``)."""
 
 from __future__ import annotations
 

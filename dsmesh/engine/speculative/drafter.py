@@ -19,17 +19,17 @@ from dsmesh.engine.model.forward_batch import SequenceChunk
 from dsmesh.engine.request import Request, RequestStatus
 from dsmesh.engine.sampling.sampler import GREEDY_BELOW
 from dsmesh.engine.sched.scheduler import Scheduler
-from dsmesh.engine.spec.acceptance import draw, sampling_probs
-from dsmesh.engine.spec.config import SpeculativeConfig
-from dsmesh.engine.spec.graphs import GreedyStep
-from dsmesh.engine.spec.proposal import (
+from dsmesh.engine.speculative.acceptance import draw, sampling_probs
+from dsmesh.engine.speculative.config import SpeculativeConfig
+from dsmesh.engine.speculative.graphs import GreedyStep
+from dsmesh.engine.speculative.proposal import (
     DraftProposal,
     drafts_allowed,
     num_drafts,
     tokens_between,
 )
-from dsmesh.engine.spec.runner import SpecRunner
-from dsmesh.engine.spec.verifier import Verified, VerifiedStep
+from dsmesh.engine.speculative.runner import SpecRunner
+from dsmesh.engine.speculative.verifier import Verified, VerifiedStep
 
 
 class Drafter:

@@ -18,7 +18,7 @@ The draft layer's KV writes happen inside the graphs. Its graphs have their own 
 pool, so a draft replay never overwrites the model runner's outputs (and the reverse). Its
 MoE dispatch runs in its fixed-shape mode (``MTPDraft.static_dispatch``), so in an
 expert-parallel group the all-to-alls are captured too; ``min_rows`` / ``min_pages`` put
-every rank's forward in the bucket the group agreed on (dsmesh/engine/spec/graphs.py).
+every rank's forward in the bucket the group agreed on (dsmesh/engine/speculative/graphs.py).
 """
 
 from __future__ import annotations

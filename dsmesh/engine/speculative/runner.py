@@ -1,7 +1,7 @@
 """The forwards of speculative steps: the target's verify and the MTP layer's drafts, eagerly
 or on CUDA graphs, and, in an expert-parallel group, in step with the other ranks.
 
-Decode-only steps replay graphs (dsmesh/engine/spec/graphs.py): the verify on the model's
+Decode-only steps replay graphs (dsmesh/engine/speculative/graphs.py): the verify on the model's
 decode graphs, the drafts on the MTP layer's own over the same input buffers. Steps with
 prompt chunks run eagerly. In a group every draft forward is a collective (the MTP layer's
 experts are spread over the ranks), so every rank runs the same number of them in a step
@@ -22,10 +22,10 @@ from dsmesh.engine.model.mtp import MTPDraft
 from dsmesh.engine.runner.cuda_graph import CudaGraphRunner
 from dsmesh.engine.runner.decode_graphs import GraphCaptureError
 from dsmesh.engine.sched.scheduler import ScheduledChunk
-from dsmesh.engine.spec.config import SpeculativeConfig
-from dsmesh.engine.spec.graphs import GroupBuckets, SpecGraphs
-from dsmesh.engine.spec.mtp_graph import MTPGraphRunner
-from dsmesh.engine.spec.proposal import valid_drafts
+from dsmesh.engine.speculative.config import SpeculativeConfig
+from dsmesh.engine.speculative.graphs import GroupBuckets, SpecGraphs
+from dsmesh.engine.speculative.mtp_graph import MTPGraphRunner
+from dsmesh.engine.speculative.proposal import valid_drafts
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class SpecRunner:
 
     def attach_graphs(self, target: CudaGraphRunner, warmup_tokens: int = 0) -> None:
         """Run decode-only steps on ``target``'s graphs and the draft's own over the same
-        buffers (dsmesh/engine/spec/graphs.py), capturing the draft's buckets for contexts up
+        buffers (dsmesh/engine/speculative/graphs.py), capturing the draft's buckets for contexts up
         to ``warmup_tokens`` now (before any request exists). A capture failure leaves the
         steps eager. ``target`` must take ``K + 1`` rows per request of a speculative step."""
         try:

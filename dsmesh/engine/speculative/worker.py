@@ -7,8 +7,8 @@ A step of a speculating engine runs in two halves around the engine's bookkeepin
    of the batch (a row per position, context growing by one: causal attention over the
    paged cache through the batched decode path, exactly the attention a plain decode step
    computes). Prompt chunks run as usual. The emitted tokens follow
-   :mod:`dsmesh.engine.spec.acceptance`; the engine then books them, cutting the run at a stop token
-   or ``max_new_tokens``. KV written for rejected positions is simply overwritten later:
+   :mod:`dsmesh.engine.speculative.acceptance`; the engine then books them, cutting the run at a
+   stop token or ``max_new_tokens``. KV written for rejected positions is simply overwritten later:
    ``num_computed`` is the roll-back (in the target's layers and the draft's alike).
 2. :meth:`MTPSpeculator.draft` runs the MTP layer over every position whose target hidden
    state the step produced (pairs ``(h[p], x[p + 1])``, writing the draft's KV there), which
@@ -38,12 +38,18 @@ from dsmesh.engine.runner.cuda_graph import CudaGraphRunner
 from dsmesh.engine.runner.model_runner import ModelRunner, scores_prompt
 from dsmesh.engine.sampling.sampler import Sampler
 from dsmesh.engine.sched.scheduler import ScheduledChunk, Scheduler
-from dsmesh.engine.spec.config import SpeculativeConfig
-from dsmesh.engine.spec.drafter import Drafter
-from dsmesh.engine.spec.graphs import GroupBuckets, SpecGraphs
-from dsmesh.engine.spec.proposal import handoff_drafts
-from dsmesh.engine.spec.runner import SpecRunner
-from dsmesh.engine.spec.verifier import AllowedTokens, SpecStats, Verified, VerifiedStep, Verifier
+from dsmesh.engine.speculative.config import SpeculativeConfig
+from dsmesh.engine.speculative.drafter import Drafter
+from dsmesh.engine.speculative.graphs import GroupBuckets, SpecGraphs
+from dsmesh.engine.speculative.proposal import handoff_drafts
+from dsmesh.engine.speculative.runner import SpecRunner
+from dsmesh.engine.speculative.verifier import (
+    AllowedTokens,
+    SpecStats,
+    Verified,
+    VerifiedStep,
+    Verifier,
+)
 
 
 class MTPSpeculator:

@@ -4,7 +4,7 @@ tokens each request emits (not booked).
 A decoding request feeds its last token and its drafts, each as its own row of the batch (a
 row per position, context growing by one: causal attention over the paged cache through the
 batched decode path, exactly the attention a plain decode step computes). Prompt chunks run
-as usual. Which drafts are kept follows :mod:`dsmesh.engine.spec.acceptance`: greedy rows go
+as usual. Which drafts are kept follows :mod:`dsmesh.engine.speculative.acceptance`: greedy rows go
 through the engine's sampler with every logit adjustment, sampled chains through rejection
 sampling. A decode-only step whose every request takes the argmax runs on the graphs with
 one host sync, verifying and drafting on the device (:meth:`SpecGraphs.greedy_step`).
@@ -24,11 +24,11 @@ from dsmesh.engine.runner.decode_graphs import GraphCaptureError
 from dsmesh.engine.sampling.sampler import GREEDY_BELOW, Sampler, token_logprobs
 from dsmesh.engine.sampling.token_logprobs import TokenLogprobs
 from dsmesh.engine.sched.scheduler import ScheduledChunk, Scheduler
-from dsmesh.engine.spec.acceptance import accept_greedy, accept_sampled, sampling_probs
-from dsmesh.engine.spec.config import SpeculativeConfig
-from dsmesh.engine.spec.graphs import GreedyStep, SpecGraphs
-from dsmesh.engine.spec.proposal import takes_argmax, valid_drafts
-from dsmesh.engine.spec.runner import SpecRunner, graph_rows
+from dsmesh.engine.speculative.acceptance import accept_greedy, accept_sampled, sampling_probs
+from dsmesh.engine.speculative.config import SpeculativeConfig
+from dsmesh.engine.speculative.graphs import GreedyStep, SpecGraphs
+from dsmesh.engine.speculative.proposal import takes_argmax, valid_drafts
+from dsmesh.engine.speculative.runner import SpecRunner, graph_rows
 
 # the allowed-token bitmask of the rows sampled for these requests, or None (no grammar)
 AllowedTokens = Callable[[list[Request]], torch.Tensor | None]
