@@ -310,8 +310,8 @@ def quant_bench() -> None:
 
 
 def routing_bench() -> None:
-    from dsmesh.kernels.routing import fused_select_experts, select_experts_ref
-    from tests.kernels.test_routing import CONFIGS
+    from dsmesh.kernels.moe_routing import fused_select_experts, select_experts_ref
+    from tests.kernels.test_moe_routing import CONFIGS
 
     for name in ("v3", "v2_lite_greedy"):
         cfg = CONFIGS[name]

@@ -1,13 +1,13 @@
 """The engine's routing hook: one fused Triton launch when the Triton kernels are chosen
 (dsmesh/engine/model/kernel_choice.py), the plain-torch reference otherwise. The policies themselves
-(``greedy``, ``group_limited_greedy``, ``noaux_tc``) are :mod:`dsmesh.kernels.routing`'s."""
+(``greedy``, ``group_limited_greedy``, ``noaux_tc``) are :mod:`dsmesh.kernels.moe_routing`'s."""
 
 from __future__ import annotations
 
 import torch
 
 from dsmesh.engine.model.config import MoEConfig
-from dsmesh.kernels.routing import RoutingConfig, fused_select_experts, select_experts_ref
+from dsmesh.kernels.moe_routing import RoutingConfig, fused_select_experts, select_experts_ref
 
 
 def routing_config(moe: MoEConfig) -> RoutingConfig:

@@ -1,12 +1,13 @@
 """The fused routing kernel picks the same experts with the same weights as the torch
-reference (dsmesh.kernels.routing.select_experts_ref), for every routing policy DeepSeek uses."""
+reference (dsmesh.kernels.moe_routing.select_experts_ref), for every routing policy DeepSeek
+uses."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dsmesh.kernels.routing import RoutingConfig, fused_select_experts, select_experts_ref
+from dsmesh.kernels.moe_routing import RoutingConfig, fused_select_experts, select_experts_ref
 from tests.kernels.conftest import needs_cuda, needs_triton
 
 
