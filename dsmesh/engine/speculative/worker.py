@@ -1,23 +1,28 @@
 """Speculative decoding with the MTP draft (EAGLE-style chain), one engine step at a time.
 
-A step of a speculating engine runs in two halves around the engine's bookkeeping:
+A step of a speculating engine (:meth:`MTPSpeculator.step`) runs in two halves around the
+bookkeeping:
 
-1. :meth:`MTPSpeculator.verify` runs the target model once over the scheduled step. A
-   decoding request feeds its last token and its ``k`` drafted tokens, each as its own row
-   of the batch (a row per position, context growing by one: causal attention over the
-   paged cache through the batched decode path, exactly the attention a plain decode step
-   computes). Prompt chunks run as usual. The emitted tokens follow
-   :mod:`dsmesh.engine.speculative.acceptance`; the engine then books them, cutting the run at a
-   stop token or ``max_new_tokens``. KV written for rejected positions is simply overwritten later:
-   ``num_computed`` is the roll-back (in the target's layers and the draft's alike).
-2. :meth:`MTPSpeculator.draft` runs the MTP layer over every position whose target hidden
-   state the step produced (pairs ``(h[p], x[p + 1])``, writing the draft's KV there), which
-   yields the first draft; ``k - 1`` more single-token MTP steps chain from the draft's own
-   hidden state. The drafts wait on the request (:class:`DraftProposal`) for the next step.
+1. verify (:mod:`dsmesh.engine.speculative.verifier`) runs the target model once over the
+   scheduled step. A decoding request feeds its last token and its ``k`` drafted tokens,
+   each as its own row of the batch (a row per position, context growing by one: causal
+   attention over the paged cache through the batched decode path, exactly the attention a
+   plain decode step computes). Prompt chunks run as usual. The emitted tokens follow
+   :mod:`dsmesh.engine.speculative.acceptance`; the engine's output processor then books
+   them, cutting the run at a stop token or ``max_new_tokens``. KV written for rejected
+   positions is simply overwritten later: ``num_computed`` is the roll-back (in the
+   target's layers and the draft's alike).
+2. draft (:mod:`dsmesh.engine.speculative.drafter`) runs the MTP layer over every position
+   whose target hidden state the step produced (pairs ``(h[p], x[p + 1])``, writing the
+   draft's KV there), which yields the first draft; ``k - 1`` more single-token MTP steps
+   chain from the draft's own hidden state. The drafts wait on the request
+   (:class:`dsmesh.engine.speculative.proposal.DraftProposal`) for the next step.
 
-Requests whose sampling cannot be verified exactly this way (sampled with penalties, a logit
-bias or ``min_tokens``; grammar-constrained) draft nothing and decode one token per step in
-the same batch. The draft KV lives in the same pages as the target's, as extra pool layers.
+Both halves run their forwards through :class:`SpecRunner` (graphs or eager, padded in an
+expert-parallel group). Requests whose sampling cannot be verified exactly this way (sampled
+with penalties, a logit bias or ``min_tokens``; grammar-constrained) draft nothing and decode
+one token per step in the same batch. The draft KV lives in the same pages as the target's,
+as extra pool layers.
 """
 
 from __future__ import annotations
@@ -55,7 +60,8 @@ from dsmesh.engine.speculative.verifier import (
 class MTPSpeculator:
     """The speculative worker of an :class:`dsmesh.engine.llm_engine.LLMEngine`: verifies
     and drafts (:class:`Verifier`, :class:`Drafter`) through one :class:`SpecRunner`; owns
-    no request. Not thread-safe: the engine thread only."""
+    no request (it books through the engine's output processor). Not thread-safe: the
+    engine thread only."""
 
     def __init__(
         self,
