@@ -10,7 +10,8 @@ from collections.abc import AsyncIterator
 
 from dsmesh.bench.backends import Backend, RequestError
 from dsmesh.engine.errors import InvalidRequestError
-from dsmesh.engine.llm_engine import EngineConfig, LLMEngine, StepOutput, resolve_model_dir
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine, StepOutput
+from dsmesh.engine.options import resolve_model_dir
 from dsmesh.engine.request import Request
 from dsmesh.engine.tokenizer import Tokenizer
 from dsmesh.instance.worker import EngineWorker, drain_outputs

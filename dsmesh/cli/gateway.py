@@ -76,7 +76,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsmesh.engine.llm_engine import resolve_model_dir
+    from dsmesh.engine.options import resolve_model_dir
     from dsmesh.gateway.openai_api import served_model_names
     from dsmesh.gateway.service import GatewayConfig, serve
     from dsmesh.runtime.address import host_port

@@ -54,7 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsmesh.engine.llm_engine import LLMEngine, resolve_model_dir
+    from dsmesh.engine.llm_engine import LLMEngine
+    from dsmesh.engine.options import resolve_model_dir
     from dsmesh.engine.sampling.params import SamplingParams
     from dsmesh.engine.tokenizer import Tokenizer
 

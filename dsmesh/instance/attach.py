@@ -165,7 +165,7 @@ def _eplb_parts(engine: LLMEngine, engine_config: EngineConfig, spec: RankSpec):
     """Every rank: the lockstep EPLB hook (load recorder, rebalancer). Rank 0 also: the link
     that streams the group's load to eplb_svc and receives its placements."""
     from dsmesh.engine.ep.eplb_hook import GroupEPLB
-    from dsmesh.engine.llm_engine import resolve_model_dir
+    from dsmesh.engine.options import resolve_model_dir
 
     hook = GroupEPLB(
         engine.model, resolve_model_dir(engine_config.model), spec.eplb_report_interval_s

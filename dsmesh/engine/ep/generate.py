@@ -79,8 +79,8 @@ def generate_ep(
 def _check_inputs(config: EngineConfig, ep: EPConfig, prompts: Sequence[Sequence[int]]) -> None:
     """Refuse bad input here, with the offline engine's errors, before any rank starts."""
     from dsmesh.engine.errors import check_prompt
-    from dsmesh.engine.llm_engine import resolve_model_dir
     from dsmesh.engine.model.config import load_config
+    from dsmesh.engine.options import resolve_model_dir
 
     check_placement(config, ep)
     cfg = load_config(resolve_model_dir(config.model))

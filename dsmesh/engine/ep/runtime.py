@@ -21,12 +21,13 @@ import torch.distributed as dist
 from dsmesh.engine.ep.all_to_all import AllToAllDispatcher
 from dsmesh.engine.ep.deepep import DEEPEP_MODES, deepep_available
 from dsmesh.engine.ep.placement import round_robin_placement
-from dsmesh.engine.llm_engine import EngineConfig, LLMEngine, resolve_model_dir
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.model.build import load_model
 from dsmesh.engine.model.config import load_config
 from dsmesh.engine.model.moe_dispatch import MoEDispatcher
 from dsmesh.engine.model.mtp import MTPDraft, build_mtp, mtp_moe_layers
 from dsmesh.engine.model.mtp_weights import load_mtp_weights
+from dsmesh.engine.options import resolve_model_dir
 
 log = logging.getLogger(__name__)
 DISPATCH_BACKENDS = ("auto", "all-to-all", "deepep")
