@@ -8,6 +8,7 @@ import sys
 from dsmesh.cli import argtypes
 from dsmesh.engine.kernel_choice import KERNEL_SETS, MOE_BACKENDS
 from dsmesh.engine.kv_budget import CPU_MAX_TOTAL_TOKENS, DEFAULT_MEM_FRACTION
+from dsmesh.engine.kv_cache import KV_CACHE_DTYPES
 from dsmesh.engine.llm_engine import EngineConfig
 from dsmesh.engine.mla_decode_backend import ATTENTION_BACKENDS
 from dsmesh.engine.speculative import SPECULATIVE_METHODS
@@ -63,6 +64,13 @@ def add_engine_args(
         default=d.mem_fraction,
         metavar="F",
         help=mem_fraction_help,
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default=d.kv_cache_dtype,
+        choices=KV_CACHE_DTYPES,
+        help="KV cache values: auto = the model's dtype; fp8_e4m3 = FP8 with per-token "
+        "scales, about twice the tokens per GB (decode attention: Triton, not FlashInfer)",
     )
     g.add_argument(
         "--max-running-requests",
@@ -194,6 +202,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         page_size=args.page_size,
         max_total_tokens=args.max_total_tokens,
         mem_fraction=args.mem_fraction,
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         max_running_requests=args.max_running_requests,
         max_batch_tokens=args.max_batch_tokens,
         admit_interval=getattr(args, "admit_interval", 1),

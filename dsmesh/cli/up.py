@@ -26,6 +26,7 @@ FORWARDED_ENGINE_FLAGS = (
     "dtype",
     "page_size",
     "max_total_tokens",
+    "kv_cache_dtype",
     "max_running_requests",
     "max_batch_tokens",
     "admit_interval",

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from dsmesh.engine.kernel_choice import KERNEL_SETS, MOE_BACKENDS
+from dsmesh.engine.kv_cache import KV_CACHE_DTYPES
 from dsmesh.engine.mla import ATTENTION_MODES
 from dsmesh.engine.mla_decode_backend import ATTENTION_BACKENDS
 from dsmesh.engine.speculative import SPECULATIVE_METHODS
@@ -30,6 +31,9 @@ class EngineConfig:
     # on CUDA when max_total_tokens is None (``dsmesh up`` splits it between the processes
     # that share a GPU).
     mem_fraction: float | None = None
+    # The KV cache's values: "auto" = the model's dtype; "fp8_e4m3" = e4m3 with two float32
+    # scales per token inside each page, ~half the bytes per token (dsmesh/kernels/kv_fp8.py)
+    kv_cache_dtype: str = "auto"
     max_running_requests: int = 64
     max_batch_tokens: int = 2048
     # While requests decode, new requests join the batch at most every admit_interval steps
@@ -106,6 +110,15 @@ class EngineConfig:
             raise ValueError(
                 f"decode_attention must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.decode_attention!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
+        if self.kv_cache_dtype != "auto" and self.decode_attention == "flashinfer":
+            raise ValueError(
+                f"--decode-attention flashinfer cannot read --kv-cache-dtype "
+                f"{self.kv_cache_dtype} pages: use --decode-attention auto or kernel (Triton)"
             )
         if self.kernels not in KERNEL_SETS:
             raise ValueError(f"kernels must be one of {KERNEL_SETS}, got {self.kernels!r}")

@@ -29,7 +29,7 @@ from dsmesh.engine.kv_budget import (
     KVBudget,
     kv_pool_tokens,
 )
-from dsmesh.engine.kv_cache import MLAKVPool, pages_for
+from dsmesh.engine.kv_cache import MLAKVPool, kv_bytes_per_token, kv_cache_dtype, pages_for
 from dsmesh.engine.load import EngineLoad, engine_load
 from dsmesh.engine.loader import load_model
 from dsmesh.engine.mla_decode_backend import flashinfer_fits, make_decode_backend
@@ -161,21 +161,24 @@ class LLMEngine:
         self.model = model
         self.model_config: ModelConfig = model.config
         mc = self.model_config
+        cache_dtype = kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype)
         self.kv_pool = MLAKVPool(
             self.num_kv_layers,
-            self._kv_pool_pages(next(model.parameters()).dtype),
+            self._kv_pool_pages(cache_dtype),
             config.page_size,
             mc.mla.kv_cache_dim,
-            next(model.parameters()).dtype,
+            cache_dtype,
             self.device,
+            kv_lora_rank=mc.mla.kv_lora_rank,
         )
         pool_gib = self.kv_pool.buffer.numel() * self.kv_pool.buffer.element_size() / GIB
         log.info(
-            "KV pool: %d tokens (%d pages of %d), %.2f GiB on %s",
+            "KV pool: %d tokens (%d pages of %d), %.2f GiB of %s on %s",
             self.kv_pool.num_pages * config.page_size,
             self.kv_pool.num_pages,
             config.page_size,
             pool_gib,
+            cache_dtype,
             self.device,
         )
         self.scheduler = Scheduler(
@@ -211,12 +214,13 @@ class LLMEngine:
             0, bitmask_words(self.model_config.vocab_size), dtype=torch.int32
         )
 
-    def _kv_pool_pages(self, dtype: torch.dtype) -> int:
+    def _kv_pool_pages(self, cache_dtype: torch.dtype) -> int:
         """Pages of the KV pool: ``max_total_tokens`` when given; on CPU 65536 tokens; on
         CUDA what ``mem_fraction`` of the GPU leaves after what this process's allocator
         already holds (``torch.cuda.memory_reserved`` once its cache is emptied: the weights,
-        and other engines of this process). The CUDA context and NCCL's buffers live outside
-        the allocator and come out of the ``1 - mem_fraction`` headroom."""
+        and other engines of this process), at the bytes per token of ``cache_dtype`` (FP8:
+        values and scales). The CUDA context and NCCL's buffers live outside the allocator
+        and come out of the ``1 - mem_fraction`` headroom."""
         cfg = self.config
         if cfg.max_total_tokens is not None:
             return pages_for(cfg.max_total_tokens, cfg.page_size)
@@ -229,7 +233,8 @@ class LLMEngine:
             total_bytes=torch.cuda.get_device_properties(self.device).total_memory,
             mem_fraction=fraction,
             used_bytes=torch.cuda.memory_reserved(self.device),
-            bytes_per_token=self.num_kv_layers * mc.mla.kv_cache_dim * dtype.itemsize,
+            bytes_per_token=self.num_kv_layers
+            * kv_bytes_per_token(mc.mla.kv_cache_dim, cache_dtype),
             page_size=cfg.page_size,
         )
         # A pool beyond every running request at full context could only idle.
@@ -344,9 +349,10 @@ class LLMEngine:
         """Choose the model's kernels and attention backends once, for eager and captured
         forwards alike (dsmesh/engine/kernel_choice.py, dsmesh/engine/mla_decode_backend.py)."""
         cfg = self.config
-        dtype = self.kv_pool.buffer.dtype
+        dtype = next(self.model.parameters()).dtype
         attn = self.model.model.layers[0].self_attn
-        fits = flashinfer_fits((attn.kv_lora_rank, attn.rope_dim), self.device, dtype)
+        head_dims = (attn.kv_lora_rank, attn.rope_dim)
+        fits = flashinfer_fits(head_dims, self.device, self.kv_pool.dtype)  # not FP8
         kernels = KernelChoice.resolve(
             self.device, dtype, cfg.kernels, cfg.decode_attention, cfg.moe_backend, fits
         )

@@ -15,6 +15,12 @@ and the same call, so the eager forward and the captured one run the same code:
 dtype is bf16/fp16 and the cache holds DeepSeek's latent (512 + 64, the shape its kernels are
 built and tested for); it builds the kernel at once (FlashInfer compiles on first use) and
 falls back to Triton with a warning when that fails; an explicit "flashinfer" raises instead.
+
+A pool in the FP8 page format (``--kv-cache-dtype fp8_e4m3``) passes its layer's scales as
+``kv_scales``: the torch backend dequantises the pages a step reads
+(:func:`mla_decode_fp8_ref`), the Triton kernel reads the codes and folds the scales in;
+FlashInfer does not read this format (EngineConfig refuses the combination, "auto" never
+takes it since the cache dtype is not bf16/fp16).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch
 
 from dsmesh.engine.forward_batch import DecodeMeta
 from dsmesh.kernels.backends import available, choose
+from dsmesh.kernels.kv_fp8 import dequantize_kv_fp8
 from dsmesh.kernels.mla_decode import mla_decode_ref
 
 log = logging.getLogger(__name__)
@@ -38,9 +45,11 @@ DEEPSEEK_LATENT = (512, 64)  # kv_lora_rank, qk_rope_head_dim
 
 class MLADecodeBackend(ABC):
     """Contract: ``forward(q_latent [D, H, C], q_pe [D, H, R], kv [pages, page_size, C + R],
-    meta, scale, out)`` -> [D, H, C] in q's dtype, the softmax over the first
+    meta, scale, out, kv_scales)`` -> [D, H, C] in q's dtype, the softmax over the first
     ``meta.seq_lens[d]`` cached tokens of request ``d`` (zeros for an empty context). ``q``
-    and ``out`` may be strided views with a dense last dim. ``forward`` never synchronises
+    and ``out`` may be strided views with a dense last dim. With ``kv_scales`` [pages,
+    page_size, 2] float32, ``kv`` is float8_e4m3fn (the FP8 page format: the latent's and
+    the rope key's scale per token, :mod:`dsmesh.kernels.kv_fp8`). ``forward`` never synchronises
     with the host, so a captured forward can call it; the host work, if any, is in
     ``plan`` / ``prepare_replay``, which the caller runs before the forward.
     ``plans_on_host``: that work reads the step's lengths, so a replay whose positions are
@@ -71,13 +80,45 @@ class MLADecodeBackend(ABC):
         meta: DecodeMeta,
         scale: float,
         out: torch.Tensor | None = None,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
+
+
+def mla_decode_fp8_ref(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv: torch.Tensor,
+    kv_scales: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention over FP8 pages, in torch: the pages ``page_table`` [B, P] names are
+    dequantised to float32 (``kv`` [pages, page_size, C + R] float8_e4m3fn, ``kv_scales``
+    [pages, page_size, 2] float32) and attended by :func:`mla_decode_ref` with float32
+    queries; the result is rounded to q's dtype. Equal to the FP8 format's math
+    (``score = (q_latent . lat8 * s_lat + q_pe . pe8 * s_pe) * scale``, ``out = sum p s_lat
+    lat8``) up to float32 rounding. Reads only the named pages; no host sync."""
+    b, num_pages = page_table.shape
+    pages = page_table.long()
+    codes = kv.view(torch.uint8)[pages].view(kv.dtype)  # [B, P, page_size, C + R]
+    ctx = dequantize_kv_fp8(codes, kv_scales[pages], q_latent.shape[-1]).flatten(0, 1)
+    table = torch.arange(b * num_pages, device=kv.device, dtype=torch.int32).view(b, -1)
+    result = mla_decode_ref(q_latent.float(), q_pe.float(), ctx, table, seq_lens, scale)
+    if out is None:
+        return result.to(q_latent.dtype)
+    out.copy_(result)
+    return out
 
 
 class TorchMLADecode(MLADecodeBackend):
     name = "torch"
 
-    def forward(self, q_latent, q_pe, kv, meta, scale, out=None):
+    def forward(self, q_latent, q_pe, kv, meta, scale, out=None, kv_scales=None):
+        if kv_scales is not None:
+            pt, lens = meta.page_table, meta.seq_lens
+            return mla_decode_fp8_ref(q_latent, q_pe, kv, kv_scales, pt, lens, scale, out)
         return mla_decode_ref(q_latent, q_pe, kv, meta.page_table, meta.seq_lens, scale, out)
 
 
@@ -89,8 +130,11 @@ class TritonMLADecode(MLADecodeBackend):
 
         self._kernel = mla_decode
 
-    def forward(self, q_latent, q_pe, kv, meta, scale, out=None):
-        return self._kernel(q_latent, q_pe, kv, meta.page_table, meta.seq_lens, scale, out=out)
+    def forward(self, q_latent, q_pe, kv, meta, scale, out=None, kv_scales=None):
+        pt, lens = meta.page_table, meta.seq_lens
+        if kv_scales is not None:  # the FP8 page format
+            return self._kernel(q_latent, q_pe, kv, pt, lens, scale, out=out, kv_scales=kv_scales)
+        return self._kernel(q_latent, q_pe, kv, pt, lens, scale, out=out)
 
 
 class FlashInferMLADecode(MLADecodeBackend):
@@ -136,13 +180,16 @@ class FlashInferMLADecode(MLADecodeBackend):
         self.graphed.plan(page_table, seq_lens)
         self._active = self.graphed
 
-    def forward(self, q_latent, q_pe, kv, meta, scale, out=None):
+    def forward(self, q_latent, q_pe, kv, meta, scale, out=None, kv_scales=None):
+        if kv_scales is not None:
+            raise ValueError("FlashInfer's MLA decode does not read FP8 KV pages")
         return self._active(q_latent, q_pe, kv, meta.page_table, meta.seq_lens, scale, out=out)
 
 
 def flashinfer_fits(head_dims: tuple[int, int], device: torch.device, dtype: torch.dtype) -> bool:
     """Whether "auto" should try FlashInfer: a tested adapter for an installed FlashInfer,
-    CUDA, bf16/fp16 and DeepSeek's latent (``head_dims`` = kv_lora_rank, rope dim)."""
+    CUDA, a bf16/fp16 cache (``dtype``: the pool's values; not FP8) and DeepSeek's latent
+    (``head_dims`` = kv_lora_rank, rope dim)."""
     return (
         device.type == "cuda"
         and dtype in (torch.bfloat16, torch.float16)

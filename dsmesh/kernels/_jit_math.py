@@ -40,3 +40,18 @@ def rotate(x1, x2, cos, sin, KIND: tl.constexpr):
     o1 = round_to(round_to(x1 * cos, KIND) - round_to(x2 * sin, KIND), KIND)
     o2 = round_to(round_to(x2 * cos, KIND) + round_to(x1 * sin, KIND), KIND)
     return o1, o2
+
+
+@triton.jit
+def fp8_scale(amax, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
+    """The e4m3 scale of a part whose absolute maximum is ``amax`` (float32):
+    ``max(amax, MIN_AMAX) / FP8_MAX``, divided with round to nearest (torch's division)."""
+    a = tl.maximum(amax, MIN_AMAX)
+    return tl.math.div_rn(a, tl.full(a.shape, FP8_MAX, tl.float32))
+
+
+@triton.jit
+def fp8_codes(x, scale, FP8_MAX: tl.constexpr):
+    """float32 ``x`` / ``scale`` (round to nearest), saturated at +-FP8_MAX, as e4m3."""
+    y = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))
+    return tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
