@@ -26,9 +26,10 @@ Grid (T, head blocks + 1): programs ``(t, j < head blocks)`` rotate a block of q
 (``--kv-cache-dtype fp8_e4m3``, :mod:`dsmesh.kernels.kv_fp8`): the row's program quantises
 the normalised latent and the rotated key per token (the values the torch path would store,
 divided by ``max(amax, 1e-8) / 448`` with round-to-nearest divisions, saturated, rounded to
-e4m3) and stores the codes and both scales in the slot's page. Same bits as
-:func:`mla_decode_prep_fp8_ref` (Triton's CPU interpreter rounds some halfway e4m3 cases
-differently; tests/kernels/conftest.py).
+e4m3 by arithmetic: ``dsmesh.kernels._jit_math.round_to_e4m3``) and stores the codes and both
+scales in the slot's page. Same bits as :func:`mla_decode_prep_fp8_ref` for the same
+normalised latent and rotated key (the latent's norm may be a few ulp apart, above, and so
+its scale and a code).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from dsmesh.kernels.mla_rope import (
     mla_decode_prep_fp8_ref,
     mla_decode_prep_ref,
 )
-from tests.kernels.conftest import assert_fp8_codes_equal, needs_cuda, needs_triton
+from tests.kernels.conftest import needs_cuda, needs_triton
 from tests.kernels.test_norm import assert_close_ulp
 
 EPS = 1e-6
@@ -240,16 +240,19 @@ def test_fp8_reference_equals_engine_modules(dtype, interleave) -> None:
 
 
 def check_fp8(c: Case, q, pool: MLAKVPool, q_ref, ref: MLAKVPool, start: torch.Tensor) -> None:
-    """Rope channels bit for bit; the slots' codes equal the reference's (the latent's may be
-    neighbours: its norm is a few ulp from torch's), their scales equal (the latent's to the
-    norm's ulps); every other byte of the pool untouched."""
+    """Rope channels bit for bit; the slots' codes equal the reference's (the rope key's bit
+    for bit, the latent's up to neighbours: its norm is a few ulp from torch's), their
+    scales equal (the latent's to the norm's ulps); every other byte of the pool untouched.
+    The kernel rounds to e4m3 by arithmetic, so this holds in Triton's interpreter too."""
     assert torch.equal(q.cpu(), q_ref.cpu())
     ps, slots = pool.page_size, c.slots.cpu()
     at = (slots // ps, slots % ps)
     kv, scales = (x.cpu() for x in pool.layer_pages(LAYER))
     kv_ref, scales_ref = (x.cpu() for x in ref.layer_pages(LAYER))
-    assert_fp8_codes_equal(kv[at][:, c.lora :], kv_ref[at][:, c.lora :])
-    assert_fp8_codes_equal(kv[at][:, : c.lora], kv_ref[at][:, : c.lora], neighbours_ok=True)
+    rope_codes, rope_ref = kv[at][:, c.lora :], kv_ref[at][:, c.lora :]
+    assert torch.equal(rope_codes.view(torch.uint8), rope_ref.view(torch.uint8))
+    lat, lat_ref = kv[at][:, : c.lora].view(torch.uint8), kv_ref[at][:, : c.lora].view(torch.uint8)
+    assert int((lat.int() - lat_ref.int()).abs().max()) <= 1  # equal, or neighbouring codes
     assert torch.equal(scales[at][:, 1], scales_ref[at][:, 1])
     rtol = 1e-5 if c.q.dtype == torch.float32 else 1e-2
     torch.testing.assert_close(scales[at][:, 0], scales_ref[at][:, 0], rtol=rtol, atol=0)
