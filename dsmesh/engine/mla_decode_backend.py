@@ -11,10 +11,11 @@ and the same call, so the eager forward and the captured one run the same code:
   its schedule on the host: :meth:`MLADecodeBackend.plan` before an eager forward,
   :meth:`MLADecodeBackend.prepare_replay` before a CUDA graph's replay (and its capture).
 
-``"auto"`` takes FlashInfer where dsmesh.kernels.backends has a tested adapter, it is installed, the
-dtype is bf16/fp16 and the cache holds DeepSeek's latent (512 + 64, the shape its kernels are
-built and tested for); it builds the kernel at once (FlashInfer compiles on first use) and
-falls back to Triton with a warning when that fails; an explicit "flashinfer" raises instead.
+``"auto"`` takes FlashInfer where dsmesh.kernels.backends has a tested adapter, it is installed
+at the tested release (dsmesh.kernels.libraries), the dtype is bf16/fp16 and the cache holds
+DeepSeek's latent (512 + 64, the shape its kernels are built and tested for); it builds the
+kernel at once (FlashInfer compiles on first use) and falls back to Triton with a warning when
+that fails; an explicit "flashinfer" raises instead, naming the release to install.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import torch
 
 from dsmesh.engine.forward_batch import DecodeMeta
 from dsmesh.kernels.backends import available, choose
+from dsmesh.kernels.libraries import FLASHINFER_DIST, FLASHINFER_TESTED, SETUP_HINT
+from dsmesh.kernels.libraries import status as library_status
 from dsmesh.kernels.mla_decode import mla_decode_ref
 
 log = logging.getLogger(__name__)
@@ -116,8 +119,11 @@ class FlashInferMLADecode(MLADecodeBackend):
         if not available("flashinfer"):
             raise ValueError(
                 "attention='flashinfer' but FlashInfer is not installed "
-                "(pip install flashinfer-python)"
+                f"(pip install {FLASHINFER_DIST}=={FLASHINFER_TESTED}, or {SETUP_HINT})"
             )
+        installed = library_status("flashinfer")
+        if not installed.usable:  # an untested release: "auto" would have kept Triton
+            raise ValueError(f"attention='flashinfer': {installed.detail}")
         from dsmesh.kernels.mla_decode_flashinfer import FlashInferMLADecode as Kernel
 
         shape = (device, num_heads, kv_lora_rank, rope_dim, page_size, dtype, scale)
