@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 
-from dsmesh.cli import argtypes
-from dsmesh.engine.kernel_choice import KERNEL_SETS, MOE_BACKENDS
-from dsmesh.engine.kv_budget import CPU_MAX_TOTAL_TOKENS, DEFAULT_MEM_FRACTION
-from dsmesh.engine.kv_cache import KV_CACHE_DTYPES
-from dsmesh.engine.llm_engine import EngineConfig
-from dsmesh.engine.mla_decode_backend import ATTENTION_BACKENDS
-from dsmesh.engine.speculative import SPECULATIVE_METHODS
+from dsmesh.engine.engine_config import EngineConfig
+from dsmesh.runtime import argtypes
 from dsmesh.runtime.address import (
     LOOPBACK,
     advertise_host,
@@ -21,18 +17,12 @@ from dsmesh.runtime.address import (
     unbracket,
 )
 from dsmesh.runtime.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
+from dsmesh.runtime.options import add_options, from_args, given_flags
 from dsmesh.runtime.security import (
     DEFAULT_MAX_MESSAGE_BYTES,
     TLSConfig,
     api_keys_from_env_and_args,
 )
-
-MEM_FRACTION_HELP = (
-    "fraction of the GPU's memory this process may use for weights + KV pool; the pool "
-    f"gets what the loaded weights leave (default {DEFAULT_MEM_FRACTION}; CUDA only, unused "
-    "when --max-total-tokens is given)"
-)
-
 
 # Python's 5 ms switch interval let the event loop (64 gRPC streams) hold the GIL while the
 # engine thread waited to launch the next step: measured on one H200 (unified instance,
@@ -41,142 +31,22 @@ GIL_SWITCH_MS = 0.5
 
 
 def add_engine_args(
-    p: argparse.ArgumentParser,
-    prefix_cache_default: bool = False,
-    mem_fraction_help: str = MEM_FRACTION_HELP,
+    p: argparse.ArgumentParser, *, not_given: bool = False, mem_fraction_help: str | None = None
 ) -> None:
-    d = EngineConfig()
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="checkpoint folder (default: tiny built-in model)")
-    g.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:N")
-    g.add_argument("--dtype", default=d.dtype, help="auto, float32, bfloat16, float16")
-    g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
-    g.add_argument(
-        "--max-total-tokens",
-        type=int,
-        default=d.max_total_tokens,
-        help=f"KV pool size in tokens (default: from --mem-fraction on CUDA, "
-        f"{CPU_MAX_TOTAL_TOKENS} on CPU)",
-    )
-    g.add_argument(
-        "--mem-fraction",
-        type=argtypes.share,
-        default=d.mem_fraction,
-        metavar="F",
-        help=mem_fraction_help,
-    )
-    g.add_argument(
-        "--kv-cache-dtype",
-        default=d.kv_cache_dtype,
-        choices=KV_CACHE_DTYPES,
-        help="KV cache values: auto = the model's dtype; fp8_e4m3 = FP8 with per-token "
-        "scales, about twice the tokens per GB (decode attention: Triton, not FlashInfer)",
-    )
-    g.add_argument(
-        "--max-running-requests",
-        type=int,
-        default=d.max_running_requests,
-        help="requests in the running batch at most",
-    )
-    g.add_argument(
-        "--max-batch-tokens",
-        type=int,
-        default=d.max_batch_tokens,
-        help="new tokens per forward (also the prefill chunk size)",
-    )
-    g.add_argument(
-        "--admit-interval",
-        type=int,
-        default=d.admit_interval,
-        help="while requests decode, new requests join the batch at most every N steps, so "
-        "their prompt chunks share one forward (1 = every step)",
-    )
-    g.add_argument(
-        "--attention-mode",
-        default=d.attention_mode,
-        choices=("auto", "naive", "absorbed"),
-        help="MLA path: auto = naive for prefill, weight-absorbed for decode",
-    )
-    g.add_argument(
-        "--prefix-cache",
-        action=argparse.BooleanOptionalAction,
-        default=prefix_cache_default,
-        help="share full prompt pages between requests with a common prefix",
-    )
-    g.add_argument(
-        "--cuda-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=d.cuda_graphs,
-        help="replay decode steps as CUDA graphs, one per batch-size bucket (CUDA only)",
-    )
-    g.add_argument(
-        "--decode-attention",
-        default=d.decode_attention,
-        choices=ATTENTION_BACKENDS,
-        help="MLA decode kernel: auto = FlashInfer's where it is installed and fits, else "
-        "dsmesh's Triton kernel (kernel); flashinfer = FlashInfer's (pip install "
-        "'dsmesh[flashinfer]'); torch = the reference",
-    )
-    g.add_argument(
-        "--kernels",
-        default=d.kernels,
-        choices=KERNEL_SETS,
-        help="auto = dsmesh's Triton kernels on CUDA (fused glue, routing, prefill "
-        "attention); torch = the torch references everywhere (A/B runs)",
-    )
-    g.add_argument(
-        "--moe-backend",
-        default=d.moe_backend,
-        choices=MOE_BACKENDS,
-        help="decode-sized MoE: auto/fused = one fused kernel (bf16/fp16 on CUDA), grouped "
-        "= grouped GEMMs",
-    )
-    g.add_argument(
-        "--overlap-decode",
-        action=argparse.BooleanOptionalAction,
-        default=d.overlap_decode,
-        help="with CUDA graphs, launch a greedy decode step before the previous one's "
-        "bookkeeping, so host work overlaps the GPU",
-    )
-    g.add_argument(
-        "--split-mixed-steps",
-        action=argparse.BooleanOptionalAction,
-        default=d.split_mixed_steps,
-        help="with CUDA graphs, a step mixing decode rows and prompt chunks replays a decode "
-        "graph for the decode rows and runs only the prompt chunks eagerly",
-    )
-    g.add_argument(
-        "--fp8-experts",
-        action=argparse.BooleanOptionalAction,
-        default=d.fp8_experts,
-        help="FP8 checkpoints: keep routed experts in FP8 and use the FP8 grouped GEMM on "
-        "CUDA (default: dequantise to --dtype at load)",
-    )
-    g.add_argument(
-        "--speculative",
-        default=d.speculative,
-        choices=SPECULATIVE_METHODS,
-        help="speculative decoding: mtp = draft with the checkpoint's MTP layer "
-        "(num_nextn_predict_layers > 0) and verify the drafts in one forward; off by default",
-    )
-    g.add_argument(
-        "--num-draft-tokens",
-        type=int,
-        default=d.num_draft_tokens,
-        metavar="K",
-        help="tokens drafted per step with --speculative (the MTP layer applied K times)",
-    )
-    g.add_argument(
-        "--speculative-max-batch",
-        type=int,
-        default=d.speculative_max_batch,
-        metavar="N",
-        help="decode batches larger than N run without speculation (measured: dsmesh/bench/mtp.py)",
-    )
+    """The engine's flags: one per option field of :class:`EngineConfig` (its type, default
+    and help; dsmesh/runtime/options.py), and the process flag ``--gil-switch-ms``.
+    ``not_given``: every flag defaults to None (``dsmesh up``, which forwards only the
+    flags given)."""
+    g = p.add_argument_group("engine (docs/OPTIONS.md)")
+    add_options(g, EngineConfig, not_given=not_given)
+    if mem_fraction_help is not None:
+        for action in g._group_actions:
+            if action.dest == "mem_fraction":
+                action.help = mem_fraction_help
     g.add_argument(
         "--gil-switch-ms",
         type=float,
-        default=GIL_SWITCH_MS,
+        default=None if not_given else GIL_SWITCH_MS,
         metavar="MS",
         help="Python's thread switch interval in this process, i.e. how long the engine "
         "thread may wait for the GIL while the gRPC thread streams (default "
@@ -195,33 +65,26 @@ def apply_process_flags(args: argparse.Namespace) -> None:
 
 
 def engine_config_from(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        page_size=args.page_size,
-        max_total_tokens=args.max_total_tokens,
-        mem_fraction=args.mem_fraction,
-        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
-        max_running_requests=args.max_running_requests,
-        max_batch_tokens=args.max_batch_tokens,
-        admit_interval=getattr(args, "admit_interval", 1),
-        attention_mode=args.attention_mode,
-        prefix_cache=args.prefix_cache,
-        tbo=getattr(args, "tbo", False),
-        cuda_graphs=getattr(args, "cuda_graphs", True),
-        overlap_decode=getattr(args, "overlap_decode", True),
-        split_mixed_steps=getattr(args, "split_mixed_steps", True),
-        decode_attention=getattr(args, "decode_attention", "auto"),
-        kernels=getattr(args, "kernels", "auto"),
-        moe_backend=getattr(args, "moe_backend", "auto"),
-        fp8_experts=getattr(args, "fp8_experts", False),
-        speculative=getattr(args, "speculative", None),
-        num_draft_tokens=getattr(args, "num_draft_tokens", 1),
-        speculative_max_batch=getattr(
-            args, "speculative_max_batch", EngineConfig.speculative_max_batch
-        ),
-    )
+    """The engine's options from parsed flags; ``--tbo`` comes with the EP flags."""
+    return from_args(EngineConfig, args, tbo=getattr(args, "tbo", False))
+
+
+def engine_config_of_flags(flags: Sequence[str]) -> EngineConfig:
+    """The engine options that ``flags`` (engine flags as a command line spells them) give,
+    the rest at their defaults: what ``dsmesh up`` plans with for the flags it forwards."""
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    add_engine_args(parser)
+    return engine_config_from(parser.parse_args(list(flags)))
+
+
+def engine_flags_given(args: argparse.Namespace) -> tuple[str, ...]:
+    """The engine flags given to a command parsed with ``not_given`` (``dsmesh up``), spelled
+    for the engine processes it starts: the options marked to be forwarded, and
+    ``--gil-switch-ms``."""
+    flags = list(given_flags(EngineConfig, args))
+    if getattr(args, "gil_switch_ms", None) is not None:
+        flags += ["--gil-switch-ms", str(args.gil_switch_ms)]
+    return tuple(flags)
 
 
 def add_ep_args(p: argparse.ArgumentParser, multi_node: bool = True) -> None:
@@ -358,13 +221,13 @@ def add_server_args(p: argparse.ArgumentParser, default_port: int = 0) -> None:
     add_drain_arg(p)
 
 
-def add_instance_args(p: argparse.ArgumentParser, prefix_cache_default: bool = False) -> None:
+def add_instance_args(p: argparse.ArgumentParser) -> None:
     """The flags every prefill and decode instance takes, after its own."""
     add_server_args(p)
     add_transfer_args(p)
     add_security_args(p)
     add_ep_args(p)
-    add_engine_args(p, prefix_cache_default=prefix_cache_default)
+    add_engine_args(p)
 
 
 def add_transfer_args(p: argparse.ArgumentParser) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from dsmesh.cli import argtypes
 from dsmesh.cli.common import add_instance_args, instance_fields_from, run_instance
+from dsmesh.runtime import argtypes
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=10.0,
         help="longest wait for prefill to release a failed handoff before its pages are reused",
     )
-    add_instance_args(p, prefix_cache_default=True)  # a follow-up turn skips held pages
+    add_instance_args(p)
     p.set_defaults(func=run)
 
 

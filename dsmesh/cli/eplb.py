@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from dsmesh.cli import argtypes
 from dsmesh.cli.common import (
     add_drain_arg,
     add_host_args,
@@ -13,6 +12,7 @@ from dsmesh.cli.common import (
     server_fields_from,
     tls_config_from,
 )
+from dsmesh.runtime import argtypes
 
 
 def register(sub: argparse._SubParsersAction) -> None:

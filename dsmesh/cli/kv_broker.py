@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from dsmesh.cli import argtypes
 from dsmesh.cli.common import (
     add_drain_arg,
     add_host_args,
@@ -14,6 +13,7 @@ from dsmesh.cli.common import (
 )
 from dsmesh.kv_broker.config import DEFAULT_PORT, BrokerConfig
 from dsmesh.kv_broker.service import serve
+from dsmesh.runtime import argtypes
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from dsmesh.cli import argtypes
 from dsmesh.cli.common import add_instance_args, instance_fields_from, run_instance
+from dsmesh.runtime import argtypes
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="new prompts wait while the queued KV writes would take longer than this many "
         "seconds at the measured transfer rate (default 1)",
     )
-    add_instance_args(p, prefix_cache_default=True)
+    add_instance_args(p)
     p.set_defaults(func=run)
 
 

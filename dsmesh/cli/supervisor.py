@@ -37,6 +37,7 @@ from typing import TextIO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from dsmesh.cli.common import engine_config_of_flags
 from dsmesh.cli.gpu_sharing import MODES as SHARING_MODES
 from dsmesh.cli.gpu_sharing import (
     PIPE_ENV,
@@ -45,7 +46,14 @@ from dsmesh.cli.gpu_sharing import (
     MpsDaemon,
     start_sharing,
 )
-from dsmesh.cli.launcher import LaunchError, ServiceProcess, dsmesh_command, start_service
+from dsmesh.cli.launcher import (
+    LaunchError,
+    ServiceProcess,
+    dsmesh_command,
+    failure_cause,
+    start_service,
+)
+from dsmesh.cli.memory_plan import MemoryPlan, plan_cpu, plan_gpus
 from dsmesh.cli.placement import (
     EngineInstance,
     GpuList,
@@ -56,6 +64,7 @@ from dsmesh.cli.placement import (
     visible_gpu_ids,
 )
 from dsmesh.engine.kv_budget import DEFAULT_MEM_FRACTION
+from dsmesh.runtime.gpus import gpu_memory, host_memory_available
 from dsmesh.runtime.grpc_server import sync_channel
 from dsmesh.runtime.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
 from dsmesh.runtime.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
@@ -529,9 +538,16 @@ class Slot:
             self.failure = str(exc).splitlines()[0]
             return False
         if not self._wait_healthy():
+            assert self.process is not None
+            died = not self.process.alive()
             self._halt()
             if not self._stop.is_set():
                 self.failure = f"{self.spec.name} did not become healthy"
+                if died:
+                    log = self.log_path.read_text(errors="replace") if self.log_path else ""
+                    self.failure = (
+                        f"{self.spec.name} exited while starting: {failure_cause(log)}"
+                    )
             return False
         assert self.process is not None
         if self.spec.pinned_port_flag is not None:
@@ -793,6 +809,34 @@ def resolve_model(model: str | None) -> str:
     return str(folder)
 
 
+def plan_memory(config: MeshConfig) -> MemoryPlan:
+    """Every engine process's memory, from the model's shape and the flags given, against
+    each GPU's memory (or the host's); raises MemoryPlanError with the numbers and the fixes
+    when it cannot fit (dsmesh/cli/memory_plan.py)."""
+    from dsmesh.engine.config import load_config
+    from dsmesh.kernels._triton import triton_importable
+
+    assert config.model is not None
+    mc = load_config(config.model)
+    engine = engine_config_of_flags(config.engine_args)
+    if config.device is not None:
+        engine = dataclasses.replace(engine, device=config.device)
+    instances = engine_instances(config)
+    placement = mesh_placement(config)
+    if placement is None:
+        return plan_cpu(instances, engine, mc, host_memory_available())
+    used = [g for g, n in placement.processes_per_gpu.items() if n]
+    return plan_gpus(
+        instances,
+        placement,
+        engine,
+        mc,
+        gpu_memory(used),
+        config.mem_fraction,
+        fp8_kernels=triton_importable() and engine.kernels == "auto",
+    )
+
+
 def resolve_visible_gpus(config: MeshConfig) -> tuple[str, ...]:
     """The GPU ids children may be given: ``config.visible_gpus`` when set; none for a CPU
     mesh; else this process's ``CUDA_VISIBLE_DEVICES`` entries, or all GPUs torch sees."""
@@ -828,9 +872,11 @@ def run_mesh(config: MeshConfig, console: Console | None = None) -> int:
     config = dataclasses.replace(config, visible_gpus=resolve_visible_gpus(config))
     config.validate()
     config = dataclasses.replace(config, model=resolve_model(config.model))
+    plan = plan_memory(config)  # refuses what cannot fit before anything starts
     log_dir = Path(config.log_dir) if config.log_dir is not None else default_log_dir()
     log_dir.mkdir(parents=True, exist_ok=True)
     console.info(f"dsmesh up: model {config.model}\ndsmesh up: logs  {log_dir}")
+    console.info("dsmesh up: memory plan\n" + "\n".join(plan.lines()))
     config, daemon = share_gpus(config, log_dir, console)
     supervisor = Supervisor(config, log_dir, console)
     begin = time.monotonic()

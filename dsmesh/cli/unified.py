@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_server_args(p)
     p.add_argument("--broker", required=True, help="kv_broker address HOST:PORT")
     add_security_args(p)
-    add_engine_args(p, prefix_cache_default=True)
+    add_engine_args(p)
     p.set_defaults(func=run)
 
 

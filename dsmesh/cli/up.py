@@ -7,47 +7,21 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dsmesh.cli import argtypes
-from dsmesh.cli.common import add_engine_args, add_security_args, api_keys_from, tls_config_from
+from dsmesh.cli.common import (
+    add_engine_args,
+    add_security_args,
+    api_keys_from,
+    engine_flags_given,
+    tls_config_from,
+)
 from dsmesh.cli.gpu_sharing import MODES as SHARING_MODES
 from dsmesh.cli.placement import parse_gpu_list
 from dsmesh.engine.kv_budget import DEFAULT_MEM_FRACTION
+from dsmesh.runtime import argtypes
 from dsmesh.runtime.security import ENV_API_KEYS
 
 if TYPE_CHECKING:
     from dsmesh.cli.supervisor import MeshConfig
-
-# Engine flags ``up`` forwards to every engine instance (``--model`` goes to every service).
-# Only flags given on the command line are forwarded, so that each service keeps its own
-# defaults (a given --no-prefix-cache reaches prefill, decode and unified alike). ``--device``,
-# ``--ep-size`` and ``--mem-fraction`` go through the supervisor, which places instances on
-# GPUs.
-FORWARDED_ENGINE_FLAGS = (
-    "dtype",
-    "page_size",
-    "max_total_tokens",
-    "kv_cache_dtype",
-    "max_running_requests",
-    "max_batch_tokens",
-    "admit_interval",
-    "attention_mode",
-    "decode_attention",
-    "kernels",
-    "moe_backend",
-    "speculative",
-    "num_draft_tokens",
-    "speculative_max_batch",
-    "gil_switch_ms",
-)
-# --x / --no-x
-FORWARDED_ENGINE_SWITCHES = (
-    "prefix_cache",
-    "cuda_graphs",
-    "overlap_decode",
-    "split_mixed_steps",
-    "fp8_experts",
-)
-
 
 def _gpu_list(text: str):
     try:
@@ -206,15 +180,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "a prefill on the same GPU keeps the rest (default: no limit)",
     )
     add_security_args(p, api_keys=True)
+    # Not given: None, and the service's own default (or derived value) applies. Only the
+    # flags given are forwarded to the engine instances (dsmesh/runtime/options.py).
     add_engine_args(
         p,
+        not_given=True,
         mem_fraction_help="fraction of each GPU's memory for the weights + KV pools of the "
         "processes on it, split evenly between them (each gets --mem-fraction F/k); the rest "
         f"is left for activations and CUDA graphs (default {DEFAULT_MEM_FRACTION})",
     )
-    # None = not given: the service's own default applies.
-    given = (*FORWARDED_ENGINE_FLAGS, *FORWARDED_ENGINE_SWITCHES, "device", "mem_fraction")
-    p.set_defaults(**dict.fromkeys(given))
     p.set_defaults(func=run)
 
 
@@ -267,18 +241,10 @@ def role_flags(args: argparse.Namespace, role: str) -> tuple[str, ...]:
 
 
 def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
-    """The engine flags given to ``up``, spelled for ``dsmesh prefill``/``decode``/``unified``."""
-    flags: list[str] = []
-    for dest in FORWARDED_ENGINE_FLAGS:
-        value = getattr(args, dest)
-        if value is not None:
-            flags += [f"--{dest.replace('_', '-')}", str(value)]
-    for dest in FORWARDED_ENGINE_SWITCHES:
-        value = getattr(args, dest)
-        if value is not None:
-            name = dest.replace("_", "-")
-            flags.append(f"--{name}" if value else f"--no-{name}")
-    return tuple(flags)
+    """The engine flags given to ``up``, spelled for ``dsmesh prefill``/``decode``/``unified``
+    (``--device`` and ``--mem-fraction`` go through the supervisor, which places instances
+    on GPUs; ``--model`` goes to every service)."""
+    return engine_flags_given(args)
 
 
 def ep_flags(args: argparse.Namespace) -> tuple[str, ...]:

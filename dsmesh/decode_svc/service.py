@@ -57,7 +57,7 @@ async def _serve(
     set_channel_defaults(config.tls, config.max_message_bytes)  # before the broker channel
     # prefill copies a prompt's KV into the pages reserved here, a run of pages per layer:
     # keep them in runs (the prefix cache of finished requests evicts for it)
-    engine = dataclasses.replace(config.engine, contiguous_prompts=True)
+    engine = dataclasses.replace(config.engine, contiguous_prompts=True, role="decode")
     parts = await build_instance(engine, config.transfer, config.ep_rank)
     instance = parts.member(config.instance_id or new_instance_id("decode"), kb.ROLE_DECODE)
     handoffs = DecodeHandoffs(config.reserve_wait_s, config.release_quarantine_s)

@@ -15,13 +15,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dsmesh.engine.config import ModelConfig
+from dsmesh.engine.config import ModelConfig, load_config
 from dsmesh.engine.cuda_graph import CudaGraphRunner, GraphCaptureError, graph_support_problem
+from dsmesh.engine.derived import check_weights_fit, resolve_engine_config
 from dsmesh.engine.engine_config import EngineConfig, resolve_model_dir
 from dsmesh.engine.errors import InvalidRequestError, check_prompt
 from dsmesh.engine.forward_batch import ForwardBatch, SequenceChunk
 from dsmesh.engine.grammar import GrammarMatcher, GrammarVocab, bitmask_words
 from dsmesh.engine.kernel_choice import KernelChoice
+from dsmesh.engine.kernel_summary import describe_kernels
 from dsmesh.engine.kv_budget import (
     CPU_MAX_TOTAL_TOKENS,
     DEFAULT_MEM_FRACTION,
@@ -151,12 +153,20 @@ class LLMEngine:
         draft: MTPDraft | None = None,
     ) -> None:
         config.validate()
-        self.config = config
         self.device = config.resolved_device()
+        if not config.is_resolved:
+            mc = model.config if model is not None else load_config(resolve_model_dir(config.model))
+            config = resolve_engine_config(config, mc, self.device)
+        self.config = config
         if model is None:
             model_dir = resolve_model_dir(config.model)
+            check_weights_fit(config, load_config(model_dir), self.device)
             model = load_model(
-                model_dir, config.resolved_dtype(), self.device, keep_fp8=config.fp8_experts
+                model_dir,
+                config.resolved_dtype(),
+                self.device,
+                keep_fp8=bool(config.fp8_experts),
+                fp8_only=True,
             )
         self.model = model
         self.model_config: ModelConfig = model.config
@@ -370,12 +380,7 @@ class LLMEngine:
             self.max_pages_per_request,
         )
         self.model.set_kernels(dataclasses.replace(kernels, decode_attention=backend.name), backend)
-        log.info(
-            "kernels: %s glue, %s decode attention, %s MoE for decode batches",
-            "Triton" if kernels.triton else "torch",
-            backend.name,
-            "fused" if kernels.fused_moe else "grouped",
-        )
+        log.info("%s", describe_kernels(self.model, cfg, kernels, backend.name))
 
     def join_group(self, vote: GroupVote) -> None:
         """Make this engine one rank of an expert-parallel group whose MoE collectives pair

@@ -11,14 +11,15 @@ and the same call, so the eager forward and the captured one run the same code:
   its schedule on the host: :meth:`MLADecodeBackend.plan` before an eager forward,
   :meth:`MLADecodeBackend.prepare_replay` before a CUDA graph's replay (and its capture).
 
-``"auto"`` takes FlashInfer where dsmesh.kernels.backends has a tested adapter, it is installed, the
-dtype is bf16/fp16 and the cache holds DeepSeek's latent (512 + 64, the shape its kernels are
-built and tested for); it builds the kernel at once (FlashInfer compiles on first use) and
-falls back to Triton with a warning when that fails; an explicit "flashinfer" raises instead.
+``"auto"`` takes FlashInfer where dsmesh.kernels.backends has a tested adapter, it is installed
+at the tested release (dsmesh.kernels.libraries), the dtype is bf16/fp16 and the cache holds
+DeepSeek's latent (512 + 64, the shape its kernels are built and tested for); it builds the
+kernel at once (FlashInfer compiles on first use) and falls back to Triton with a warning when
+that fails; an explicit "flashinfer" raises instead, naming the release to install.
 
 A pool in the FP8 page format (``--kv-cache-dtype fp8_e4m3``) passes its layer's scales as
-``kv_scales``: the torch backend dequantises the pages a step reads
-(:func:`mla_decode_fp8_ref`), the Triton kernel reads the codes and folds the scales in;
+``kv_scales``: the torch reference dequantises the tokens a step reads in float32, the
+Triton kernel reads the codes and folds the scales in (dsmesh.kernels.mla_decode);
 FlashInfer does not read this format (EngineConfig refuses the combination, "auto" never
 takes it since the cache dtype is not bf16/fp16).
 """
@@ -33,7 +34,8 @@ import torch
 
 from dsmesh.engine.forward_batch import DecodeMeta
 from dsmesh.kernels.backends import available, choose
-from dsmesh.kernels.kv_fp8 import dequantize_kv_fp8
+from dsmesh.kernels.libraries import FLASHINFER_DIST, FLASHINFER_TESTED, SETUP_HINT
+from dsmesh.kernels.libraries import status as library_status
 from dsmesh.kernels.mla_decode import mla_decode_ref
 
 log = logging.getLogger(__name__)
@@ -84,42 +86,12 @@ class MLADecodeBackend(ABC):
     ) -> torch.Tensor: ...
 
 
-def mla_decode_fp8_ref(
-    q_latent: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv: torch.Tensor,
-    kv_scales: torch.Tensor,
-    page_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Decode attention over FP8 pages, in torch: the pages ``page_table`` [B, P] names are
-    dequantised to float32 (``kv`` [pages, page_size, C + R] float8_e4m3fn, ``kv_scales``
-    [pages, page_size, 2] float32) and attended by :func:`mla_decode_ref` with float32
-    queries; the result is rounded to q's dtype. Equal to the FP8 format's math
-    (``score = (q_latent . lat8 * s_lat + q_pe . pe8 * s_pe) * scale``, ``out = sum p s_lat
-    lat8``) up to float32 rounding. Reads only the named pages; no host sync."""
-    b, num_pages = page_table.shape
-    pages = page_table.long()
-    codes = kv.view(torch.uint8)[pages].view(kv.dtype)  # [B, P, page_size, C + R]
-    ctx = dequantize_kv_fp8(codes, kv_scales[pages], q_latent.shape[-1]).flatten(0, 1)
-    table = torch.arange(b * num_pages, device=kv.device, dtype=torch.int32).view(b, -1)
-    result = mla_decode_ref(q_latent.float(), q_pe.float(), ctx, table, seq_lens, scale)
-    if out is None:
-        return result.to(q_latent.dtype)
-    out.copy_(result)
-    return out
-
-
 class TorchMLADecode(MLADecodeBackend):
     name = "torch"
 
     def forward(self, q_latent, q_pe, kv, meta, scale, out=None, kv_scales=None):
-        if kv_scales is not None:
-            pt, lens = meta.page_table, meta.seq_lens
-            return mla_decode_fp8_ref(q_latent, q_pe, kv, kv_scales, pt, lens, scale, out)
-        return mla_decode_ref(q_latent, q_pe, kv, meta.page_table, meta.seq_lens, scale, out)
+        pt, lens = meta.page_table, meta.seq_lens
+        return mla_decode_ref(q_latent, q_pe, kv, pt, lens, scale, out, kv_scales=kv_scales)
 
 
 class TritonMLADecode(MLADecodeBackend):
@@ -132,9 +104,7 @@ class TritonMLADecode(MLADecodeBackend):
 
     def forward(self, q_latent, q_pe, kv, meta, scale, out=None, kv_scales=None):
         pt, lens = meta.page_table, meta.seq_lens
-        if kv_scales is not None:  # the FP8 page format
-            return self._kernel(q_latent, q_pe, kv, pt, lens, scale, out=out, kv_scales=kv_scales)
-        return self._kernel(q_latent, q_pe, kv, pt, lens, scale, out=out)
+        return self._kernel(q_latent, q_pe, kv, pt, lens, scale, out=out, kv_scales=kv_scales)
 
 
 class FlashInferMLADecode(MLADecodeBackend):
@@ -160,8 +130,11 @@ class FlashInferMLADecode(MLADecodeBackend):
         if not available("flashinfer"):
             raise ValueError(
                 "attention='flashinfer' but FlashInfer is not installed "
-                "(pip install flashinfer-python)"
+                f"(pip install {FLASHINFER_DIST}=={FLASHINFER_TESTED}, or {SETUP_HINT})"
             )
+        installed = library_status("flashinfer")
+        if not installed.usable:  # an untested release: "auto" would have kept Triton
+            raise ValueError(f"attention='flashinfer': {installed.detail}")
         from dsmesh.kernels.mla_decode_flashinfer import FlashInferMLADecode as Kernel
 
         shape = (device, num_heads, kv_lora_rank, rope_dim, page_size, dtype, scale)

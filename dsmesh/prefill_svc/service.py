@@ -55,7 +55,9 @@ async def _serve(
     # Prefill runs no decode step (it samples each first token in the prompt's last chunk):
     # no decode graphs to capture, no memory or start-up time spent on them. Its prompt
     # pages are copied to decode, a run of pages per layer: keep them in runs.
-    engine = dataclasses.replace(config.engine, cuda_graphs=False, contiguous_prompts=True)
+    engine = dataclasses.replace(
+        config.engine, cuda_graphs=False, contiguous_prompts=True, role="prefill"
+    )
     parts = await build_instance(engine, config.transfer, config.ep_rank)
     instance = parts.member(config.instance_id or new_instance_id("prefill"), kb.ROLE_PREFILL)
     metrics = start_metrics(parts.engine, "prefill", config.metrics_port, config.host)

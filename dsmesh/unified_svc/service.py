@@ -7,6 +7,7 @@ link is for discovery (the gateway finds it there) and liveness (health follows 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ SERVICE = _SERVICE.full_name
 
 @dataclass(frozen=True, kw_only=True)
 class UnifiedConfig(InstanceConfig):
-    engine: EngineConfig = field(default_factory=lambda: EngineConfig(prefix_cache=True))
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(role="unified"))
 
 
 async def serve(
@@ -43,7 +44,8 @@ async def _serve(
     config: UnifiedConfig, stop: asyncio.Event, ready: Callable[[str, int], None] | None
 ) -> None:
     set_channel_defaults(config.tls, config.max_message_bytes)  # before the broker channel
-    engine = await asyncio.to_thread(LLMEngine, config.engine)  # loads off the event loop
+    engine_config = dataclasses.replace(config.engine, role="unified")
+    engine = await asyncio.to_thread(LLMEngine, engine_config)  # loads off the event loop
     worker = EngineWorker(engine)
     worker.start()
     instance_id = config.instance_id or new_instance_id("unified")

@@ -7,7 +7,6 @@ interpreter) and greedy agreement with the model-dtype cache, measured."""
 from __future__ import annotations
 
 import argparse
-import inspect
 from pathlib import Path
 
 import pytest
@@ -187,28 +186,20 @@ def test_torch_decode_over_fp8_equals_the_dequantised_reference(dtype) -> None:
     assert torch.equal(out, got)
 
 
-def _kernel_reads_fp8() -> bool:
-    from dsmesh.kernels.mla_decode import mla_decode
-
-    return "kv_scales" in inspect.signature(mla_decode).parameters
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_decode_over_fp8_equals_the_reference(dtype) -> None:
-    """Triton's kernel (its CPU interpreter without a GPU) over the same FP8 pages."""
+def test_triton_decode_over_fp8_equals_the_reference() -> None:
+    """Triton's kernel over the engine's FP8 pages: in bf16 on a GPU, in float32 in Triton's
+    CPU interpreter (whose bf16 products are wrong, docs/KERNELS.md)."""
     pytest.importorskip("triton")
-    if not _kernel_reads_fp8():
-        pytest.skip("dsmesh.kernels.mla_decode.mla_decode takes no kv_scales yet")
     import tests.kernels.conftest  # noqa: F401 - patches Triton's interpreter for NumPy 2.4
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gpu = torch.cuda.is_available()
+    dtype, device = (torch.bfloat16, "cuda") if gpu else (torch.float32, "cpu")
     q, q_pe, pool, meta = _decode_inputs(dtype, seed=1, device=device)
     kv, scales = pool.layer_pages(0)
     want = TorchMLADecode().forward(q, q_pe, kv, meta, 0.3, kv_scales=scales)
     got = TritonMLADecode().forward(q, q_pe, kv, meta, 0.3, kv_scales=scales)
     assert got.dtype == dtype
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    assert relative_error(got.float().cpu(), want.float().cpu()) < tol
+    assert relative_error(got.float().cpu(), want.float().cpu()) < (2e-2 if gpu else 1e-5)
 
 
 # ---- configuration -------------------------------------------------------------------------
@@ -360,7 +351,7 @@ def test_runner_forward_and_the_gpu_kernels_in_fp8_equal_the_eager_torch_path(v3
         pytest.skip("covered by the GPU tests (the engine picks these kernels itself there)")
     import tests.kernels.conftest  # noqa: F401 - patches Triton's interpreter for NumPy 2.4
 
-    decode = "triton" if _kernel_reads_fp8() else "torch"
+    decode = "triton"  # float32: the interpreter's products are exact
     attn = model.model.layers[0].self_attn
     shape = (attn.num_heads, attn.kv_lora_rank, attn.rope_dim, attn.scale)
     backend = make_decode_backend(decode, decode, torch.device("cpu"), shape, FP8, page_size, 8)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dsmesh.engine.config import load_config
+from dsmesh.engine.derived import resolve_engine_config
 from dsmesh.engine.ep.all_to_all import AllToAllDispatcher
 from dsmesh.engine.ep.deepep import DEEPEP_MODES, deepep_available
 from dsmesh.engine.ep.placement import round_robin_placement
@@ -113,13 +114,23 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
 
 
 def check_dispatch(ep: EPConfig) -> None:
-    """Refuse a forced DeepEP early (before any rank starts) when it cannot even import."""
+    """Refuse a forced DeepEP early (before any rank starts) when it is missing, a build for
+    another torch (naming the release to install), or cannot import."""
     if ep.dispatch != "deepep":
         return
+    import importlib.util
+
+    from dsmesh.kernels.libraries import status as library_status
+
+    if importlib.util.find_spec("deep_ep") is None:
+        raise ValueError("moe_dispatch deepep: deep_ep is not installed")
+    installed = library_status("deep_ep")
+    if not installed.usable:
+        raise ValueError(f"moe_dispatch deepep: {installed.detail}")
     try:
         import deep_ep  # noqa: F401
     except ImportError as exc:
-        raise ValueError("moe_dispatch deepep: deep_ep is not installed") from exc
+        raise ValueError(f"moe_dispatch deepep: deep_ep does not import ({exc})") from exc
 
 
 def check_placement(config: EngineConfig, ep: EPConfig) -> None:
@@ -167,6 +178,8 @@ def build_ep_engine(config: EngineConfig, ep: EPConfig, rank: int) -> LLMEngine:
         len(cfg.moe_layer_ids), cfg.moe.n_routed_experts, ep.ep_size, ep.num_redundant_experts
     )
     device = rank_device(config, rank)
+    share = placement.num_local_physical / max(cfg.moe.n_routed_experts, 1)
+    config = resolve_engine_config(config, cfg, device, expert_share=share)
     # a speculative step verifies K drafts after each request's token: K + 1 rows each
     rows_per_request = 1 + config.num_draft_tokens if config.speculative else 1
     dispatcher = make_dispatcher(
