@@ -37,7 +37,9 @@ def quantize_kv_fp8(kv: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tensor, 
     x = kv.float()
     latent, k_pe = x[..., :kv_lora_rank], x[..., kv_lora_rank:]
     amax = torch.stack([latent.abs().amax(-1), k_pe.abs().amax(-1)], dim=-1)
-    scales = amax.clamp_min(KV_FP8_MIN_AMAX) / KV_FP8_MAX
+    # elementwise: CUDA torch divides by a Python scalar as a product with its reciprocal,
+    # which rounds differently from the division the format (and the Triton writer) uses
+    scales = amax.clamp_min(KV_FP8_MIN_AMAX) / torch.full_like(amax, KV_FP8_MAX)
     scaled = torch.cat([latent / scales[..., 0:1], k_pe / scales[..., 1:2]], dim=-1)
     values = scaled.clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8_DTYPE)
     return values, scales

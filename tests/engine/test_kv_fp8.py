@@ -57,7 +57,8 @@ def deepseek_vocab_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def fp8_engine(model, **overrides) -> LLMEngine:
-    fields = {"page_size": 4, "max_total_tokens": 4096, "kv_cache_dtype": "fp8_e4m3"}
+    fields = {"device": "cpu", "page_size": 4, "max_total_tokens": 4096}
+    fields["kv_cache_dtype"] = "fp8_e4m3"
     return LLMEngine(EngineConfig(**{**fields, **overrides}), model=model)
 
 
@@ -236,9 +237,8 @@ def test_engine_refuses_flashinfer_and_runs_torch_decode_on_cpu(tiny_model) -> N
     assert engine.model.decode_backend.name == "torch"
     layout = layout_of(engine, "mooncake/tcp")
     assert (layout.dtype, layout.kv_dim, layout.page_size) == ("fp8_e4m3", 48, 4)
-    assert layout_of(LLMEngine(EngineConfig(max_total_tokens=64), model=tiny_model)).dtype == (
-        "float32"
-    )
+    plain = LLMEngine(EngineConfig(device="cpu", max_total_tokens=64), model=tiny_model)
+    assert layout_of(plain).dtype == "float32"
 
 
 # ---- the engine's paths in FP8 -------------------------------------------------------------
@@ -287,7 +287,7 @@ def test_speculative_decoding_in_fp8_equals_plain_fp8(v3_mtp_small_vocab_ckpt) -
     ckpt: HFCheckpoint = v3_mtp_small_vocab_ckpt
     prompts = random_prompts([1, 6, 19, 40], 4, seed=2)
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    fields = {"model": str(ckpt.path), "page_size": 8, "max_total_tokens": 4096}
+    fields = {"model": str(ckpt.path), "device": "cpu", "page_size": 8, "max_total_tokens": 4096}
     plain = LLMEngine(EngineConfig(**fields, kv_cache_dtype="fp8_e4m3")).generate(prompts, params)
     engine = LLMEngine(
         EngineConfig(**fields, kv_cache_dtype="fp8_e4m3", speculative="mtp", num_draft_tokens=2)

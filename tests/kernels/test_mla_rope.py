@@ -212,7 +212,8 @@ def fp8_pool(c: Case, device, seed: int = 0) -> MLAKVPool:
     g = torch.Generator().manual_seed(seed)
     slots = torch.arange(pool.num_pages * pool.page_size)
     for layer in range(2):
-        pool.write(layer, slots.to(device), torch.randn(len(slots), pool.kv_dim, generator=g))
+        kv = torch.randn(len(slots), pool.kv_dim, generator=g).to(device)
+        pool.write(layer, slots.to(device), kv)
     return pool
 
 
