@@ -2,6 +2,8 @@
 """Micro-benchmarks of the kernels against their torch references on one CUDA GPU.
 
     python3 -m dsmesh.bench.kernels [--out results.json] [--quick]
+    python3 -m dsmesh.bench.kernels --only mla_decode --mla-heads 16,128 \
+        --batches 1,32,128,256 --contexts 2048,32768 [--mla-fp8] --out mla.json
 
 Each row: the kernel's median time (``triton.testing.do_bench``), the torch reference's (or
 the engine's previous torch path), the speed-up, and achieved GB/s or TFLOP/s from the bytes /
@@ -616,14 +618,13 @@ def main() -> None:
         "--only", default="", help="comma list of steps to run (default all): " + ",".join(STEPS)
     )
     ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
-    parser.add_argument("--mla-heads", type=ints, default=[16, 128], help="mla_decode heads")
-    parser.add_argument("--batches", type=ints, default=[1, 32, 128, 256], help="mla_decode")
-    parser.add_argument("--contexts", type=ints, default=[2000], help="mla_decode tokens")
-    parser.add_argument("--mla-page", type=int, default=16, help="mla_decode page size")
-    parser.add_argument("--mla-fp8", action="store_true", help="mla_decode over FP8 too")
-    parser.add_argument(
-        "--flashinfer-backends", default="fa3", help="mla_decode: FlashInfer's, comma list"
-    )
+    mla = parser.add_argument_group("mla_decode (comma lists)")
+    mla.add_argument("--mla-heads", type=ints, default=[16, 128], help="head counts")
+    mla.add_argument("--batches", type=ints, default=[1, 32, 128, 256], help="batch sizes")
+    mla.add_argument("--contexts", type=ints, default=[2000], help="tokens per request")
+    mla.add_argument("--mla-page", type=int, default=16, help="page size")
+    mla.add_argument("--mla-fp8", action="store_true", help="time the FP8 cache too")
+    mla.add_argument("--flashinfer-backends", default="fa3", help="fa2, fa3 or none (empty)")
     args = parser.parse_args()
     global TUNE
     TUNE = args.tune

@@ -712,7 +712,7 @@ def table(results: dict[str, Any]) -> str:
 
 
 def ratios(results: dict[str, Any]) -> dict[str, str]:
-    """The issue's comparisons, where both sides ran."""
+    """The targets' comparisons (docs/BENCHMARKS.md), where both sides ran."""
     t = results.get("targets", {})
 
     def level(target: str, conc: int) -> dict[str, Any] | None:

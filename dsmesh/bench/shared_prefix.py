@@ -5,7 +5,7 @@
 Starts the mesh (``dsmesh.bench.mesh_gpu.mesh_up``) once with the prefix cache on and once with
 ``--no-prefix-cache``, runs ``dsmesh bench --workload shared-prefix`` against each (groups of
 prompts sharing a long system prompt; defaults 64 x 16 prompts, 4000-token system prompt,
-200-token question, 128 new tokens, as issue 19's target) and prints the throughput of both,
+200-token question, 128 new tokens: the target's workload) and prints the throughput of both,
 their ratio (target >= 2) and the cached tokens per request. JSON to ``--out``.
 
 ``--concurrency`` defaults to 256 requests in flight (with ``--up-args

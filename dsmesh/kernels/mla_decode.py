@@ -243,9 +243,20 @@ def _kernels():
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            if FP8:  # the latent scale folds into the probabilities
-                p = p * s_lat[None, :]
-            acc = tl.dot(p.to(k.dtype), k, acc=acc * alpha[:, None], input_precision=PRECISION)
+            if FP8:
+                p = p * s_lat[None, :]  # the latent scale folds into the probabilities
+                # The values read again (from L2): Triton pipelines an FP8 tile that feeds one
+                # product, but not one widened for two (a synchronous load each tile: half
+                # the bf16 kernel's speed at 16 heads).
+                v = tl.load(
+                    kv_ptr + row[:, None] + c[None, :],
+                    mask=pmask[:, None] & cmask[None, :],
+                    other=0.0,
+                    eviction_policy="evict_first",
+                ).to(q.dtype)
+            else:
+                v = k
+            acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=PRECISION)
             m_i = m_new
 
         has = l_i > 0
