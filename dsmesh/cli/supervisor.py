@@ -1,10 +1,11 @@
 """``dsmesh up``: start a whole mesh as child processes, keep it running, stop it cleanly.
 
 Stages start in order, each once the one before is healthy, and stop in reverse order:
-kv_broker, (eplb_svc), prefill + decode + unified, gateway. Every service instance is a
-:class:`Slot` owned by one keeper thread, which starts the process, waits until it is healthy
-(gRPC health SERVING, or HTTP 200 from the gateway's ``/health``), restarts it with
-exponential backoff when it dies, and stops it (SIGTERM, then SIGKILL) when asked.
+kv_broker, (eplb_svc), prefill + decode + unified, gateway (dsmesh/cli/stages.py builds each
+stage's command lines). Every service instance is a :class:`Slot` owned by one keeper thread,
+which starts the process, waits until it is healthy (gRPC health SERVING, or HTTP 200 from the
+gateway's ``/health``), restarts it with exponential backoff when it dies, and stops it
+(SIGTERM, then SIGKILL) when asked.
 
 A restarted engine instance may come back on a new port (the broker lists it); the broker and
 the gateway come back on the same ports, which other processes and clients hold. On Linux every
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import os
 import signal
 import sys
@@ -30,7 +30,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -40,7 +39,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from dsmesh.cli.common import engine_config_of_flags
 from dsmesh.cli.gpu_sharing import (
     PIPE_ENV,
-    THREAD_PERCENTAGE_ENV,
     GpuSharingError,
     MpsDaemon,
     start_sharing,
@@ -60,11 +58,12 @@ from dsmesh.cli.mesh_config import (
     instance_metrics_ports,
     mesh_placement,
 )
-from dsmesh.cli.placement import cuda_visible_devices, visible_gpu_ids
+from dsmesh.cli.placement import visible_gpu_ids
+from dsmesh.cli.stages import STAGES, ServiceSpec, fraction_arg, url_host
+from dsmesh.runtime.address import LOOPBACK
 from dsmesh.runtime.gpus import gpu_memory, host_memory_available
 from dsmesh.runtime.grpc_server import sync_channel
-from dsmesh.runtime.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
-from dsmesh.runtime.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
+from dsmesh.runtime.security import TLSConfig
 
 # Run in front of every child on Linux, then exec'd away (same pid): the kernel SIGKILLs the
 # child when the thread that started it ends, which includes the supervisor being SIGKILLed.
@@ -100,129 +99,6 @@ class CrashLoopDetector:
     def reset(self) -> None:
         """The service ran stably: a later crash loop is reported again."""
         self._reported = False
-
-
-@dataclass(frozen=True)
-class ServiceSpec:
-    name: str  # unique per instance ("decode-1"); also the log file's name
-    args: tuple[str, ...]  # dsmesh sub-command and flags
-    pinned_port_flag: str | None = None  # after the first start, restarts reuse the port
-    health_url: str | None = None  # HTTP health; None = gRPC health at the reported address
-    env: dict[str, str] = field(default_factory=dict)  # over the supervisor's environment
-
-
-# ---------------------------------------------------------------------------------------------
-# What runs: one builder per stage, given the config and the addresses of the services
-# started before it, by name ("kv-broker", "eplb").
-
-StageBuilder = Callable[[MeshConfig, dict[str, str]], list[ServiceSpec]]
-LOOPBACK = "127.0.0.1"
-
-
-def security_flags(config: MeshConfig) -> tuple[str, ...]:
-    """TLS, message size and drain flags every child gets (API keys reach the gateway
-    through its environment, out of the process list)."""
-    size = config.max_message_bytes
-    limit = ("--max-message-bytes", str(size)) if size != DEFAULT_MAX_MESSAGE_BYTES else ()
-    drain = config.drain_timeout_s
-    drain_flag = ("--drain-timeout", f"{drain:g}") if drain != DEFAULT_DRAIN_TIMEOUT_S else ()
-    return (*config.tls.to_args(), *limit, *drain_flag)
-
-
-def fraction_arg(fraction: float) -> str:
-    """``fraction`` rounded down to 4 decimals: the shares of one GPU never add up to more
-    than its total."""
-    return f"{math.floor(fraction * 10_000) / 10_000:g}"
-
-
-def no_gpu_env(config: MeshConfig) -> dict[str, str]:
-    """The environment of a service that runs no engine: on a CUDA mesh it sees no GPU, so
-    that it cannot take memory on one by accident."""
-    return {"CUDA_VISIBLE_DEVICES": ""} if mesh_placement(config) is not None else {}
-
-
-def broker_stage(config: MeshConfig, addresses: dict[str, str]) -> list[ServiceSpec]:
-    args = ("kv-broker", "--host", LOOPBACK, "--port", "0", *security_flags(config))
-    args += config.broker_args
-    return [ServiceSpec("kv-broker", args, pinned_port_flag="--port", env=no_gpu_env(config))]
-
-
-def eplb_stage(config: MeshConfig, addresses: dict[str, str]) -> list[ServiceSpec]:
-    if not config.eplb:
-        return []
-    args = ("eplb", "serve", "--host", LOOPBACK, "--port", "0", *security_flags(config))
-    args += config.eplb_args
-    return [ServiceSpec("eplb", args, pinned_port_flag="--port", env=no_gpu_env(config))]
-
-
-def instance_stage(config: MeshConfig, addresses: dict[str, str]) -> list[ServiceSpec]:
-    """Every prefill, decode and unified instance: the forwarded engine flags, and on a CUDA
-    mesh ``--device cuda``, its GPUs first in ``CUDA_VISIBLE_DEVICES`` and its
-    ``--mem-fraction``."""
-    placement = mesh_placement(config)
-    model = ("--model", config.model) if config.model else ()
-    ep = ("--ep-size", str(config.ep_size)) if config.ep_size is not None else ()
-    ep += config.ep_args
-    ep += ("--eplb", addresses["eplb"]) if "eplb" in addresses else ()
-    own = {"prefill": (*ep, *config.prefill_args), "decode": (*ep, *config.decode_args)}
-    specs = []
-    metrics_ports = instance_metrics_ports(config)
-    for inst in engine_instances(config):
-        args = (inst.role, "--broker", addresses["kv-broker"], "--host", LOOPBACK, "--port", "0")
-        args += (*security_flags(config), *model, *config.engine_args)
-        if inst.name in metrics_ports:
-            args += ("--metrics-port", str(metrics_ports[inst.name]))
-        env: dict[str, str] = {}
-        if placement is not None:
-            fraction = placement.mem_fraction(inst.name, config.mem_fraction)
-            args += ("--device", "cuda", "--mem-fraction", fraction_arg(fraction))
-            gpu_ids = placement.gpu_ids[inst.name]
-            env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(gpu_ids, config.visible_gpus or ())
-            env.update(config.mps_env)
-            if config.mps_env and inst.role == "decode" and config.decode_sm_percent is not None:
-                env[THREAD_PERCENTAGE_ENV] = str(config.decode_sm_percent)
-        elif config.device is not None:
-            args += ("--device", config.device)
-        specs.append(ServiceSpec(inst.name, (*args, *own.get(inst.role, ())), env=env))
-    return specs
-
-
-def gateway_stage(config: MeshConfig, addresses: dict[str, str]) -> list[ServiceSpec]:
-    if not config.gateway:
-        return []
-    args = (
-        "gateway",
-        "--broker",
-        addresses["kv-broker"],
-        "--host",
-        config.host,
-        "--grpc-port",
-        str(config.grpc_port),
-        "--http-port",
-        str(config.http_port),
-        *(("--model", config.model) if config.model else ()),
-        *security_flags(config),
-        *config.gateway_args,
-    )
-    health = f"http://{_probe_host(config.host)}:{config.http_port}/health"
-    env = no_gpu_env(config)
-    return [ServiceSpec("gateway", args, "--grpc-port", health_url=health, env=env)]
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
-def _probe_host(host: str) -> str:
-    """Where to reach a service bound to ``host`` from this machine, as a URL's host."""
-    if host in ("", "0.0.0.0"):
-        return LOOPBACK
-    if host == "::":
-        return "[::1]"
-    return _url_host(host)
-
-
-STAGES: tuple[StageBuilder, ...] = (broker_stage, eplb_stage, instance_stage, gateway_stage)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -535,7 +411,7 @@ class Supervisor:
         broker = self.stages[0][0].address
         lines = [f"dsmesh mesh ready in {elapsed_s:.1f}s"]
         if c.gateway:
-            base = f"http://{_url_host(c.host)}:{c.http_port}"
+            base = f"http://{url_host(c.host)}:{c.http_port}"
             gateway = next(s for s in self.slots if s.spec.name == "gateway")
             lines += [
                 f"  REST     {base}",

@@ -17,7 +17,11 @@ class GatewayConfig(ServerOptions):
     broker_address: str = option(REQUIRED, "kv_broker address HOST:PORT", flag="--broker")
     # the CLI resolves --model (absent: the tiny built-in model) to its folder
     model_dir: str = option(
-        REQUIRED, "checkpoint folder (tokenizer, chat template)", flag="--model", cli_default=None
+        REQUIRED,
+        "checkpoint folder (tokenizer, chat template)",
+        flag="--model",
+        cli_default=None,
+        default_text="the tiny built-in model",
     )
     grpc_port: int = option(50051, "gRPC port (0 = any free port)", parse=argtypes.port)
     http_port: int = option(8000, "HTTP port (0 = any free port)", parse=argtypes.port)

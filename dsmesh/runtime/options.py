@@ -308,7 +308,8 @@ def from_args(
 ) -> Any:
     """``cls`` built from the parsed flags of its options, then, for a flag not given, its
     environment variable (``env``, default ``os.environ``), else the field's default; nested
-    configs likewise. ``fixed`` gives values for the rest (and overrides)."""
+    configs likewise (those whose flags the command has). ``fixed`` gives values for the rest
+    (and overrides)."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
     for field in option_fields(cls):
@@ -323,7 +324,9 @@ def from_args(
             value = tuple(item for item in value if item != "")
         values[field.name] = value
     for name, inner in nested_fields(cls):
-        if name not in fixed:
+        # a command without the nested config's flags keeps the field's default
+        parsed = any(hasattr(args, f.dest) for f, _ in all_option_fields(inner.cls))
+        if name not in fixed and parsed:
             values[name] = from_args(inner.cls, args, env=env)
     return cls(**{**values, **fixed})
 

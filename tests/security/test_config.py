@@ -9,7 +9,8 @@ import pytest
 
 from dsmesh.cli.common import advertise_host_from, transfer_config_from
 from dsmesh.cli.main import build_parser
-from dsmesh.cli.supervisor import MeshConfig, broker_stage, gateway_stage, instance_stage
+from dsmesh.cli.mesh_config import MeshConfig
+from dsmesh.cli.stages import broker_stage, gateway_stage, instance_stage
 from dsmesh.gateway.config import GatewayConfig
 from dsmesh.runtime.options import from_args
 from dsmesh.runtime.security import TLSConfig, bearer_matches

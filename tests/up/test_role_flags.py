@@ -5,7 +5,8 @@ forwarded flag exists on that service's command line (the flags come from the fi
 from __future__ import annotations
 
 from dsmesh.cli.main import build_parser
-from dsmesh.cli.supervisor import MeshConfig, broker_stage, gateway_stage, instance_stage
+from dsmesh.cli.mesh_config import MeshConfig
+from dsmesh.cli.stages import broker_stage, gateway_stage, instance_stage
 from dsmesh.cli.up import ROLES, role_flags
 from dsmesh.runtime.options import up_fields
 
