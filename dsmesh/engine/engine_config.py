@@ -97,6 +97,7 @@ class EngineConfig:
         "two-batch overlap: each forward runs as two micro-batches whose MoE dispatch/combine "
         "overlaps the other's compute",
         cli=False,  # an expert-parallel flag (dsmesh/cli/common.py add_ep_args)
+        up=True,  # ``dsmesh up`` forwards it to the expert-parallel instances
     )
     cuda_graphs: bool = option(
         True,

@@ -10,14 +10,20 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dsmesh.clients.broker import BrokerLink
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.instance.attach import InstanceConfig, new_instance_id, serve_attached
+from dsmesh.instance.attach import (
+    ENGINE_GROUP,
+    InstanceConfig,
+    new_instance_id,
+    serve_attached,
+)
 from dsmesh.instance.metrics import start_metrics
 from dsmesh.instance.worker import EngineWorker
 from dsmesh.runtime.grpc_server import set_channel_defaults
+from dsmesh.runtime.options import nested
 from dsmesh.runtime.telemetry import tracing
 from dsmesh.unified_svc.servicer import UnifiedServicer
 from dsmesh.v1 import decode_pb2, decode_pb2_grpc
@@ -30,7 +36,11 @@ SERVICE = _SERVICE.full_name
 
 @dataclass(frozen=True, kw_only=True)
 class UnifiedConfig(InstanceConfig):
-    engine: EngineConfig = field(default_factory=lambda: EngineConfig(role="unified"))
+    """Each option is a flag of ``dsmesh unified`` (dsmesh/runtime/options.py)."""
+
+    engine: EngineConfig = nested(
+        EngineConfig, group=ENGINE_GROUP, default_factory=lambda: EngineConfig(role="unified")
+    )
 
 
 async def serve(

@@ -15,14 +15,9 @@ from pathlib import Path
 import pytest
 
 from dsmesh.cli.main import build_parser
-from dsmesh.cli.supervisor import (
-    Console,
-    CrashLoopDetector,
-    MeshConfig,
-    RestartPolicy,
-    Slot,
-    broker_stage,
-)
+from dsmesh.cli.mesh_config import MeshConfig, RestartPolicy
+from dsmesh.cli.stages import broker_stage
+from dsmesh.cli.supervisor import Console, CrashLoopDetector, Slot
 from dsmesh.cli.up import engine_flags
 from tests.up.harness import (
     UpProcess,
