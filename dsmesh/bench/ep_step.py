@@ -4,7 +4,7 @@
 
 Each rank decodes ``--requests-per-rank`` requests (DP attention) on the tiny default model;
 the median decode step time and the MoE all-to-all payload each rank sends per step are
-reported. CPU figures show the mechanics, not GPU speed (that comes with the multi-GPU issue).
+reported. CPU figures show the mechanics, not GPU speed (dsmesh.bench.ep_gpu measures GPUs).
 """
 
 from __future__ import annotations

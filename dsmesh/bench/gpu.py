@@ -12,7 +12,10 @@ Reports, as a table and JSON (written after every part, so a cut-short run keeps
   without CUDA graphs, against the HBM roofline (weights touched + KV read over the copy
   bandwidth);
 - b. DeepSeek-V3 layer shape (a few MoE layers, small vocabulary): prefill and decode
-  throughput per layer against the seed's per-GPU figures scaled per layer;
+  throughput per layer against the seed's per-GPU figures scaled per layer; with
+  ``--kv-cache-dtype auto,fp8_e4m3`` the decode steps again with each further KV cache
+  dtype (``decode["kv_fp8_e4m3"]``), e.g. bf16 against FP8 KV at 32K contexts:
+  ``--parts v3 --v3-batch 64 --context 32768 --kv-cache-dtype auto,fp8_e4m3``;
 - c. transformers' DeepseekV2ForCausalLM on the V2-Lite shape (same GPU, batch and
   context): prefill and decode tokens/s, and dsmesh's speed-up.
 
@@ -36,6 +39,7 @@ from typing import Any
 
 import torch
 
+from dsmesh.engine.kv.pool import KV_CACHE_DTYPES
 from dsmesh.engine.model.build import build_model
 from dsmesh.engine.model.config import ModelConfig
 from dsmesh.engine.model.deepseek import DeepseekForCausalLM
@@ -342,8 +346,36 @@ def prefill_flops(cfg: ModelConfig, prompt_len: int, num_prompts: int) -> float:
     return 2 * per_token * tokens + attention + 2 * h * cfg.vocab_size * num_prompts
 
 
-def kv_bytes(cfg: ModelConfig, batch: int, context: int, elem: int) -> float:
-    return batch * context * cfg.num_hidden_layers * cfg.mla.kv_cache_dim * elem
+def kv_bytes(cfg: ModelConfig, batch: int, context: int, token_bytes: int) -> float:
+    """KV bytes a decode step reads: ``token_bytes`` per token and layer
+    (dsmesh.engine.kv.pool.kv_bytes_per_token: values, and FP8's scales)."""
+    return batch * context * cfg.num_hidden_layers * token_bytes
+
+
+def pool_token_bytes(engine) -> int:
+    """Bytes of one token in one layer of ``engine``'s KV pool."""
+    from dsmesh.engine.kv.pool import kv_bytes_per_token
+
+    return kv_bytes_per_token(engine.kv_pool.kv_dim, engine.kv_pool.dtype)
+
+
+def fill_kv_normal_(pool, gen: torch.Generator) -> None:
+    """Every KV value a N(0, 1) draw ("prefilled" KV); an FP8 pool stores them quantised,
+    a chunk of pages at a time."""
+    if not pool.fp8:
+        pool.buffer.normal_(0.0, 1.0, generator=gen)
+        return
+    from dsmesh.kernels.kv_fp8 import quantize_kv_fp8
+
+    chunk = max(1, (1 << 22) // (pool.page_size * pool.kv_dim))
+    for layer in range(pool.num_layers):
+        for start in range(0, pool.num_pages, chunk):
+            pages = slice(start, min(start + chunk, pool.num_pages))
+            shape = (pages.stop - pages.start, pool.page_size, pool.kv_dim)
+            x = torch.randn(shape, generator=gen, device=pool.buffer.device)
+            values, scales = quantize_kv_fp8(x, pool.kv_lora_rank)
+            pool.kv[layer, pages] = values
+            pool.scales[layer, pages] = scales
 
 
 # ---- dsmesh engine runs ----------------------------------------------------------------------
@@ -366,9 +398,10 @@ def add_cpu_graph_runner(engine, max_batch: int) -> None:
     )
 
 
-def make_engine(model, device, max_batch: int, args):
-    """An engine whose pool holds ``max_batch`` decode requests of ``args.context`` tokens
-    (plus the steps) and one prefill forward of ``args.prefill_prompts`` prompts."""
+def make_engine(model, device, max_batch: int, args, kv_cache_dtype: str = "auto"):
+    """An engine whose pool (values in ``kv_cache_dtype``) holds ``max_batch`` decode
+    requests of ``args.context`` tokens (plus the steps) and one prefill forward of
+    ``args.prefill_prompts`` prompts."""
     from dsmesh.engine.kv.pool import pages_for
     from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 
@@ -380,6 +413,7 @@ def make_engine(model, device, max_batch: int, args):
         device=str(device),
         dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
         page_size=page_size,
+        kv_cache_dtype=kv_cache_dtype,
         max_total_tokens=max(max_batch * per_decode, args.prefill_prompts * per_prefill),
         max_running_requests=max(max_batch, args.prefill_prompts),
         max_batch_tokens=max(prefill_tokens, max_batch),
@@ -388,7 +422,7 @@ def make_engine(model, device, max_batch: int, args):
     engine = LLMEngine(cfg, model=model)
     add_cpu_graph_runner(engine, max_batch)
     gen = torch.Generator(device=device).manual_seed(1)
-    engine.kv_pool.buffer.normal_(0.0, 1.0, generator=gen)  # "prefilled" KV: random values
+    fill_kv_normal_(engine.kv_pool, gen)  # "prefilled" KV: random values
     return engine
 
 
@@ -593,7 +627,7 @@ def run_v2(args, device, ceilings, results) -> None:
     cfg = model.config
     prompt_len, context = args.prompt_len, args.context
     batches = args.batches
-    engine = make_engine(model, device, max(batches), args)
+    engine = make_engine(model, device, max(batches), args, args.kv_cache_dtypes[0])
     out: dict[str, Any] = {
         "shape": "DeepSeek-V2-Lite",
         "dtype": str(args.dtype).removeprefix("torch."),
@@ -615,11 +649,10 @@ def run_v2(args, device, ceilings, results) -> None:
         table = profile_prefill(engine, cfg.vocab_size, prompt_len, args.prefill_prompts)
         out["prefill"]["profile"] = table
         print(f"  prefill forward:\n{table}", flush=True)
-    elem = next(model.parameters()).element_size()
     rows = []
     for b in batches:
         w = weight_bytes_touched(model, b)
-        kv = kv_bytes(cfg, b, context, elem)
+        kv = kv_bytes(cfg, b, context, pool_token_bytes(engine))
         roofline = (w["routed_experts"] + w["other"] + kv) / (ceilings["copy_GBps"] * 1e9)
         row: dict[str, Any] = {
             "batch": b,
@@ -700,7 +733,7 @@ def run_v3(args, device, ceilings, results) -> None:
     fp8 = device.type == "cuda" and use_fp8_experts(model)
     cfg = model.config
     b = args.v3_batch
-    engine = make_engine(model, device, b, args)
+    engine = make_engine(model, device, b, args, args.kv_cache_dtypes[0])
     t_pre = bench_prefill(engine, cfg.vocab_size, args.prompt_len, args.prefill_prompts, 2)
     pre_tokens = args.prompt_len * args.prefill_prompts / t_pre
     step = bench_decode(engine, cfg.vocab_size, b, args.context, args.steps, 3, True)
@@ -709,9 +742,8 @@ def run_v3(args, device, ceilings, results) -> None:
     flops = prefill_flops(cfg, args.prompt_len, args.prefill_prompts)
     seed_in = SEED_INPUT_PER_GPU * V3_LAYERS
     seed_out = SEED_OUTPUT_PER_GPU * V3_LAYERS
-    elem = next(model.parameters()).element_size()
     w = weight_bytes_touched(model, b)
-    kv = kv_bytes(cfg, b, args.context, elem)
+    kv = kv_bytes(cfg, b, args.context, pool_token_bytes(engine))
     roofline = (w["routed_experts"] + w["other"] + kv) / (ceilings["copy_GBps"] * 1e9)
     ab = None
     if args.attention_ab and engine.graph_runner is not None:
@@ -720,6 +752,7 @@ def run_v3(args, device, ceilings, results) -> None:
         "shape": "DeepSeek-V3 layers (all MoE), vocab 4096",
         "num_layers": layers,
         "attention_backend": getattr(engine.graph_runner, "attention_backend", None),
+        "kv_cache_dtype": args.kv_cache_dtypes[0],
         "weights": ("routed experts fp8 (128x128 blocks), the rest bf16" if fp8 else "all bf16"),
         "fp8_expert_gemm": {
             "prefill": fp8_expert_gemm(cfg, args.prompt_len * args.prefill_prompts),
@@ -743,6 +776,7 @@ def run_v3(args, device, ceilings, results) -> None:
             "step_ms_per_layer": step * 1e3 / layers,
             "tokens_per_s": dec_tokens,
             "token_layers_per_s": dec_tokens * layers,
+            "kv_bytes": kv,
             "roofline_ms": roofline * 1e3,
             "roofline_fraction": roofline / step,
             "replay_ms": None if replay is None else replay * 1e3,
@@ -753,7 +787,38 @@ def run_v3(args, device, ceilings, results) -> None:
     if ab is not None:
         key, figures = ab
         results["v3_layers"]["decode"][key] = figures
-    del engine, model
+    del engine
+    for name in args.kv_cache_dtypes[1:]:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        other = bench_kv_cache_dtype(model, device, b, args, name, ceilings)
+        results["v3_layers"]["decode"][f"kv_{name}"] = other
+        print(f"  v3 decode b{b} with {name} KV: {other}", flush=True)
+    del model
+
+
+def bench_kv_cache_dtype(model, device, batch: int, args, name: str, ceilings) -> dict[str, Any]:
+    """The decode steps of ``run_v3`` again with the KV cache in ``name`` (a new engine on
+    the same weights, its pool prefilled with random values): step and replay time, the KV
+    bytes read and the roofline."""
+    engine = make_engine(model, device, batch, args, name)
+    cfg = model.config
+    step = bench_decode(engine, cfg.vocab_size, batch, args.context, args.steps, 3, True)
+    replay = graph_replay_seconds(engine.graph_runner, batch, device)
+    w = weight_bytes_touched(model, batch)
+    kv = kv_bytes(cfg, batch, args.context, pool_token_bytes(engine))
+    roofline = (w["routed_experts"] + w["other"] + kv) / (ceilings["copy_GBps"] * 1e9)
+    return {
+        "kv_cache_dtype": name,
+        "attention_backend": getattr(engine.graph_runner, "attention_backend", None),
+        "step_ms": step * 1e3,
+        "step_ms_per_layer": step * 1e3 / cfg.num_hidden_layers,
+        "tokens_per_s": batch / step,
+        "kv_bytes": kv,
+        "roofline_ms": roofline * 1e3,
+        "roofline_fraction": roofline / step,
+        "replay_ms": None if replay is None else replay * 1e3,
+    }
 
 
 # ---- transformers ----------------------------------------------------------------------------
@@ -906,6 +971,14 @@ def print_table(results: dict[str, Any]) -> None:
             f"({d['ratio_to_seed']:.2f}x seed, {100 * d['roofline_fraction']:.0f}% roofline); "
             f"fp8 expert GEMM {v3['fp8_expert_gemm']}"
         )
+        for other in d.values():
+            if isinstance(other, dict) and "kv_cache_dtype" in other:
+                print(
+                    f"  decode b{d['batch']} at {d['context']} tokens: "
+                    f"{v3['kv_cache_dtype']} KV {d['step_ms']:.2f} ms, "
+                    f"{other['kv_cache_dtype']} KV {other['step_ms']:.2f} ms "
+                    f"({d['step_ms'] / other['step_ms']:.2f}x)"
+                )
     hf = results.get("transformers")
     if hf:
         for r in hf["rows"]:
@@ -950,7 +1023,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--v3-layers", type=int, default=4)
     ap.add_argument("--v3-batch", type=int, default=256)
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="comma list of KV cache dtypes (auto, fp8_e4m3): the first for every engine, "
+        "the others time V3's decode again in the same run (decode['kv_<dtype>'])",
+    )
     args = ap.parse_args(argv)
+    args.kv_cache_dtypes = args.kv_cache_dtype.split(",")
+    for name in args.kv_cache_dtypes:
+        if name not in KV_CACHE_DTYPES:
+            ap.error(f"--kv-cache-dtype: {name!r} is not one of {KV_CACHE_DTYPES}")
     args.batches = [int(b) for b in args.batches.split(",")]
     args.hf_batches = [int(b) for b in args.hf_batches.split(",")]
     args.parts = set(args.parts.split(","))

@@ -2,6 +2,8 @@
 """Micro-benchmarks of the kernels against their torch references on one CUDA GPU.
 
     python3 -m dsmesh.bench.kernels [--out results.json] [--quick]
+    python3 -m dsmesh.bench.kernels --only mla_decode --mla-heads 16,128 \
+        --batches 1,32,128,256 --contexts 2048,32768 [--mla-fp8] --out mla.json
 
 Each row: the kernel's median time (``triton.testing.do_bench``), the torch reference's (or
 the engine's previous torch path), the speed-up, and achieved GB/s or TFLOP/s from the bytes /
@@ -103,97 +105,135 @@ def copy_bandwidth() -> float:
     return gbs
 
 
-def mla_decode_bench(quick: bool) -> None:
-    from dsmesh.kernels.mla_decode import mla_decode, mla_decode_ref
+def mla_decode_bench(
+    heads: list[int], batches: list[int], contexts: list[int], page: int, fp8: bool,
+    flashinfer_backends: list[str],
+) -> None:  # fmt: skip
+    """MLA decode per layer (DeepSeek's latent 512 + rope 64, bf16), graph-timed, for every
+    (heads, context, batch): dsmesh's kernel as the shapes choose it; at 64 heads or more also
+    the 16-head-block kernel alone (``triton_narrow``: dsmesh's only kernel before 2026-12-04);
+    with ``fp8`` the same call over the FP8 cache; FlashInfer when installed. FLOPs count
+    2 * B * H * L * (576 + 512); bytes the cache read once."""
+    for h in heads:
+        for ctx in contexts:
+            for b in batches:
+                mla_decode_case(h, b, ctx, page, fp8, flashinfer_backends)
+                torch.cuda.empty_cache()
+
+
+def mla_decode_case(
+    h: int, b: int, ctx: int, page: int, fp8: bool, flashinfer_backends: list[str]
+) -> None:
+    from dsmesh.kernels.mla_decode import (
+        fp8_kv_pages,
+        mla_decode,
+        mla_decode_ref,
+        uses_wide_kernel,
+    )
 
     c, r = 512, 64
-    cases = [(16, 1), (16, 32), (16, 128), (16, 256), (128, 32), (128, 128)]
-    if quick:
-        cases = [(16, 128), (128, 32)]
-    for h, b in cases:
-        ctx, page = 2000, 16
-        pages_per = math.ceil(ctx / page)
-        kv = torch.randn(b * pages_per + 8, page, c + r, device="cuda", dtype=torch.bfloat16)
-        pt = torch.randperm(b * pages_per, device="cuda").view(b, pages_per).int()
-        lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
-        q = torch.randn(b, h, c, device="cuda", dtype=torch.bfloat16)
-        qpe = torch.randn(b, h, r, device="cuda", dtype=torch.bfloat16)
-        args = (q, qpe, kv, pt, lens, 0.1)
-        ms = bench(lambda: mla_decode(*args))
-        ref = bench(lambda: mla_decode_ref(*args)) if b * h <= 4096 else None
-        graph_ms = bench_graph(lambda: mla_decode(*args))
-        ref_graph_ms = bench_graph(lambda: mla_decode_ref(*args)) if ref else None
-        err = (mla_decode(*args).float() - mla_decode_ref(*args).float()).norm() / (
-            mla_decode_ref(*args).float().norm()
+    pages_per = math.ceil(ctx / page)
+    kv = torch.randn(b * pages_per + 8, page, c + r, device="cuda", dtype=torch.bfloat16)
+    pt = torch.randperm(b * pages_per, device="cuda").view(b, pages_per).int()
+    lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(b, h, c, device="cuda", dtype=torch.bfloat16)
+    qpe = torch.randn(b, h, r, device="cuda", dtype=torch.bfloat16)
+    scale = 1 / math.sqrt(192)
+    args = (q, qpe, kv, pt, lens, scale)
+    flops = 2 * b * h * ctx * (c + r + c)
+    kv_bytes = b * ctx * (c + r) * 2
+    # calls per graph: about 2 ms of work at 100 TFLOP/s or 3 TB/s, 1 to 20
+    est_ms = max(flops / 100e9, kv_bytes / 3e9)
+    calls = max(1, min(20, round(2 / est_ms)))
+    n = min(b, 2)  # error against the reference on the first requests (its memory is B*H*L)
+    sub = (q[:n], qpe[:n], kv, pt[:n], lens[:n], scale)
+    ref = mla_decode_ref(*sub).float()
+
+    def timed(fn, sub_fn, want=ref, nbytes=kv_bytes) -> dict:
+        try:
+            ms = bench_graph(fn, calls=calls)
+            err = float((sub_fn().float() - want).norm() / want.norm())
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        if ms is None:
+            return {"error": "graph capture failed"}
+        return {
+            "ms": ms,
+            "tflops": round(flops / ms / 1e9, 1),
+            "gbs": round(nbytes / ms / 1e6, 1),
+            "rel_err": round(err, 5),
+        }
+
+    row = timed(lambda: mla_decode(*args), lambda: mla_decode(*sub))
+    row["kernel_choice"] = "wide" if uses_wide_kernel(h, c, r, q.dtype) else "narrow"
+    if h >= 64:
+        narrow = {"kernel": "narrow"}
+        row["triton_narrow"] = timed(
+            lambda: mla_decode(*args, config=narrow), lambda: mla_decode(*sub, config=narrow)
         )
-        variants = [
-            {"block_h": bh, "block_n": bn, "num_warps": w, "num_stages": s}
-            for bh in ((16, 32, 64) if h > 16 else (16,))
-            for bn in (32, 64)
-            for w in (4, 8)
-            for s in (1, 2, 3)
-            if not (bh == 64 and bn == 64)
-        ]
-        if h == 16:  # V2-Lite: tile length, pipeline depth, splits
-            tiles = [
-                {"block_n": bn, "num_warps": w, "num_stages": st}
-                for bn, w, st in ((16, 4, 5), (32, 4, 4), (32, 4, 5), (32, 4, 6), (64, 8, 3))
-            ]
-            splits = {32: (4, 7, 12), 128: (1, 2, 3), 256: (1, 2)}.get(b, (None,))
-            variants = [{"block_h": 16, **tile, "splits": sp} for tile in tiles for sp in splits]
-        if quick or not TUNE or h != 16 or b not in (32, 128, 256):
-            variants = []
-
-        def run_variant(v: dict) -> torch.Tensor:
-            v = dict(v)
-            return mla_decode(*args, num_splits=v.pop("splits", None), config=v)
-
-        best_ms, best_cfg = best_variant(run_variant, variants, graph=True)
-        kv_bytes = b * ctx * (c + r) * 2
-        flashinfer = flashinfer_mla_rows(args, page, mla_decode_ref(*args))
-        record(
-            "mla_decode",
-            f"B={b} H={h} ctx={ctx} page={page} bf16",
-            ms,
-            ref,
-            gbs=round(kv_bytes / ms / 1e6, 1),
-            graph_ms=graph_ms,
-            ref_graph_ms=ref_graph_ms,
-            graph_gbs=round(kv_bytes / graph_ms / 1e6, 1) if graph_ms else None,
-            graph_tflops=round(4 * b * h * ctx * (c + r) / graph_ms / 1e9, 1) if graph_ms else None,
-            best_ms=round(best_ms, 4),
-            best_gbs=round(kv_bytes / best_ms / 1e6, 1),
-            best_config=best_cfg,
-            rel_err=float(err),
-            **flashinfer,
+    if fp8:
+        kv8, scales = fp8_kv_pages(kv, c)
+        a8 = (q, qpe, kv8, pt, lens, scale)
+        s8 = (q[:n], qpe[:n], kv8, pt[:n], lens[:n], scale)
+        ref8 = mla_decode_ref(*s8, kv_scales=scales).float()
+        row["triton_fp8"] = timed(
+            lambda: mla_decode(*a8, kv_scales=scales),
+            lambda: mla_decode(*s8, kv_scales=scales),
+            want=ref8,
+            nbytes=b * ctx * (c + r + 8),
         )
+        del kv8, scales
+    row.update(flashinfer_mla_rows(args, page, flashinfer_backends, timed))
+    if TUNE:  # block sizes and splits of the kernel the shapes choose
+        ms, cfg = best_variant(
+            lambda v: mla_decode(*args, num_splits=v.get("splits"), config=v.get("config")),
+            mla_variants(h, b, row["kernel_choice"] == "wide"),
+            graph=True,
+        )
+        row["best"] = {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1), **cfg}
+    ms = row.pop("ms", math.nan)
+    record("mla_decode", f"B={b} H={h} ctx={ctx} page={page} bf16", ms, None, **row)
 
 
-def flashinfer_mla_rows(args: tuple, page: int, ref: torch.Tensor) -> dict:
-    """FlashInfer's MLA decode on the same problem, per backend (fa2, fa3): graph-timed ms and
-    error against the reference; empty when FlashInfer is not installed."""
+def mla_variants(h: int, b: int, wide: bool) -> list[dict]:
+    """--tune's candidates for :func:`mla_decode_case`: tiles x split counts."""
+    if wide:
+        tiles = [(16, 8, 4), (32, 8, 3), (32, 8, 5), (64, 8, 1), (64, 8, 2)]
+        splits = {1: (8, 16, 32, 64), 32: (1, 2, 4)}.get(b, (None,))
+    elif h <= 16:  # V2-Lite: tile length, pipeline depth, splits
+        tiles = [(16, 4, 5), (32, 4, 4), (32, 4, 5), (32, 4, 6), (64, 8, 3)]
+        splits = {32: (4, 7, 12), 128: (1, 2, 3), 256: (1, 2)}.get(b, (None,))
+    else:
+        return []
+    return [
+        {"config": {"block_n": bn, "num_warps": w, "num_stages": st}, "splits": sp}
+        for bn, w, st in tiles
+        for sp in splits
+    ]
+
+
+def flashinfer_mla_rows(args: tuple, page: int, backends: list[str], timed) -> dict:
+    """FlashInfer's MLA decode on the same problem, per backend (fa2, fa3), through ``timed``
+    (graph-timed ms, TFLOP/s, GB/s, error); empty when FlashInfer is not installed."""
     from dsmesh.kernels.backends import available
 
-    if not available("flashinfer"):
+    if not backends or not available("flashinfer"):
         return {}
     from dsmesh.kernels.mla_decode_flashinfer import FlashInferMLADecode
 
     q, qpe, kv, pt, lens, scale = args
+    n = min(q.shape[0], 2)
     rows: dict = {}
-    for backend in ("fa2", "fa3"):
+    shape = (q.shape[1], q.shape[2], qpe.shape[2], page, q.dtype, scale, pt.shape[1])
+    for backend in backends:
         try:
-            fi = FlashInferMLADecode(
-                q.device, q.shape[1], q.shape[2], qpe.shape[2], page, q.dtype, scale,
-                pt.shape[1], graph=True, backend=backend,
-            )  # fmt: skip
-            fi.plan(pt.cpu().numpy(), lens.cpu().numpy())
-            out = fi(*args)
-            err = (out.float() - ref.float()).norm() / ref.float().norm()
-            rows[f"flashinfer_{backend}"] = {
-                "ms": round(bench(lambda fi=fi: fi(*args)), 4),
-                "graph_ms": bench_graph(lambda fi=fi: fi(*args)),
-                "rel_err": float(err),
-            }
+            fis = [
+                FlashInferMLADecode(q.device, *shape, graph=True, backend=backend) for _ in range(2)
+            ]
+            fis[0].plan(pt.cpu().numpy(), lens.cpu().numpy())
+            fis[1].plan(pt[:n].cpu().numpy(), lens[:n].cpu().numpy())
+            sub = (q[:n], qpe[:n], kv, pt[:n], lens[:n], scale)
+            rows[f"flashinfer_{backend}"] = timed(lambda: fis[0](*args), lambda: fis[1](*sub))
         except Exception as exc:
             rows[f"flashinfer_{backend}"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     return rows
@@ -577,6 +617,14 @@ def main() -> None:
     parser.add_argument(
         "--only", default="", help="comma list of steps to run (default all): " + ",".join(STEPS)
     )
+    ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
+    mla = parser.add_argument_group("mla_decode (comma lists)")
+    mla.add_argument("--mla-heads", type=ints, default=[16, 128], help="head counts")
+    mla.add_argument("--batches", type=ints, default=[1, 32, 128, 256], help="batch sizes")
+    mla.add_argument("--contexts", type=ints, default=[2000], help="tokens per request")
+    mla.add_argument("--mla-page", type=int, default=16, help="page size")
+    mla.add_argument("--mla-fp8", action="store_true", help="time the FP8 cache too")
+    mla.add_argument("--flashinfer-backends", default="fa3", help="fa2, fa3 or none (empty)")
     args = parser.parse_args()
     global TUNE
     TUNE = args.tune
@@ -590,7 +638,14 @@ def main() -> None:
     print(info)
     copy_bandwidth()
     steps = {
-        "mla_decode": lambda: mla_decode_bench(args.quick),
+        "mla_decode": lambda: mla_decode_bench(
+            args.mla_heads,
+            [128] if args.quick else args.batches,
+            args.contexts,
+            args.mla_page,
+            args.mla_fp8,
+            [x for x in args.flashinfer_backends.split(",") if x],
+        ),
         "mla_prefill": lambda: mla_prefill_bench(args.quick),
         "quant": quant_bench,
         "routing": routing_bench,

@@ -78,7 +78,7 @@ def _median_p90(xs: list[float]) -> tuple[float, float]:
 
 
 def _time(fn: Any, repeats: int) -> list[float]:
-    fn()  # warm-up: the first call to a peer also opens the session
+    fn()  # warm-up: the first call to a peer also opens the transfer-engine session
     out = []
     for _ in range(repeats):
         t = time.perf_counter()

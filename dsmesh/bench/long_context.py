@@ -1,4 +1,4 @@
-"""Long prompts and prefix-cache hits in the offline engine (issue 19's GPU targets).
+"""Long prompts and prefix-cache hits in the offline engine (the KV-memory targets on a GPU).
 
     python -m dsmesh.bench.long_context --model DIR [--lengths 32768,131072] [--chunk 8192]
 

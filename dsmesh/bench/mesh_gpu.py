@@ -141,8 +141,9 @@ def free_port_run(count: int) -> int:
 def metrics_urls(up_args: list[str]) -> dict[str, str]:
     """Each engine instance's /metrics URL, by name, for these ``dsmesh up`` flags."""
     from dsmesh.cli.main import build_parser
-    from dsmesh.cli.supervisor import LOOPBACK, instance_metrics_ports
+    from dsmesh.cli.mesh_config import instance_metrics_ports
     from dsmesh.cli.up import mesh_config_from
+    from dsmesh.runtime.address import LOOPBACK
 
     config = mesh_config_from(build_parser().parse_args(["up", *up_args]))
     ports = instance_metrics_ports(config)
@@ -712,7 +713,7 @@ def table(results: dict[str, Any]) -> str:
 
 
 def ratios(results: dict[str, Any]) -> dict[str, str]:
-    """The issue's comparisons, where both sides ran."""
+    """The targets' comparisons (docs/BENCHMARKS.md), where both sides ran."""
     t = results.get("targets", {})
 
     def level(target: str, conc: int) -> dict[str, Any] | None:

@@ -7,7 +7,7 @@ with contexts of prefix + question tokens while 1 or 4 new requests join, each w
 cached prefix and its own question, so their chunks are short prompt chunks over long cached
 prefixes. For each ``split_mixed_steps`` setting it reports the median wall time of a
 decode-only step, of a mixed step, and of a prompt-only step (no decode rows), each synced
-(no launch ahead), plus a torch.profiler summary of one mixed step (host time, device time,
+(no launch ahead), plus a torch.profiler summary of one mixed step (host time, GPU time,
 host-device syncs). JSON to ``--out``; random weights (``dsmesh.bench.gpu``'s model).
 """
 

@@ -3,7 +3,7 @@
     python -m dsmesh.bench.no_max_tokens --out DIR [--kinds unified,pd] [--shape v2-lite]
         [--context 2048] [--concurrency 256] [--num-prompts 512] [--input-len 1000]
 
-Issue 19's last target: with ``max_tokens`` omitted (OpenAI's "up to the context limit"),
+The target: with ``max_tokens`` omitted (OpenAI's "up to the context limit"),
 concurrency 256 runs with no failure and no up-front reservation.
 
 1. Writes (or reuses) a random-weight checkpoint of ``--shape`` whose config declares a

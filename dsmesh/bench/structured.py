@@ -19,7 +19,7 @@ to back after ``--warmup``, in three modes:
 
 Prints one JSON line per batch: ms per decode step in each mode, the grammar's share (the
 host time of the allowed-token bitmasks, ``mask_ms``) and ``overhead`` = json_schema / free
-- 1 (target <= 0.10 at batch 64, issue 20). ``--tiny`` runs the same on a tiny shape (a CPU
+- 1 (target <= 0.10 at batch 64). ``--tiny`` runs the same on a tiny shape (a CPU
 smoke test; its numbers mean nothing).
 """
 

@@ -25,7 +25,7 @@ from dsmesh.bench.serving import BenchRequest
 
 @dataclass(frozen=True)
 class SharedPrefixConfig:
-    """``dsmesh bench --workload shared-prefix``; the defaults are issue 19's target."""
+    """``dsmesh bench --workload shared-prefix``; the defaults are the target's workload."""
 
     num_groups: int = 64
     prompts_per_group: int = 16

@@ -1,16 +1,18 @@
-"""Command-line flags shared by sub-commands, mapped onto the frozen configs in one place."""
+"""What the sub-commands share: their flags come from the config fields
+(dsmesh/runtime/options.py); here the parsed flags become the configs, with the values that
+are derived at start-up (the advertised host, TLS files from the environment, the engine's
+``--tbo``, the rendezvous address of an expert-parallel group)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
+from typing import TypeVar
 
-from dsmesh.cli import argtypes
-from dsmesh.engine.kv.budget import CPU_MAX_TOTAL_TOKENS, DEFAULT_MEM_FRACTION
-from dsmesh.engine.llm_engine import EngineConfig
-from dsmesh.engine.model.kernel_choice import KERNEL_SETS, MOE_BACKENDS
-from dsmesh.engine.model.mla_decode_backend import ATTENTION_BACKENDS
-from dsmesh.engine.model.mtp import SPECULATIVE_METHODS
+from dsmesh.engine.ep.runtime import EP_GROUP, EPConfig
+from dsmesh.engine.options import EngineConfig
+from dsmesh.instance.attach import ENGINE_GROUP, PDInstanceConfig, TransferConfig
 from dsmesh.runtime.address import (
     LOOPBACK,
     advertise_host,
@@ -19,162 +21,65 @@ from dsmesh.runtime.address import (
     interface_of,
     unbracket,
 )
-from dsmesh.runtime.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
-from dsmesh.runtime.security import (
-    DEFAULT_MAX_MESSAGE_BYTES,
-    TLSConfig,
-    api_keys_from_env_and_args,
-)
-
-MEM_FRACTION_HELP = (
-    "fraction of the GPU's memory this process may use for weights + KV pool; the pool "
-    f"gets what the loaded weights leave (default {DEFAULT_MEM_FRACTION}; CUDA only, unused "
-    "when --max-total-tokens is given)"
-)
-
+from dsmesh.runtime.options import add_options, from_args, given_flags, option_group
+from dsmesh.runtime.security import TLSConfig
 
 # Python's 5 ms switch interval let the event loop (64 gRPC streams) hold the GIL while the
 # engine thread waited to launch the next step: measured on one H200 (unified instance,
 # V2-Lite, 64 streams), 0.5 ms gave 2.4x the output tokens/s and half the TPOT.
 GIL_SWITCH_MS = 0.5
+# the EP flags of ``dsmesh generate``, which runs one host's group and reports to no eplb_svc
+OFFLINE_EP_OPTIONS = ("ep_size", "num_redundant_experts", "dispatch")
+
+Config = TypeVar("Config")
 
 
 def add_engine_args(
-    p: argparse.ArgumentParser,
-    prefix_cache_default: bool = False,
-    mem_fraction_help: str = MEM_FRACTION_HELP,
+    p: argparse.ArgumentParser, *, not_given: bool = False, mem_fraction_help: str | None = None
 ) -> None:
-    d = EngineConfig()
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="checkpoint folder (default: tiny built-in model)")
-    g.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:N")
-    g.add_argument("--dtype", default=d.dtype, help="auto, float32, bfloat16, float16")
-    g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
-    g.add_argument(
-        "--max-total-tokens",
-        type=int,
-        default=d.max_total_tokens,
-        help=f"KV pool size in tokens (default: from --mem-fraction on CUDA, "
-        f"{CPU_MAX_TOTAL_TOKENS} on CPU)",
-    )
-    g.add_argument(
-        "--mem-fraction",
-        type=argtypes.share,
-        default=d.mem_fraction,
-        metavar="F",
-        help=mem_fraction_help,
-    )
-    g.add_argument(
-        "--max-running-requests",
-        type=int,
-        default=d.max_running_requests,
-        help="requests in the running batch at most",
-    )
-    g.add_argument(
-        "--max-batch-tokens",
-        type=int,
-        default=d.max_batch_tokens,
-        help="new tokens per forward (also the prefill chunk size)",
-    )
-    g.add_argument(
-        "--admit-interval",
-        type=int,
-        default=d.admit_interval,
-        help="while requests decode, new requests join the batch at most every N steps, so "
-        "their prompt chunks share one forward (1 = every step)",
-    )
-    g.add_argument(
-        "--attention-mode",
-        default=d.attention_mode,
-        choices=("auto", "naive", "absorbed"),
-        help="MLA path: auto = naive for prefill, weight-absorbed for decode",
-    )
-    g.add_argument(
-        "--prefix-cache",
-        action=argparse.BooleanOptionalAction,
-        default=prefix_cache_default,
-        help="share full prompt pages between requests with a common prefix",
-    )
-    g.add_argument(
-        "--cuda-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=d.cuda_graphs,
-        help="replay decode steps as CUDA graphs, one per batch-size bucket (CUDA only)",
-    )
-    g.add_argument(
-        "--decode-attention",
-        default=d.decode_attention,
-        choices=ATTENTION_BACKENDS,
-        help="MLA decode kernel: auto = FlashInfer's where it is installed and fits, else "
-        "dsmesh's Triton kernel (kernel); flashinfer = FlashInfer's (pip install "
-        "'dsmesh[flashinfer]'); torch = the reference",
-    )
-    g.add_argument(
-        "--kernels",
-        default=d.kernels,
-        choices=KERNEL_SETS,
-        help="auto = dsmesh's Triton kernels on CUDA (fused glue, routing, prefill "
-        "attention); torch = the torch references everywhere (A/B runs)",
-    )
-    g.add_argument(
-        "--moe-backend",
-        default=d.moe_backend,
-        choices=MOE_BACKENDS,
-        help="decode-sized MoE: auto/fused = one fused kernel (bf16/fp16 on CUDA), grouped "
-        "= grouped GEMMs",
-    )
-    g.add_argument(
-        "--overlap-decode",
-        action=argparse.BooleanOptionalAction,
-        default=d.overlap_decode,
-        help="with CUDA graphs, launch a greedy decode step before the previous one's "
-        "bookkeeping, so host work overlaps the GPU",
-    )
-    g.add_argument(
-        "--split-mixed-steps",
-        action=argparse.BooleanOptionalAction,
-        default=d.split_mixed_steps,
-        help="with CUDA graphs, a step mixing decode rows and prompt chunks replays a decode "
-        "graph for the decode rows and runs only the prompt chunks eagerly",
-    )
-    g.add_argument(
-        "--fp8-experts",
-        action=argparse.BooleanOptionalAction,
-        default=d.fp8_experts,
-        help="FP8 checkpoints: keep routed experts in FP8 and use the FP8 grouped GEMM on "
-        "CUDA (default: dequantise to --dtype at load)",
-    )
-    g.add_argument(
-        "--speculative",
-        default=d.speculative,
-        choices=SPECULATIVE_METHODS,
-        help="speculative decoding: mtp = draft with the checkpoint's MTP layer "
-        "(num_nextn_predict_layers > 0) and verify the drafts in one forward; off by default",
-    )
-    g.add_argument(
-        "--num-draft-tokens",
-        type=int,
-        default=d.num_draft_tokens,
-        metavar="K",
-        help="tokens drafted per step with --speculative (the MTP layer applied K times)",
-    )
-    g.add_argument(
-        "--speculative-max-batch",
-        type=int,
-        default=d.speculative_max_batch,
-        metavar="N",
-        help="decode batches larger than N run without speculation (measured: dsmesh/bench/mtp.py)",
-    )
+    """The engine's flags: one per option field of :class:`EngineConfig` (its type, default
+    and help; dsmesh/runtime/options.py), and the process flag ``--gil-switch-ms``.
+    ``not_given``: every flag defaults to None (``dsmesh up``, which forwards only the
+    flags given)."""
+    g = option_group(p, ENGINE_GROUP)
+    add_options(g, EngineConfig, not_given=not_given)
+    if mem_fraction_help is not None:
+        for action in g._group_actions:
+            if action.dest == "mem_fraction":
+                action.help = mem_fraction_help
+    add_gil_switch_arg(g, not_given)
+
+
+def add_gil_switch_arg(g: argparse._ArgumentGroup, not_given: bool = False) -> None:
+    """``--gil-switch-ms``: a setting of the process (:func:`apply_process_flags`), not of
+    any config."""
     g.add_argument(
         "--gil-switch-ms",
         type=float,
-        default=GIL_SWITCH_MS,
+        default=None if not_given else GIL_SWITCH_MS,
         metavar="MS",
         help="Python's thread switch interval in this process, i.e. how long the engine "
         "thread may wait for the GIL while the gRPC thread streams (default "
         f"{GIL_SWITCH_MS}; Python's own is 5: 2.4x less throughput for a unified instance "
         "at 64 streams on an H200, docs/BENCHMARKS.md)",
     )
+
+
+def add_ep_args(p: argparse.ArgumentParser) -> None:
+    """``dsmesh generate``'s expert-parallel flags (one host), with the engine's ``--tbo``."""
+    g = option_group(p, EP_GROUP)
+    add_options(g, EPConfig, only=OFFLINE_EP_OPTIONS)
+    add_options(g, EngineConfig, only=("tbo",))
+
+
+def add_instance_args(p: argparse.ArgumentParser, cls: type) -> None:
+    """The flags of a prefill, decode or unified instance: ``cls``'s options (its engine's,
+    transfer's and expert-parallel group's among them), the engine's ``--tbo`` for an
+    instance that can be an expert-parallel group, and ``--gil-switch-ms``."""
+    add_options(p, cls)
+    if issubclass(cls, PDInstanceConfig):
+        add_options(option_group(p, EP_GROUP), EngineConfig, only=("tbo",))
+    add_gil_switch_arg(option_group(p, ENGINE_GROUP))
 
 
 def apply_process_flags(args: argparse.Namespace) -> None:
@@ -187,275 +92,55 @@ def apply_process_flags(args: argparse.Namespace) -> None:
 
 
 def engine_config_from(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        page_size=args.page_size,
-        max_total_tokens=args.max_total_tokens,
-        mem_fraction=args.mem_fraction,
-        max_running_requests=args.max_running_requests,
-        max_batch_tokens=args.max_batch_tokens,
-        admit_interval=getattr(args, "admit_interval", 1),
-        attention_mode=args.attention_mode,
-        prefix_cache=args.prefix_cache,
-        tbo=getattr(args, "tbo", False),
-        cuda_graphs=getattr(args, "cuda_graphs", True),
-        overlap_decode=getattr(args, "overlap_decode", True),
-        split_mixed_steps=getattr(args, "split_mixed_steps", True),
-        decode_attention=getattr(args, "decode_attention", "auto"),
-        kernels=getattr(args, "kernels", "auto"),
-        moe_backend=getattr(args, "moe_backend", "auto"),
-        fp8_experts=getattr(args, "fp8_experts", False),
-        speculative=getattr(args, "speculative", None),
-        num_draft_tokens=getattr(args, "num_draft_tokens", 1),
-        speculative_max_batch=getattr(
-            args, "speculative_max_batch", EngineConfig.speculative_max_batch
-        ),
-    )
+    """The engine's options from parsed flags; ``--tbo`` comes with the EP flags."""
+    return from_args(EngineConfig, args, tbo=getattr(args, "tbo", False))
 
 
-def add_ep_args(p: argparse.ArgumentParser, multi_node: bool = True) -> None:
-    g = p.add_argument_group("expert parallelism (docs/EP.md)")
-    g.add_argument(
-        "--ep-size",
-        type=int,
-        default=1,
-        help="expert-parallel ranks (processes, one per GPU; gloo on CPU, NCCL on GPU); "
-        "requests are spread over the ranks (DP attention)",
-    )
-    g.add_argument(
-        "--num-redundant-experts",
-        type=int,
-        default=0,
-        help="extra physical expert replicas (logical + R must divide by --ep-size)",
-    )
-    g.add_argument(
-        "--tbo",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="two-batch overlap: each forward runs as two micro-batches whose MoE "
-        "dispatch/combine overlaps the other's compute",
-    )
-    g.add_argument(
-        "--moe-dispatch",
-        default="auto",
-        choices=("auto", "all-to-all", "deepep"),
-        help="token dispatch between ranks: auto = DeepEP when deep_ep imports on Hopper GPUs "
-        "with NCCL (normal mode on prefill, low-latency on decode), else torch all-to-all",
-    )
-    if not multi_node:
-        return
-    g.add_argument(
-        "--ep-nnodes",
-        type=int,
-        default=1,
-        help="hosts the group spans; each runs ep-size / ep-nnodes ranks (default 1)",
-    )
-    g.add_argument(
-        "--ep-node-rank", type=int, default=0, help="this host's index in the group (default 0)"
-    )
-    g.add_argument(
-        "--ep-master-addr",
-        default="",
-        metavar="HOST",
-        help="address of node 0, where the group's rendezvous listens (default: 127.0.0.1 "
-        "for one host; node 0's advertised host when the group spans hosts; required on "
-        "the other nodes)",
-    )
-    g.add_argument(
-        "--ep-master-port",
-        type=int,
-        default=0,
-        help="rendezvous port on node 0 (0 = any free port; single host only)",
-    )
-    g.add_argument(
-        "--eplb",
-        default="",
-        metavar="HOST:PORT",
-        help="eplb_svc address: stream expert load to it and apply its placements live "
-        "(docs/EPLB.md); needs --ep-size > 1 or redundant experts",
-    )
-    g.add_argument(
-        "--eplb-report-interval",
-        type=float,
-        default=1.0,
-        help="seconds between expert-load reports to eplb_svc (default 1)",
-    )
-    g.add_argument(
-        "--ep-timeout",
-        type=float,
-        default=120.0,
-        help="seconds a collective may wait for a peer before the group is declared broken",
-    )
+def engine_config_of_flags(flags: Sequence[str]) -> EngineConfig:
+    """The engine options that ``flags`` (engine flags as a command line spells them) give,
+    the rest at their defaults: what ``dsmesh up`` plans with for the flags it forwards."""
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    add_engine_args(parser)
+    return engine_config_from(parser.parse_args(list(flags)))
+
+
+def engine_flags_given(args: argparse.Namespace) -> tuple[str, ...]:
+    """The engine flags given to a command parsed with ``not_given`` (``dsmesh up``), spelled
+    for the engine processes it starts: the options marked to be forwarded, and
+    ``--gil-switch-ms``."""
+    flags = list(given_flags(EngineConfig, args))
+    if getattr(args, "gil_switch_ms", None) is not None:
+        flags += ["--gil-switch-ms", str(args.gil_switch_ms)]
+    return tuple(flags)
 
 
 def ep_config_from(
     args: argparse.Namespace, deepep_mode: str = "normal", advertised: str = LOOPBACK
-):
+) -> EPConfig:
     """``advertised``: this process's advertised host; with ``--ep-nnodes`` > 1 it is node 0's
     rendezvous address by default, and its interface carries the group's gloo/NCCL traffic."""
-    from dsmesh.engine.ep.runtime import EPConfig
-
     nnodes = getattr(args, "ep_nnodes", 1)
     node_rank = getattr(args, "ep_node_rank", 0)
-    ep = EPConfig(
-        dispatch=args.moe_dispatch,
+    ep = from_args(
+        EPConfig,
+        args,
         deepep_mode=deepep_mode,
-        ep_size=args.ep_size,
-        num_redundant_experts=args.num_redundant_experts,
         master_addr=ep_master_addr(
             getattr(args, "ep_master_addr", ""), nnodes, node_rank, advertised
         ),
-        master_port=getattr(args, "ep_master_port", 0),
-        nnodes=nnodes,
-        node_rank=node_rank,
-        timeout_s=getattr(args, "ep_timeout", 120.0),
         socket_ifname=(interface_of(advertised) or "") if nnodes > 1 else "",
     )
     ep.validate()
     return ep
 
 
-def add_host_args(p: argparse.ArgumentParser, default_host: str = LOOPBACK) -> None:
-    """``--host`` (what the server binds) and ``--advertise-host`` (what peers dial)."""
-    p.add_argument(
-        "--host",
-        default=default_host,
-        help=f"address to bind (default {default_host}; 0.0.0.0 or :: for every interface)",
-    )
-    p.add_argument(
-        "--advertise-host",
-        default="",
-        metavar="HOST",
-        help="address peers dial to reach this process, registered with kv_broker and printed "
-        "in the 'listening on' line (default: --host, or the address of the default route's "
-        "interface when --host binds every interface; docs/DEPLOY.md, 'Addresses')",
-    )
-
-
-def add_server_args(p: argparse.ArgumentParser, default_port: int = 0) -> None:
-    add_host_args(p)
-    p.add_argument(
-        "--port", type=argtypes.port, default=default_port, help="gRPC port (0 = any free port)"
-    )
-    p.add_argument("--instance-id", default="", help="instance name (default: role-host-pid-rand)")
-    p.add_argument(
-        "--metrics-port",
-        type=argtypes.port,
-        default=0,
-        help="serve Prometheus /metrics here (0 = off)",
-    )
-    add_drain_arg(p)
-
-
-def add_instance_args(p: argparse.ArgumentParser, prefix_cache_default: bool = False) -> None:
-    """The flags every prefill and decode instance takes, after its own."""
-    add_server_args(p)
-    add_transfer_args(p)
-    add_security_args(p)
-    add_ep_args(p)
-    add_engine_args(p, prefix_cache_default=prefix_cache_default)
-
-
-def add_transfer_args(p: argparse.ArgumentParser) -> None:
-    from dsmesh.runtime.transfer.protocol import PROTOCOLS
-
-    g = p.add_argument_group("KV transfer (Mooncake Transfer Engine)")
-    g.add_argument("--broker", required=True, help="kv_broker address HOST:PORT")
-    g.add_argument(
-        "--transfer-protocol",
-        default="auto",
-        choices=PROTOCOLS,
-        help="how KV bytes move: auto = tcp for a CPU pool, nvlink_intra (CUDA IPC) for a "
-        "GPU pool whose peers are on this host (--transfer-hostname on loopback), else rdma "
-        "(GPUDirect RDMA, needs an RDMA NIC); tcp refuses a GPU pool (docs/PD.md)",
-    )
-    g.add_argument(
-        "--transfer-hostname",
-        default="",
-        metavar="HOST",
-        help="address peers use to reach this process's transfer engine (default: the "
-        "advertised host, --advertise-host)",
-    )
-    g.add_argument("--transfer-device", default="", help='RDMA devices, e.g. "mlx5_0,mlx5_1"')
-
-
-def transfer_config_from(args: argparse.Namespace, advertised: str):
+def transfer_config_from(args: argparse.Namespace, advertised: str) -> TransferConfig:
     """``advertised``: the process's advertised host, the transfer engine's by default."""
-    from dsmesh.instance.attach import TransferConfig
-
-    return TransferConfig(
-        protocol=args.transfer_protocol,
-        hostname=unbracket(args.transfer_hostname) or advertised,
-        device_name=args.transfer_device,
-    )
-
-
-def add_security_args(p: argparse.ArgumentParser, api_keys: bool = False) -> None:
-    """TLS for every gRPC server and channel of the process, message size limit, and (gateway,
-    ``up``) API keys. Unset flags fall back to the environment (docs/SECURITY.md)."""
-    g = p.add_argument_group("security (docs/SECURITY.md)")
-    g.add_argument(
-        "--tls-cert", default=None, metavar="PEM", help="certificate chain (env DSMESH_TLS_CERT)"
-    )
-    g.add_argument("--tls-key", default=None, metavar="PEM", help="its key (env DSMESH_TLS_KEY)")
-    g.add_argument(
-        "--tls-ca",
-        default=None,
-        metavar="PEM",
-        help="CA that verifies peers (env DSMESH_TLS_CA)",
-    )
-    g.add_argument(
-        "--tls-client-auth",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="servers require client certificates: mTLS (env DSMESH_TLS_CLIENT_AUTH=1)",
-    )
-    g.add_argument(
-        "--tls-server-name",
-        default=None,
-        metavar="NAME",
-        help="name expected in servers' certificates instead of the dialled host "
-        "(env DSMESH_TLS_SERVER_NAME)",
-    )
-    g.add_argument(
-        "--max-message-bytes",
-        type=int,
-        default=DEFAULT_MAX_MESSAGE_BYTES,
-        metavar="N",
-        help="largest gRPC message sent or received; beyond it RESOURCE_EXHAUSTED "
-        f"(default {DEFAULT_MAX_MESSAGE_BYTES})",
-    )
-    if api_keys:
-        g.add_argument(
-            "--api-key",
-            action="append",
-            default=None,
-            metavar="KEY",
-            help="require 'Authorization: Bearer KEY' on HTTP and gRPC (repeatable; env "
-            "DSMESH_API_KEYS=k1,k2, which keeps keys out of the process list)",
-        )
-
-
-def add_drain_arg(p: argparse.ArgumentParser) -> None:
-    """A server's drain on SIGTERM (docs/RELIABILITY.md, "Drain")."""
-    p.add_argument(
-        "--drain-timeout",
-        type=argtypes.seconds_or_zero,
-        default=DEFAULT_DRAIN_TIMEOUT_S,
-        metavar="SECONDS",
-        help="on SIGTERM: stop admitting (health NOT_SERVING, new requests UNAVAILABLE) and "
-        f"give the requests in flight this long to finish (default {DEFAULT_DRAIN_TIMEOUT_S:g})",
-    )
+    return from_args(TransferConfig, args, hostname=unbracket(args.transfer_hostname) or advertised)
 
 
 def tls_config_from(args: argparse.Namespace) -> TLSConfig:
     return TLSConfig.from_env_and_args(args)
-
-
-def api_keys_from(args: argparse.Namespace) -> tuple[str, ...]:
-    return api_keys_from_env_and_args(args.api_key)
 
 
 def advertise_host_from(args: argparse.Namespace) -> str:
@@ -463,17 +148,25 @@ def advertise_host_from(args: argparse.Namespace) -> str:
     return advertise_host(args.host, args.advertise_host)
 
 
-def server_fields_from(args: argparse.Namespace) -> dict:
-    """The fields every server's config shares (addresses, ports, TLS, message size, drain)."""
-    return {
-        "host": args.host,
-        "advertise_host": advertise_host_from(args),
-        "port": args.port,
-        "metrics_port": args.metrics_port,
-        "tls": tls_config_from(args),
-        "max_message_bytes": args.max_message_bytes,
-        "drain_timeout_s": args.drain_timeout,
-    }
+def server_config_from(cls: type[Config], args: argparse.Namespace, **fixed) -> Config:
+    """A server's config (a :class:`~dsmesh.runtime.server_options.ServerOptions`) from
+    its parsed flags, with the advertised host resolved and TLS from flags and environment."""
+    return from_args(
+        cls, args, advertise_host=advertise_host_from(args), tls=tls_config_from(args), **fixed
+    )
+
+
+def instance_config_from(
+    cls: type[Config], args: argparse.Namespace, deepep_mode: str = "normal"
+) -> Config:
+    """A prefill, decode or unified config from its parsed flags (:func:`add_instance_args`);
+    ``deepep_mode``: the DeepEP mode of an expert-parallel group."""
+    advertised = advertise_host_from(args)
+    fixed: dict[str, object] = {"engine": engine_config_from(args)}
+    if issubclass(cls, PDInstanceConfig):
+        fixed["transfer"] = transfer_config_from(args, advertised)
+        fixed["ep"] = ep_config_from(args, deepep_mode, advertised)
+    return server_config_from(cls, args, **fixed)
 
 
 def run_server(label: str, serve, config) -> int:
@@ -488,21 +181,9 @@ def run_server(label: str, serve, config) -> int:
     return 0
 
 
-def instance_fields_from(args: argparse.Namespace) -> dict:
-    """The fields every prefill and decode config shares, from their common flags."""
-    fields = server_fields_from(args)
-    return {
-        **fields,
-        "broker_address": args.broker,
-        "engine": engine_config_from(args),
-        "transfer": transfer_config_from(args, fields["advertise_host"]),
-        "instance_id": args.instance_id,
-    }
-
-
-def run_instance(role: str, serve, config, args: argparse.Namespace, deepep_mode: str) -> int:
-    """Serve a prefill or decode instance until a signal: in this process, or as an
-    expert-parallel group of rank processes (``--ep-size``; docs/EP.md)."""
+def run_instance(role: str, serve, config) -> int:
+    """Serve an instance until a signal: in this process, or, for a prefill or decode
+    instance, as an expert-parallel group of rank processes (``--ep-size``; docs/EP.md)."""
     import dataclasses
 
     from dsmesh.runtime.grpc_server import run_until_signal
@@ -513,8 +194,8 @@ def run_instance(role: str, serve, config, args: argparse.Namespace, deepep_mode
             flush=True,
         )
 
-    ep = ep_config_from(args, deepep_mode=deepep_mode, advertised=config.advertise_host)
-    if ep.ep_size > 1 or ep.num_redundant_experts:
+    ep = getattr(config, "ep", None)
+    if ep is not None and (ep.ep_size > 1 or ep.num_redundant_experts):
         from dsmesh.instance.attach import new_instance_id
         from dsmesh.instance.ep_group import RankTarget, run_group
 
@@ -525,10 +206,10 @@ def run_instance(role: str, serve, config, args: argparse.Namespace, deepep_mode
             ep,
             RankTarget(serve, config),
             ready,
-            eplb_address=args.eplb,
-            eplb_report_interval_s=args.eplb_report_interval,
+            eplb_address=config.eplb_address,
+            eplb_report_interval_s=config.eplb_report_interval_s,
         )
-    if args.eplb:
+    if getattr(config, "eplb_address", ""):
         raise ValueError("--eplb needs an expert-parallel instance: --ep-size > 1")
     run_until_signal(lambda stop: serve(config, stop, ready))
     return 0

@@ -4,21 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from dsmesh.cli import argtypes
-from dsmesh.cli.common import (
-    add_drain_arg,
-    add_host_args,
-    add_security_args,
-    run_server,
-    server_fields_from,
-    tls_config_from,
-)
+from dsmesh.cli.common import run_server, server_config_from, tls_config_from
+from dsmesh.eplb_svc.config import EPLBConfig
+from dsmesh.runtime import argtypes
+from dsmesh.runtime.options import add_options
+from dsmesh.runtime.security import SecurityOptions
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from dsmesh.eplb_svc.config import DEFAULT_PORT, EPLBConfig
-
-    d = EPLBConfig()
     p = sub.add_parser(
         "eplb",
         help="expert-parallel load balancer: service, load dump, placement simulator",
@@ -35,42 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "predicted balancedness gain exceeds --threshold. Prints 'eplb listening on "
         "HOST:PORT' once ready; SIGTERM/SIGINT stop it gracefully.",
     )
-    add_host_args(s, d.host)
-    s.add_argument(
-        "--port",
-        type=argtypes.port,
-        default=DEFAULT_PORT,
-        help=f"gRPC port (default {DEFAULT_PORT}; 0 picks any free port)",
-    )
-    s.add_argument(
-        "--interval",
-        type=argtypes.seconds,
-        default=d.interval_s,
-        metavar="SECONDS",
-        help=f"periodic rebalance (default {d.interval_s:g})",
-    )
-    s.add_argument(
-        "--threshold",
-        type=argtypes.below_one,
-        default=d.threshold,
-        help="apply a placement when it raises predicted balancedness (mean/max per-rank "
-        f"load) by more than this (default {d.threshold:g})",
-    )
-    s.add_argument(
-        "--window-steps",
-        type=argtypes.positive,
-        default=d.window_steps,
-        metavar="N",
-        help=f"engine steps of load kept per instance (default {d.window_steps})",
-    )
-    s.add_argument(
-        "--metrics-port",
-        type=argtypes.port,
-        default=d.metrics_port,
-        help="serve Prometheus /metrics on this port (default 0: off)",
-    )
-    add_security_args(s)
-    add_drain_arg(s)
+    add_options(s, EPLBConfig)
     s.set_defaults(func=run_serve)
 
     dump = tools.add_parser(
@@ -84,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--instance", default="", metavar="ID", help="instance id (needed when several report)"
     )
     dump.add_argument("--out", required=True, metavar="FILE.json", help="where to write")
-    add_security_args(dump)
+    add_options(dump, SecurityOptions)
     dump.set_defaults(func=run_dump)
 
     sim = tools.add_parser(
@@ -121,17 +79,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from dsmesh.eplb_svc.config import EPLBConfig
     from dsmesh.eplb_svc.service import serve
 
-    config = EPLBConfig(
-        **server_fields_from(args),
-        interval_s=args.interval,
-        threshold=args.threshold,
-        window_steps=args.window_steps,
-    )
-
-    return run_server("eplb", serve, config)
+    return run_server("eplb", serve, server_config_from(EPLBConfig, args))
 
 
 def run_dump(args: argparse.Namespace) -> int:

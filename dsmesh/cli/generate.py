@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
-    add_ep_args(p, multi_node=False)
+    add_ep_args(p)
     add_engine_args(p)
     p.set_defaults(func=run)
 

@@ -63,6 +63,27 @@ class ServiceProcess:
             self.process.wait(5)
 
 
+_EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit)\b.*)$", re.M)
+_CLI_ERROR = re.compile(r"^(dsmesh \S+: error: .*)$", re.M)
+OOM_HINT = (
+    " (the GPU ran out of memory while the process started: give it more room with a "
+    "smaller --max-batch-tokens or --max-total-tokens, a larger --mem-fraction, or one GPU "
+    "per role)"
+)
+
+
+def failure_cause(output: str) -> str:
+    """The line of a service's output that says why it stopped: its ``dsmesh X: error:``
+    line, else the last exception a traceback ends with; out-of-memory errors get a hint."""
+    found = _CLI_ERROR.findall(output) or _EXCEPTION.findall(output)
+    if not found:
+        return "no error line in its output (see its log)"
+    cause = found[-1].strip()
+    if "OutOfMemoryError" in cause or "CUDA out of memory" in cause:
+        cause += OOM_HINT
+    return cause
+
+
 def dsmesh_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "dsmesh", *args]
 
@@ -117,6 +138,9 @@ def start_service(
     if not found:
         process.wait(5)
         tail = "".join(lines[-30:])
-        raise LaunchError(f"{name} exited with {process.returncode} before serving:\n{tail}")
+        cause = failure_cause("".join(lines))
+        raise LaunchError(
+            f"{name} exited with {process.returncode} before serving: {cause}\n{tail}"
+        )
     host, port = found[0]
     return ServiceProcess(name, args, process, host, port, log_path, thread)

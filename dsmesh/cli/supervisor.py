@@ -1,10 +1,11 @@
 """``dsmesh up``: start a whole mesh as child processes, keep it running, stop it cleanly.
 
 Stages start in order, each once the one before is healthy, and stop in reverse order:
-kv_broker, (eplb_svc), prefill + decode + unified, gateway. Every service instance is a
-:class:`Slot` owned by one keeper thread, which starts the process, waits until it is healthy
-(gRPC health SERVING, or HTTP 200 from the gateway's ``/health``), restarts it with
-exponential backoff when it dies, and stops it (SIGTERM, then SIGKILL) when asked.
+kv_broker, (eplb_svc), prefill + decode + unified, gateway (dsmesh/cli/stages.py builds each
+stage's command lines). Every service instance is a :class:`Slot` owned by one keeper thread,
+which starts the process, waits until it is healthy (gRPC health SERVING, or HTTP 200 from the
+gateway's ``/health``), restarts it with exponential backoff when it dies, and stops it
+(SIGTERM, then SIGKILL) when asked.
 
 A restarted engine instance may come back on a new port (the broker lists it); the broker and
 the gateway come back on the same ports, which other processes and clients hold. On Linux every
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import os
 import signal
 import sys
@@ -30,35 +30,40 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dsmesh.cli.gpu_sharing import MODES as SHARING_MODES
+from dsmesh.cli.common import engine_config_of_flags
 from dsmesh.cli.gpu_sharing import (
     PIPE_ENV,
-    THREAD_PERCENTAGE_ENV,
     GpuSharingError,
     MpsDaemon,
     start_sharing,
 )
-from dsmesh.cli.launcher import LaunchError, ServiceProcess, dsmesh_command, start_service
-from dsmesh.cli.placement import (
-    EngineInstance,
-    GpuList,
-    Placement,
-    PlacementError,
-    cuda_visible_devices,
-    place,
-    visible_gpu_ids,
+from dsmesh.cli.launcher import (
+    LaunchError,
+    ServiceProcess,
+    dsmesh_command,
+    failure_cause,
+    start_service,
 )
-from dsmesh.engine.kv.budget import DEFAULT_MEM_FRACTION
+from dsmesh.cli.memory_plan import MemoryPlan, plan_cpu, plan_gpus
+from dsmesh.cli.mesh_config import (
+    MeshConfig,
+    RestartPolicy,
+    engine_instances,
+    instance_metrics_ports,
+    mesh_placement,
+)
+from dsmesh.cli.placement import visible_gpu_ids
+from dsmesh.cli.stages import STAGES, ServiceSpec, fraction_arg, url_host
+from dsmesh.runtime.address import LOOPBACK
+from dsmesh.runtime.gpus import gpu_memory, host_memory_available
 from dsmesh.runtime.grpc_server import sync_channel
-from dsmesh.runtime.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
-from dsmesh.runtime.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
+from dsmesh.runtime.security import TLSConfig
 
 # Run in front of every child on Linux, then exec'd away (same pid): the kernel SIGKILLs the
 # child when the thread that started it ends, which includes the supervisor being SIGKILLed.
@@ -70,22 +75,6 @@ _PDEATHSIG_EXEC = (
     "    sys.exit(1)\n"
     "os.execv(sys.argv[2], sys.argv[2:])\n"
 )
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    backoff_initial_s: float = 0.5
-    backoff_max_s: float = 10.0
-    stable_after_s: float = 30.0  # a run at least this long resets the backoff
-    crash_loop_restarts: int = 5  # more restarts than this within the window = crash loop
-    crash_loop_window_s: float = 60.0
-
-    def next_delay(self, previous_s: float, ran_for_s: float) -> float:
-        """Delay before the next start: doubles after each quick death, resets after a
-        stable run."""
-        if previous_s <= 0 or ran_for_s >= self.stable_after_s:
-            return self.backoff_initial_s
-        return min(previous_s * 2, self.backoff_max_s)
 
 
 class CrashLoopDetector:
@@ -110,301 +99,6 @@ class CrashLoopDetector:
     def reset(self) -> None:
         """The service ran stably: a later crash loop is reported again."""
         self._reported = False
-
-
-@dataclass(frozen=True)
-class MeshConfig:
-    model: str | None = None  # checkpoint folder; None = the embedded tiny default model
-    host: str = "127.0.0.1"  # where the gateway binds; internal services stay on loopback
-    http_port: int = 8000
-    grpc_port: int = 50051  # 0 = any free port, kept across gateway restarts
-    num_prefill: int = 1  # prefill and decode: both 0 (unified only) or both >= 1
-    num_decode: int = 1
-    num_unified: int = 0
-    # engine flags forwarded to every engine instance (not --device, --mem-fraction: below)
-    engine_args: tuple[str, ...] = ()
-    device: str | None = None  # --device; None = the services' default ("auto")
-    # expert parallelism, prefill and decode only (a unified instance is one process):
-    # processes per instance (None = 1, not forwarded), other EP flags as given
-    ep_size: int | None = None
-    ep_args: tuple[str, ...] = ()
-    # GPUs (CUDA meshes only; dsmesh/cli/placement.py): explicit lists per role, the total
-    # memory fraction the processes of one GPU split, and the GPU ids children may be given
-    # (None = found at start from CUDA_VISIBLE_DEVICES and torch)
-    prefill_gpus: GpuList | None = None
-    decode_gpus: GpuList | None = None
-    unified_gpus: GpuList | None = None
-    mem_fraction: float = DEFAULT_MEM_FRACTION
-    visible_gpus: tuple[str, ...] | None = None
-    # how engine processes on one GPU share it (dsmesh/cli/gpu_sharing.py), and the
-    # environment that connects them to the mesh's MPS daemon (set once it runs)
-    gpu_sharing: str = "auto"
-    mps_env: tuple[tuple[str, str], ...] = ()
-    # under MPS, the percentage of a GPU's SMs each decode instance may use (None: all)
-    decode_sm_percent: int | None = None
-    # role-specific flags (reliability bounds, admission limits), forwarded as given
-    broker_args: tuple[str, ...] = ()
-    prefill_args: tuple[str, ...] = ()
-    decode_args: tuple[str, ...] = ()
-    gateway_args: tuple[str, ...] = ()
-    log_level: str | None = None  # every child's --log-level; None = theirs
-    gateway: bool = True
-    eplb: bool = False  # run eplb_svc; prefill and decode report to it (needs an EP group)
-    eplb_args: tuple[str, ...] = ()  # flags for ``dsmesh eplb serve``
-    log_dir: Path | None = None  # None = a fresh folder under the cache folder
-    # each engine instance's Prometheus /metrics on consecutive ports from this one
-    # (instance_metrics_ports); 0 = off
-    instance_metrics_port: int = 0
-    start_timeout_s: float = 180.0  # per service: ready line, then healthy
-    # SIGTERM drains each service (dsmesh.runtime.lifecycle): requests in flight get
-    # ``drain_timeout_s``; SIGKILL follows ``stop_timeout_s`` later (None: the drain + 10 s)
-    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
-    stop_timeout_s: float | None = None
-    restart: RestartPolicy = field(default_factory=RestartPolicy)
-    # forwarded to every child; the supervisor's own health probes use ``tls`` too
-    tls: TLSConfig = TLSConfig()
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-
-    @property
-    def kill_after_s(self) -> float:
-        """SIGTERM to SIGKILL."""
-        if self.stop_timeout_s is not None:
-            return self.stop_timeout_s
-        return self.drain_timeout_s + 10.0
-
-    def validate(self) -> None:
-        """Refuse what cannot run; with ``visible_gpus`` known, the placement too."""
-        counts = {"--prefill": self.num_prefill, "--decode": self.num_decode}
-        counts["--unified"] = self.num_unified
-        for flag, count in counts.items():
-            if count < 0:
-                raise ValueError(f"{flag} must be at least 0, got {count}")
-        if (self.num_prefill == 0) != (self.num_decode == 0):
-            raise ValueError(
-                "--prefill and --decode go together: both at least 1, or both 0 for a mesh "
-                f"of --unified instances only (got --prefill {self.num_prefill} "
-                f"--decode {self.num_decode})"
-            )
-        if self.num_prefill == 0 and self.num_unified == 0:
-            raise ValueError("nothing to serve: --prefill 0 --decode 0 needs --unified N (N >= 1)")
-        if self.ep_size is not None and self.ep_size < 1:
-            raise ValueError(f"--ep-size must be at least 1, got {self.ep_size}")
-        if self.num_prefill == 0 and (self.ep_size is not None or self.ep_args or self.eplb):
-            raise ValueError(
-                "expert-parallel flags (--ep-size, --num-redundant-experts, --tbo, --eplb) "
-                "apply to prefill and decode instances; a --unified instance is one process"
-            )
-        if self.gpu_sharing not in SHARING_MODES:
-            modes = ", ".join(SHARING_MODES)
-            raise ValueError(f"--gpu-sharing must be one of {modes}, got {self.gpu_sharing!r}")
-        if self.decode_sm_percent is not None:
-            if not 1 <= self.decode_sm_percent <= 100:
-                raise ValueError(
-                    f"--decode-sm-percent must be in 1..100, got {self.decode_sm_percent}"
-                )
-            if self.gpu_sharing == "time-slice":
-                raise ValueError(
-                    "--decode-sm-percent limits decode under MPS: not with --gpu-sharing time-slice"
-                )
-        if not 0 < self.mem_fraction <= 1:
-            raise ValueError(f"--mem-fraction must be in (0, 1], got {self.mem_fraction}")
-        if not 0 < self.http_port <= 65535:
-            raise ValueError(f"--http-port must be in 1..65535, got {self.http_port}")
-        if not 0 <= self.grpc_port <= 65535:
-            raise ValueError(f"--grpc-port must be in 0..65535, got {self.grpc_port}")
-        if self.max_message_bytes < 1:
-            raise ValueError(f"--max-message-bytes must be positive, got {self.max_message_bytes}")
-        if self.eplb and self.ep_size is None and "--num-redundant-experts" not in self.ep_args:
-            raise ValueError("--eplb needs expert-parallel instances: give --ep-size N")
-        mesh_placement(self)
-
-
-def engine_instances(config: MeshConfig) -> list[EngineInstance]:
-    """Every engine instance of the mesh, in start order: prefill, decode, unified."""
-    ranks = config.ep_size if config.ep_size is not None else 1
-    counts = (
-        ("prefill", config.num_prefill, ranks),
-        ("decode", config.num_decode, ranks),
-        ("unified", config.num_unified, 1),
-    )
-    return [EngineInstance(role, i, n) for role, count, n in counts for i in range(count)]
-
-
-def instance_metrics_ports(config: MeshConfig) -> dict[str, int]:
-    """Each engine instance's /metrics port, by name: consecutive from
-    ``instance_metrics_port`` in start order, an EP instance's ranks on ports of their own
-    (rank r of an instance on its port + r); empty when off."""
-    base = config.instance_metrics_port
-    if not base:
-        return {}
-    ports: dict[str, int] = {}
-    for inst in engine_instances(config):
-        ports[inst.name] = base
-        base += inst.num_ranks
-    return ports
-
-
-def mesh_placement(config: MeshConfig) -> Placement | None:
-    """Each engine instance's GPUs on a CUDA mesh (``--device cuda``/``cuda:N``, or ``auto``
-    with GPUs visible); None on CPU. Raises :class:`PlacementError` naming the flag."""
-    lists = {
-        role: gpus
-        for role, gpus in (
-            ("prefill", config.prefill_gpus),
-            ("decode", config.decode_gpus),
-            ("unified", config.unified_gpus),
-        )
-        if gpus is not None
-    }
-    visible = config.visible_gpus or ()
-    device = config.device or "auto"
-    flags = ", ".join(f"--{role}-gpus" for role in lists)
-    if device != "auto" and device.split(":")[0] != "cuda":
-        if lists:
-            raise PlacementError(f"{flags} place instances on GPUs, but --device is {device}")
-        return None
-    if device == "auto" and not visible:
-        if lists:
-            raise PlacementError(f"{flags}: no GPU is visible")
-        return None
-    if not visible:
-        raise PlacementError(f"--device {device}: no GPU is visible")
-    if ":" in device:
-        if lists:
-            raise PlacementError(
-                f"--device {device} puts every instance on one GPU; to place them, give "
-                f"--device cuda with {flags}"
-            )
-        index = device.split(":", 1)[1]
-        if not index.isdigit() or int(index) >= len(visible):
-            raise PlacementError(
-                f"--device {device}: expected cuda:N with N < {len(visible)}, the GPUs visible"
-            )
-        visible = (visible[int(index)],)
-    return place(visible, engine_instances(config), lists)
-
-
-@dataclass(frozen=True)
-class ServiceSpec:
-    name: str  # unique per instance ("decode-1"); also the log file's name
-    args: tuple[str, ...]  # dsmesh sub-command and flags
-    pinned_port_flag: str | None = None  # after the first start, restarts reuse the port
-    health_url: str | None = None  # HTTP health; None = gRPC health at the reported address
-    env: dict[str, str] = field(default_factory=dict)  # over the supervisor's environment
-
-
-# ---------------------------------------------------------------------------------------------
-# What runs: one builder per stage, given the config and the addresses of the services
-# started before it, by name ("kv-broker", "eplb").
-
-StageBuilder = Callable[[MeshConfig, dict[str, str]], list[ServiceSpec]]
-LOOPBACK = "127.0.0.1"
-
-
-def security_flags(config: MeshConfig) -> tuple[str, ...]:
-    """TLS, message size and drain flags every child gets (API keys reach the gateway
-    through its environment, out of the process list)."""
-    size = config.max_message_bytes
-    limit = ("--max-message-bytes", str(size)) if size != DEFAULT_MAX_MESSAGE_BYTES else ()
-    drain = config.drain_timeout_s
-    drain_flag = ("--drain-timeout", f"{drain:g}") if drain != DEFAULT_DRAIN_TIMEOUT_S else ()
-    return (*config.tls.to_args(), *limit, *drain_flag)
-
-
-def fraction_arg(fraction: float) -> str:
-    """``fraction`` rounded down to 4 decimals: the shares of one GPU never add up to more
-    than its total."""
-    return f"{math.floor(fraction * 10_000) / 10_000:g}"
-
-
-def no_gpu_env(config: MeshConfig) -> dict[str, str]:
-    """The environment of a service that runs no engine: on a CUDA mesh it sees no GPU, so
-    that it cannot take memory on one by accident."""
-    return {"CUDA_VISIBLE_DEVICES": ""} if mesh_placement(config) is not None else {}
-
-
-def broker_stage(config: MeshConfig, addresses: dict[str, str]) -> list[ServiceSpec]:
-    args = ("kv-broker", "--host", LOOPBACK, "--port", "0", *security_flags(config))
-    args += config.broker_args
-    return [ServiceSpec("kv-broker", args, pinned_port_flag="--port", env=no_gpu_env(config))]
-
-
-def eplb_stage(config: MeshConfig, addresses: dict[str, str]) -> list[ServiceSpec]:
-    if not config.eplb:
-        return []
-    args = ("eplb", "serve", "--host", LOOPBACK, "--port", "0", *security_flags(config))
-    args += config.eplb_args
-    return [ServiceSpec("eplb", args, pinned_port_flag="--port", env=no_gpu_env(config))]
-
-
-def instance_stage(config: MeshConfig, addresses: dict[str, str]) -> list[ServiceSpec]:
-    """Every prefill, decode and unified instance: the forwarded engine flags, and on a CUDA
-    mesh ``--device cuda``, its GPUs first in ``CUDA_VISIBLE_DEVICES`` and its
-    ``--mem-fraction``."""
-    placement = mesh_placement(config)
-    model = ("--model", config.model) if config.model else ()
-    ep = ("--ep-size", str(config.ep_size)) if config.ep_size is not None else ()
-    ep += config.ep_args
-    ep += ("--eplb", addresses["eplb"]) if "eplb" in addresses else ()
-    own = {"prefill": (*ep, *config.prefill_args), "decode": (*ep, *config.decode_args)}
-    specs = []
-    metrics_ports = instance_metrics_ports(config)
-    for inst in engine_instances(config):
-        args = (inst.role, "--broker", addresses["kv-broker"], "--host", LOOPBACK, "--port", "0")
-        args += (*security_flags(config), *model, *config.engine_args)
-        if inst.name in metrics_ports:
-            args += ("--metrics-port", str(metrics_ports[inst.name]))
-        env: dict[str, str] = {}
-        if placement is not None:
-            fraction = placement.mem_fraction(inst.name, config.mem_fraction)
-            args += ("--device", "cuda", "--mem-fraction", fraction_arg(fraction))
-            gpu_ids = placement.gpu_ids[inst.name]
-            env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(gpu_ids, config.visible_gpus or ())
-            env.update(config.mps_env)
-            if config.mps_env and inst.role == "decode" and config.decode_sm_percent is not None:
-                env[THREAD_PERCENTAGE_ENV] = str(config.decode_sm_percent)
-        elif config.device is not None:
-            args += ("--device", config.device)
-        specs.append(ServiceSpec(inst.name, (*args, *own.get(inst.role, ())), env=env))
-    return specs
-
-
-def gateway_stage(config: MeshConfig, addresses: dict[str, str]) -> list[ServiceSpec]:
-    if not config.gateway:
-        return []
-    args = (
-        "gateway",
-        "--broker",
-        addresses["kv-broker"],
-        "--host",
-        config.host,
-        "--grpc-port",
-        str(config.grpc_port),
-        "--http-port",
-        str(config.http_port),
-        *(("--model", config.model) if config.model else ()),
-        *security_flags(config),
-        *config.gateway_args,
-    )
-    health = f"http://{_probe_host(config.host)}:{config.http_port}/health"
-    env = no_gpu_env(config)
-    return [ServiceSpec("gateway", args, "--grpc-port", health_url=health, env=env)]
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
-def _probe_host(host: str) -> str:
-    """Where to reach a service bound to ``host`` from this machine, as a URL's host."""
-    if host in ("", "0.0.0.0"):
-        return LOOPBACK
-    if host == "::":
-        return "[::1]"
-    return _url_host(host)
-
-
-STAGES: tuple[StageBuilder, ...] = (broker_stage, eplb_stage, instance_stage, gateway_stage)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -529,9 +223,16 @@ class Slot:
             self.failure = str(exc).splitlines()[0]
             return False
         if not self._wait_healthy():
+            assert self.process is not None
+            died = not self.process.alive()
             self._halt()
             if not self._stop.is_set():
                 self.failure = f"{self.spec.name} did not become healthy"
+                if died:
+                    log = self.log_path.read_text(errors="replace") if self.log_path else ""
+                    self.failure = (
+                        f"{self.spec.name} exited while starting: {failure_cause(log)}"
+                    )
             return False
         assert self.process is not None
         if self.spec.pinned_port_flag is not None:
@@ -710,7 +411,7 @@ class Supervisor:
         broker = self.stages[0][0].address
         lines = [f"dsmesh mesh ready in {elapsed_s:.1f}s"]
         if c.gateway:
-            base = f"http://{_url_host(c.host)}:{c.http_port}"
+            base = f"http://{url_host(c.host)}:{c.http_port}"
             gateway = next(s for s in self.slots if s.spec.name == "gateway")
             lines += [
                 f"  REST     {base}",
@@ -793,6 +494,34 @@ def resolve_model(model: str | None) -> str:
     return str(folder)
 
 
+def plan_memory(config: MeshConfig) -> MemoryPlan:
+    """Every engine process's memory, from the model's shape and the flags given, against
+    each GPU's memory (or the host's); raises MemoryPlanError with the numbers and the fixes
+    when it cannot fit (dsmesh/cli/memory_plan.py)."""
+    from dsmesh.engine.model.config import load_config
+    from dsmesh.kernels._triton import triton_importable
+
+    assert config.model is not None
+    mc = load_config(config.model)
+    engine = engine_config_of_flags(config.engine_args)
+    if config.device is not None:
+        engine = dataclasses.replace(engine, device=config.device)
+    instances = engine_instances(config)
+    placement = mesh_placement(config)
+    if placement is None:
+        return plan_cpu(instances, engine, mc, host_memory_available())
+    used = [g for g, n in placement.processes_per_gpu.items() if n]
+    return plan_gpus(
+        instances,
+        placement,
+        engine,
+        mc,
+        gpu_memory(used),
+        config.mem_fraction,
+        fp8_kernels=triton_importable() and engine.kernels == "auto",
+    )
+
+
 def resolve_visible_gpus(config: MeshConfig) -> tuple[str, ...]:
     """The GPU ids children may be given: ``config.visible_gpus`` when set; none for a CPU
     mesh; else this process's ``CUDA_VISIBLE_DEVICES`` entries, or all GPUs torch sees."""
@@ -828,9 +557,11 @@ def run_mesh(config: MeshConfig, console: Console | None = None) -> int:
     config = dataclasses.replace(config, visible_gpus=resolve_visible_gpus(config))
     config.validate()
     config = dataclasses.replace(config, model=resolve_model(config.model))
+    plan = plan_memory(config)  # refuses what cannot fit before anything starts
     log_dir = Path(config.log_dir) if config.log_dir is not None else default_log_dir()
     log_dir.mkdir(parents=True, exist_ok=True)
     console.info(f"dsmesh up: model {config.model}\ndsmesh up: logs  {log_dir}")
+    console.info("dsmesh up: memory plan\n" + "\n".join(plan.lines()))
     config, daemon = share_gpus(config, log_dir, console)
     supervisor = Supervisor(config, log_dir, console)
     begin = time.monotonic()

@@ -4,13 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from dsmesh.cli.common import (
-    add_engine_args,
-    add_security_args,
-    add_server_args,
-    engine_config_from,
-    server_fields_from,
-)
+from dsmesh.cli.common import add_instance_args, instance_config_from, run_instance
+from dsmesh.unified_svc.service import UnifiedConfig
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -22,30 +17,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "and the baseline PD disaggregation must beat. Attaches to kv_broker for discovery "
         "and liveness only.",
     )
-    add_server_args(p)
-    p.add_argument("--broker", required=True, help="kv_broker address HOST:PORT")
-    add_security_args(p)
-    add_engine_args(p, prefix_cache_default=True)
+    add_instance_args(p, UnifiedConfig)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsmesh.runtime.address import host_port
-    from dsmesh.runtime.grpc_server import run_until_signal
-    from dsmesh.unified_svc.service import UnifiedConfig, serve
+    from dsmesh.unified_svc.service import serve
 
-    config = UnifiedConfig(
-        **server_fields_from(args),
-        broker_address=args.broker,
-        engine=engine_config_from(args),
-        instance_id=args.instance_id,
-    )
-
-    def ready(instance_id: str, port: int) -> None:
-        print(
-            f"unified {instance_id} listening on {host_port(config.advertise_host, port)}",
-            flush=True,
-        )
-
-    run_until_signal(lambda stop: serve(config, stop, ready))
-    return 0
+    return run_instance("unified", serve, instance_config_from(UnifiedConfig, args))

@@ -1,1 +1,1 @@
-"""Decode service: page pre-allocation, continuous batching, token streaming (PD-services issue)."""
+"""Decode service: page pre-allocation, continuous batching, token streaming (docs/PD.md)."""

@@ -6,22 +6,21 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dsmesh.clients.broker import BrokerLink
 from dsmesh.decode_svc.handoff import DecodeHandoffs
 from dsmesh.decode_svc.servicer import DecodeLimits, DecodeServicer
-from dsmesh.engine.options import EngineConfig
 from dsmesh.instance.attach import (
-    InstanceConfig,
-    TransferConfig,
+    PDInstanceConfig,
     build_instance,
     new_instance_id,
     serve_attached,
 )
-from dsmesh.instance.ep_group import RankSpec
 from dsmesh.instance.metrics import start_metrics
+from dsmesh.runtime import argtypes
 from dsmesh.runtime.grpc_server import channel, set_channel_defaults
+from dsmesh.runtime.options import option
 from dsmesh.runtime.telemetry import tracing
 from dsmesh.v1 import decode_pb2, decode_pb2_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
@@ -33,15 +32,24 @@ SERVICE = _SERVICE.full_name
 
 
 @dataclass(frozen=True, kw_only=True)
-class DecodeConfig(InstanceConfig):
-    # the prefix cache keeps finished requests' KV, so a follow-up turn receives only the
-    # pages this instance does not hold already
-    engine: EngineConfig = field(default_factory=lambda: EngineConfig(prefix_cache=True))
-    transfer: TransferConfig = field(default_factory=TransferConfig)
-    handoff_timeout_s: float = 30.0
-    release_quarantine_s: float = 10.0
-    reserve_wait_s: float = 10.0
-    ep_rank: RankSpec | None = None  # set on each rank of an expert-parallel group
+class DecodeConfig(PDInstanceConfig):
+    """Each option is a flag of ``dsmesh decode`` (dsmesh/runtime/options.py)."""
+
+    handoff_timeout_s: float = option(
+        30.0, "seconds a request may wait for its prompt KV", parse=argtypes.seconds, up=True
+    )
+    release_quarantine_s: float = option(
+        10.0,
+        "longest wait for prefill to release a failed handoff before its pages are reused",
+        parse=argtypes.seconds,
+        up=True,
+    )
+    reserve_wait_s: float = option(
+        10.0,
+        "seconds a request may wait, in arrival order, for KV pages and a running slot before "
+        "RESOURCE_EXHAUSTED",
+        parse=argtypes.seconds,
+    )
 
 
 async def serve(
@@ -57,7 +65,7 @@ async def _serve(
     set_channel_defaults(config.tls, config.max_message_bytes)  # before the broker channel
     # prefill copies a prompt's KV into the pages reserved here, a run of pages per layer:
     # keep them in runs (the prefix cache of finished requests evicts for it)
-    engine = dataclasses.replace(config.engine, contiguous_prompts=True)
+    engine = dataclasses.replace(config.engine, contiguous_prompts=True, role="decode")
     parts = await build_instance(engine, config.transfer, config.ep_rank)
     instance = parts.member(config.instance_id or new_instance_id("decode"), kb.ROLE_DECODE)
     handoffs = DecodeHandoffs(config.reserve_wait_s, config.release_quarantine_s)

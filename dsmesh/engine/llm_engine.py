@@ -26,11 +26,12 @@ from pathlib import Path
 
 import torch
 
+from dsmesh.engine.derived import check_weights_fit, resolve_engine_config
 from dsmesh.engine.input_processor import InputProcessor
 from dsmesh.engine.kv.pool import MLAKVPool
 from dsmesh.engine.lockstep import GroupLockstep, GroupVote
 from dsmesh.engine.model.build import load_model
-from dsmesh.engine.model.config import ModelConfig
+from dsmesh.engine.model.config import ModelConfig, load_config
 from dsmesh.engine.model.deepseek import DeepseekForCausalLM
 from dsmesh.engine.model.mtp import MTPDraft
 from dsmesh.engine.options import EngineConfig, resolve_model_dir
@@ -88,10 +89,18 @@ class LLMEngine:
     ) -> None:
         config.validate()
         device = config.resolved_device()
+        if not config.is_resolved:  # derived defaults (dsmesh/engine/derived.py)
+            mc = model.config if model is not None else load_config(resolve_model_dir(config.model))
+            config = resolve_engine_config(config, mc, device)
         if model is None:
             model_dir = resolve_model_dir(config.model)
+            check_weights_fit(config, load_config(model_dir), device)
             model = load_model(
-                model_dir, config.resolved_dtype(), device, keep_fp8=config.fp8_experts
+                model_dir,
+                config.resolved_dtype(),
+                device,
+                keep_fp8=bool(config.fp8_experts),
+                fp8_only=True,
             )
         self.runner = ModelRunner(config, model, device)
         self.scheduler = Scheduler(scheduler_config(config), self.kv_pool.allocator)

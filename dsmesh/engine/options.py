@@ -1,5 +1,11 @@
-"""The offline engine's configuration: runtime choices for one engine (the model's shape
-comes from its checkpoint), validated before anything is built."""
+"""The engine's options: runtime choices for one engine (the model's shape comes from its
+checkpoint), each declared once, validated before anything is built.
+
+Every field made with :func:`~dsmesh.runtime.options.option` is also a command-line flag of
+every command that runs an engine, and what ``dsmesh up`` forwards to the engines it starts
+(dsmesh/runtime/options.py). Fields whose default is ``None`` are derived at start-up from the
+device, the model and the process's role (dsmesh/engine/derived.py): an explicit value wins.
+"""
 
 from __future__ import annotations
 
@@ -8,83 +14,192 @@ from pathlib import Path
 
 import torch
 
+from dsmesh.engine.kv.budget import CPU_MAX_TOTAL_TOKENS, DEFAULT_MEM_FRACTION
+from dsmesh.engine.kv.pool import KV_CACHE_DTYPES
 from dsmesh.engine.model.kernel_choice import KERNEL_SETS, MOE_BACKENDS
 from dsmesh.engine.model.mla import ATTENTION_MODES
 from dsmesh.engine.model.mla_decode_backend import ATTENTION_BACKENDS
 from dsmesh.engine.model.mtp import SPECULATIVE_METHODS
+from dsmesh.runtime import argtypes
+from dsmesh.runtime.options import option
+
+# what the process is for; picks derived defaults (dsmesh/engine/derived.py)
+ROLES = ("offline", "prefill", "decode", "unified")
+DERIVED = "derived from the device, the model and the role (docs/OPTIONS.md, 'Derived defaults')"
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Runtime choices for one engine; the model's shape comes from its checkpoint."""
 
-    model: str | None = None  # checkpoint folder; None = the embedded tiny default model
-    device: str = "auto"  # "auto" = cuda when available, else cpu
-    dtype: str = "auto"  # "auto" = bfloat16 on cuda, float32 on cpu
-    page_size: int = 16
-    # KV pool capacity in tokens (rounded up to pages). None = not given: on CUDA sized from
-    # ``mem_fraction`` once the weights are loaded, on CPU 65536 (dsmesh/engine/kv_budget.py).
-    max_total_tokens: int | None = None
-    # Fraction of the GPU's total memory this process may use for weights + KV pool; the
-    # rest is left for activations, CUDA graphs and other processes. None = 0.85. Used only
-    # on CUDA when max_total_tokens is None (``dsmesh up`` splits it between the processes
-    # that share a GPU).
-    mem_fraction: float | None = None
-    max_running_requests: int = 64
-    max_batch_tokens: int = 2048
-    # While requests decode, new requests join the batch at most every admit_interval steps
-    # (their prompt chunks then share one forward); 1 = every step (dsmesh/engine/scheduler.py).
-    admit_interval: int = 1
-    attention_mode: str = "auto"  # "auto" (naive prefill, absorbed decode) | "naive" | "absorbed"
-    prefix_cache: bool = False  # share full prompt pages between requests with equal prefixes
-    tbo: bool = False  # two-batch overlap: two micro-batches per forward (MoE comm overlap)
-    # Decode-only steps replay CUDA graphs captured per batch bucket (CUDA only; ignored on
-    # CPU and with attention_mode "naive"; with tbo the graphs hold both micro-batches; under
-    # expert parallelism the ranks agree on each graph step, see join_group).
-    cuda_graphs: bool = True
-    cuda_graph_max_batch: int = 256  # larger decode batches run eagerly
-    # Decode graphs for every batch bucket and contexts up to this many tokens are captured
-    # at start-up (the rest on first use, which stalls the running batch); 0 = all on first
-    # use. Contexts up to cuda_graph_min_tokens share one page table.
-    cuda_graph_warmup_tokens: int = 4096
-    cuda_graph_min_tokens: int = 1024
-    # MLA decode attention, in graphs and for eager decode rows: "auto" (FlashInfer where it
-    # is installed and fits, else dsmesh's Triton kernel; dsmesh/engine/mla_decode_backend.py),
-    # "kernel" (Triton), "flashinfer" (needs flashinfer-python) or "torch" (the reference)
-    decode_attention: str = "auto"
-    # "auto": dsmesh's Triton kernels for the glue, routing and prefill attention on CUDA;
-    # "torch": the torch references everywhere (A/B runs). Chosen once at start
-    # (dsmesh/engine/kernel_choice.py).
-    kernels: str = "auto"
-    # Decode-sized MoE: "auto"/"fused" (one fused kernel, bf16/fp16 on CUDA) or "grouped"
-    moe_backend: str = "auto"
-    # With CUDA graphs, a greedy decode step launches the next one (its input tokens taken
-    # on the device) before its own bookkeeping, so host work overlaps the GPU. Only when
-    # the next batch is certain to be the same requests (docs/GPU.md).
-    overlap_decode: bool = True
-    # Prefix cache evictions keep each prompt chunk's pages one run of consecutive pages
-    # (SchedulerConfig.contiguous_prompts): set by the prefill and decode services, between
-    # which the prompt's KV is copied a run per layer.
-    contiguous_prompts: bool = False
-    # A step that mixes decode rows with prompt chunks runs the decode rows as a CUDA graph
-    # replay and only the prompt chunks eagerly (two forwards, the eager one launched while
-    # the graph runs), instead of one eager forward over everything (docs/GPU.md).
-    split_mixed_steps: bool = True
-    # FP8 checkpoints: keep the routed experts in FP8 and run the FP8 grouped GEMM (CUDA);
-    # off = dequantise every weight to ``dtype`` at load
-    fp8_experts: bool = False
-    # Speculative decoding (dsmesh/engine/speculative.py): None = off; "mtp" drafts with the
-    # checkpoint's MTP layer num_draft_tokens tokens per step, verified in one target forward.
-    # Decode batches above speculative_max_batch run plain steps (128: on one H200, K = 1
-    # gains at every batch up to 128 at simulated acceptance 0.6 and 0.8, projected to V3's
-    # 61 layers; docs/BENCHMARKS.md, dsmesh/bench/mtp.py).
-    speculative: str | None = None
-    num_draft_tokens: int = 1
-    speculative_max_batch: int = 128
+    model: str | None = option(
+        None, "checkpoint folder (default: the tiny built-in model)", forward=False
+    )
+    device: str = option(
+        "auto", "auto, cpu, cuda, cuda:N (auto: cuda when available)", forward=False
+    )
+    dtype: str = option(
+        "auto",
+        "compute dtype: auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    page_size: int = option(16, "tokens per KV page", parse=argtypes.positive)
+    max_total_tokens: int | None = option(
+        None,
+        "KV pool size in tokens",
+        parse=argtypes.positive,
+        default_text=f"from --mem-fraction on CUDA, {CPU_MAX_TOTAL_TOKENS} on CPU",
+    )
+    mem_fraction: float | None = option(
+        None,
+        "fraction of the GPU's memory this process may use for weights + KV pool; the pool "
+        "gets what the loaded weights leave; the rest is left for activations, CUDA graphs "
+        "and the CUDA context (CUDA only, unused with --max-total-tokens)",
+        parse=argtypes.share,
+        metavar="F",
+        forward=False,  # ``dsmesh up`` splits its own between the processes of a GPU
+        default_text=str(DEFAULT_MEM_FRACTION),
+    )
+    # fp8_e4m3: e4m3 values, two float32 scales per token in each page (dsmesh/kernels/kv_fp8.py)
+    kv_cache_dtype: str = option(
+        "auto",
+        "KV cache values: auto = the model's dtype; fp8_e4m3 = FP8 with per-token scales, "
+        "about twice the tokens per GB (decode attention: Triton, not FlashInfer)",
+        choices=KV_CACHE_DTYPES,
+    )
+    max_running_requests: int | None = option(
+        None, "requests in the running batch at most", parse=argtypes.positive, default_text=DERIVED
+    )
+    max_batch_tokens: int | None = option(
+        None,
+        "new tokens per forward (also the prefill chunk size)",
+        parse=argtypes.positive,
+        default_text=DERIVED,
+    )
+    admit_interval: int = option(
+        1,
+        "while requests decode, new requests join the batch at most every N steps, so that "
+        "their prompt chunks share one forward (1 = every step; dsmesh/engine/scheduler.py)",
+        parse=argtypes.positive,
+    )
+    attention_mode: str = option(
+        "auto",
+        "MLA path: auto = naive for prefill, weight-absorbed for decode",
+        choices=ATTENTION_MODES,
+    )
+    prefix_cache: bool | None = option(
+        None,
+        "share full prompt pages between requests with a common prefix",
+        default_text="on in services, off in dsmesh generate and offline benchmarks",
+    )
+    tbo: bool = option(
+        False,
+        "two-batch overlap: each forward runs as two micro-batches whose MoE dispatch/combine "
+        "overlaps the other's compute",
+        cli=False,  # an expert-parallel flag (dsmesh/cli/common.py add_ep_args)
+        up=True,  # ``dsmesh up`` forwards it to the expert-parallel instances
+    )
+    cuda_graphs: bool = option(
+        True,
+        "replay decode steps as CUDA graphs, one per batch-size bucket (CUDA only; not with "
+        "attention mode naive; with --tbo the graphs hold both micro-batches; under expert "
+        "parallelism the ranks agree on each graph step)",
+    )
+    cuda_graph_max_batch: int | None = option(
+        None,
+        "largest decode batch replayed as a CUDA graph (larger ones run eagerly)",
+        parse=argtypes.positive,
+        default_text="the running-request limit",
+    )
+    cuda_graph_warmup_tokens: int = option(
+        4096,
+        "decode graphs for every batch bucket and contexts up to this many tokens are "
+        "captured at start-up (the rest on first use, which stalls the running batch); 0 = "
+        "all on first use",
+        parse=argtypes.count,
+    )
+    cuda_graph_min_tokens: int = option(
+        1024,
+        "contexts up to this many tokens share one page table in the captured graphs",
+        parse=argtypes.positive,
+    )
+    decode_attention: str = option(
+        "auto",
+        "MLA decode kernel: auto = FlashInfer's where it is installed and fits, else "
+        "dsmesh's Triton kernel (kernel); flashinfer = FlashInfer's (bash "
+        "scripts/setup-gpu.sh); torch = the reference (dsmesh/engine/mla_decode_backend.py)",
+        choices=ATTENTION_BACKENDS,
+    )
+    kernels: str = option(
+        "auto",
+        "auto = dsmesh's Triton kernels on CUDA (fused glue, routing, prefill attention); "
+        "torch = the torch references everywhere (A/B runs); chosen once at start",
+        choices=KERNEL_SETS,
+    )
+    moe_backend: str = option(
+        "auto",
+        "decode-sized MoE: auto/fused = one fused kernel (bf16/fp16 on CUDA), grouped = "
+        "grouped GEMMs",
+        choices=MOE_BACKENDS,
+    )
+    overlap_decode: bool = option(
+        True,
+        "with CUDA graphs, launch a greedy decode step before the previous one's "
+        "bookkeeping, so that host work overlaps the GPU (only when the next batch is "
+        "certain to be the same requests; docs/GPU.md)",
+    )
+    contiguous_prompts: bool = option(
+        False,
+        "prefix cache evictions keep each prompt chunk's pages one run of consecutive "
+        "pages: set by the prefill and decode services, between which a prompt's KV is "
+        "copied a run per layer",
+        cli=False,
+    )
+    split_mixed_steps: bool = option(
+        True,
+        "with CUDA graphs, a step mixing decode rows and prompt chunks replays a decode "
+        "graph for the decode rows and runs only the prompt chunks eagerly (docs/GPU.md)",
+    )
+    fp8_experts: bool | None = option(
+        None,
+        "FP8 checkpoints: keep the routed experts in FP8 and run the FP8 grouped GEMM on "
+        "CUDA; --no-fp8-experts dequantises every weight to --dtype at load",
+        default_text="on for FP8 checkpoints on CUDA with Triton, else off",
+    )
+    speculative: str | None = option(
+        None,
+        "speculative decoding: mtp = draft with the checkpoint's MTP layer "
+        "(num_nextn_predict_layers > 0) and verify the drafts in one forward; off by default "
+        "(dsmesh/engine/speculative.py)",
+        choices=SPECULATIVE_METHODS,
+    )
+    num_draft_tokens: int = option(
+        1,
+        "tokens drafted per step with --speculative (the MTP layer applied K times)",
+        parse=argtypes.positive,
+        metavar="K",
+    )
+    speculative_max_batch: int = option(
+        128,
+        "decode batches larger than N run without speculation (128: on one H200, K = 1 "
+        "gains at every batch up to 128 at simulated acceptance 0.6 and 0.8, projected to "
+        "V3's 61 layers; dsmesh/bench/mtp.py)",
+        parse=argtypes.count,
+        metavar="N",
+    )
     # BENCHMARK ONLY (dsmesh/bench/mtp.py): accept each draft with this probability instead of
     # verifying it, emitting the target's tokens (random weights accept nothing); the output
     # is not the model's. None = real verification.
-    spec_forced_acceptance: float | None = None
+    spec_forced_acceptance: float | None = option(
+        None, "benchmarks only: accept each draft with this probability", cli=False
+    )
+    role: str = option(
+        "offline",
+        "what the process is for: offline (dsmesh generate, benchmarks), prefill, decode or "
+        "unified; set by each service",
+        choices=ROLES,
+        cli=False,
+    )
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -99,6 +214,17 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto or one of {sorted(dtypes)}, got {self.dtype!r}")
         return dtypes[self.dtype]
 
+    @property
+    def is_resolved(self) -> bool:
+        """Whether every derived option has its value (dsmesh/engine/derived.py)."""
+        return None not in (
+            self.max_running_requests,
+            self.max_batch_tokens,
+            self.prefix_cache,
+            self.fp8_experts,
+            self.cuda_graph_max_batch,
+        )
+
     def validate(self) -> None:
         if self.attention_mode not in ATTENTION_MODES:
             raise ValueError(f"attention_mode must be one of {ATTENTION_MODES}")
@@ -107,10 +233,21 @@ class EngineConfig:
                 f"decode_attention must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.decode_attention!r}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
+        if self.kv_cache_dtype != "auto" and self.decode_attention == "flashinfer":
+            raise ValueError(
+                f"--decode-attention flashinfer cannot read --kv-cache-dtype "
+                f"{self.kv_cache_dtype} pages: use --decode-attention auto or kernel (Triton)"
+            )
         if self.kernels not in KERNEL_SETS:
             raise ValueError(f"kernels must be one of {KERNEL_SETS}, got {self.kernels!r}")
         if self.moe_backend not in MOE_BACKENDS:
             raise ValueError(f"moe_backend must be one of {MOE_BACKENDS}, got {self.moe_backend!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.max_total_tokens is not None and self.max_total_tokens <= 0:
             raise ValueError(f"max_total_tokens must be > 0, got {self.max_total_tokens}")
         if self.mem_fraction is not None and not 0 < self.mem_fraction <= 1:
@@ -124,8 +261,9 @@ class EngineConfig:
             "cuda_graph_min_tokens",
         )
         for name in names:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
         if self.cuda_graph_warmup_tokens < 0:
             raise ValueError(
                 f"cuda_graph_warmup_tokens must be >= 0, got {self.cuda_graph_warmup_tokens}"

@@ -1,1 +1,1 @@
-"""Expert-parallel load balancer: placements from measured expert load (EPLB issue)."""
+"""Expert-parallel load balancer: placements from measured expert load (docs/EPLB.md)."""

@@ -1,30 +1,42 @@
-"""What an eplb process is told at start-up."""
+"""What an eplb process is told at start-up: each field is a flag of ``dsmesh eplb serve``
+(dsmesh/runtime/options.py)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from dsmesh.runtime.lifecycle import check_drain_timeout
-from dsmesh.runtime.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
+from dsmesh.runtime import argtypes
+from dsmesh.runtime.options import option
+from dsmesh.runtime.server_options import ServerOptions, metrics_port_option, port_option
 
 DEFAULT_PORT = 50055  # the CLI's default; EPLBConfig's 0 picks any free port
 
 
 @dataclass(frozen=True)
-class EPLBConfig:
-    host: str = "127.0.0.1"  # the address bound
-    advertise_host: str = ""  # what peers dial; empty: from ``host`` (dsmesh.runtime.address)
-    port: int = 0  # 0: any free port (reported through ``ready``)
-    interval_s: float = 60.0  # periodic rebalance of every instance with load
-    threshold: float = 0.05  # apply when predicted balancedness rises by more than this
-    window_steps: int = 1000  # engine steps of load each instance's window keeps
-    metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0 = off
-    drain_timeout_s: float = 2.0  # calls in flight get this long after a stop
-    tls: TLSConfig = TLSConfig()
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+class EPLBConfig(ServerOptions):
+    port: int = port_option(DEFAULT_PORT)  # 0: any free port (reported through ``ready``)
+    interval_s: float = option(
+        60.0,
+        "periodic rebalance of every instance with load",
+        parse=argtypes.seconds,
+        metavar="SECONDS",
+        up="--eplb-interval",
+    )
+    threshold: float = option(
+        0.05,
+        "apply a placement when it raises predicted balancedness (mean/max per-rank load) "
+        "by more than this",
+        parse=argtypes.below_one,
+        up="--eplb-threshold",
+    )
+    window_steps: int = option(
+        1000, "engine steps of load kept per instance", parse=argtypes.positive, metavar="N"
+    )
+    metrics_port: int = metrics_port_option()
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name in ("port", "metrics_port"):
             value = getattr(self, name)
             if not 0 <= value <= 65535:
@@ -35,6 +47,3 @@ class EPLBConfig:
             raise ValueError(f"threshold must be in [0, 1), got {self.threshold}")
         if self.window_steps < 1:
             raise ValueError(f"window_steps must be >= 1, got {self.window_steps}")
-        check_drain_timeout(self.drain_timeout_s)
-        if self.max_message_bytes < 1:
-            raise ValueError(f"max_message_bytes must be positive, got {self.max_message_bytes}")

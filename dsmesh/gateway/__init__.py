@@ -1,1 +1,1 @@
-"""The public API: gRPC dsmesh.v1.Generation, REST transcoding, OpenAI routes (gateway issue)."""
+"""The public API: gRPC dsmesh.v1.Generation, REST transcoding, OpenAI routes (docs/GATEWAY.md)."""

@@ -6,68 +6,31 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
 
 from dsmesh.engine.model.config import load_config
 from dsmesh.engine.tokenizer import Tokenizer
+from dsmesh.gateway.config import GatewayConfig
 from dsmesh.gateway.core import CoreLimits, GenerationCore
 from dsmesh.gateway.grpc_servicer import GenerationServicer
 from dsmesh.gateway.http_app import build_app
 from dsmesh.gateway.metrics import GatewayMetrics
-from dsmesh.gateway.reasoning import check_reasoning_parser
 from dsmesh.gateway.registry import InstanceRegistry
 from dsmesh.runtime import telemetry
 from dsmesh.runtime.address import advertise_host, host_port
 from dsmesh.runtime.drain import Drain
 from dsmesh.runtime.grpc_server import method_paths, set_channel_defaults, start_server
 from dsmesh.runtime.heap import freeze_startup_heap
-from dsmesh.runtime.lifecycle import (
-    DEFAULT_DRAIN_TIMEOUT_S,
-    STOP_GRACE_S,
-    check_drain_timeout,
-    serve_until_stopped,
-)
-from dsmesh.runtime.security import DEFAULT_MAX_MESSAGE_BYTES, ApiKeyInterceptor, TLSConfig
+from dsmesh.runtime.lifecycle import STOP_GRACE_S, serve_until_stopped
+from dsmesh.runtime.security import ApiKeyInterceptor
 from dsmesh.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
 _SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
 SERVICE = _SERVICE.full_name
-
-
-@dataclass(frozen=True)
-class GatewayConfig:
-    broker_address: str
-    model_dir: str
-    host: str = "127.0.0.1"  # the address bound (gRPC and HTTP)
-    advertise_host: str = ""  # what clients dial; empty: from ``host`` (dsmesh.runtime.address)
-    grpc_port: int = 50051
-    http_port: int = 8000
-    # model ids of the OpenAI routes, any of which a request may use; empty: the folder's name
-    served_model_names: tuple[str, ...] = ()
-    request_timeout_s: float = 600.0
-    handoff_timeout_s: float = 30.0
-    max_body_bytes: int = 8 << 20
-    max_inflight: int = 512  # requests dispatched to instances at most; more wait in the queue
-    max_queued: int = 1024  # requests waiting in the gateway's queue at most; more get 429
-    # KV-aware routing: what a cached prompt token weighs against a token of load; 0: off
-    kv_routing_weight: float = 1.0
-    tls: TLSConfig = TLSConfig()  # the public gRPC port and every channel; off by default
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no key needed
-    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # requests in flight at SIGTERM finish
-    # "deepseek-r1": chat's <think>...</think> goes to reasoning_content
-    # (dsmesh/gateway/reasoning.py)
-    reasoning_parser: str = ""
-
-    def __post_init__(self) -> None:
-        check_drain_timeout(self.drain_timeout_s)
-        if not self.kv_routing_weight >= 0:
-            raise ValueError(f"--kv-routing-weight must be >= 0, got {self.kv_routing_weight}")
-        check_reasoning_parser(self.reasoning_parser)
+__all__ = ["SERVICE", "GatewayConfig", "serve"]
 
 
 async def serve(

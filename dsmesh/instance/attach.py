@@ -11,29 +11,26 @@ import os
 import socket
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 
 from dsmesh.clients.broker import BrokerLink
+from dsmesh.engine.ep.runtime import EP_GROUP, EPConfig
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.instance.ep_group import RankSpec
 from dsmesh.instance.layout import layout_of
 from dsmesh.instance.worker import EngineWorker
-from dsmesh.runtime.address import advertise_host, host_port
+from dsmesh.runtime.address import LOOPBACK, advertise_host, host_port
 from dsmesh.runtime.drain import Drain
 from dsmesh.runtime.grpc_server import RunningServer, method_paths, start_server
 from dsmesh.runtime.heap import freeze_startup_heap
-from dsmesh.runtime.lifecycle import (
-    DEFAULT_DRAIN_TIMEOUT_S,
-    STOP_GRACE_S,
-    ServiceConfig,
-    check_drain_timeout,
-    serve_until_stopped,
-)
-from dsmesh.runtime.security import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
+from dsmesh.runtime.lifecycle import STOP_GRACE_S, ServiceConfig, serve_until_stopped
+from dsmesh.runtime.options import REQUIRED, nested, option
+from dsmesh.runtime.server_options import ServerOptions, metrics_port_option, port_option
 from dsmesh.runtime.transfer import (
+    PROTOCOLS,
     KVTransport,
     RemotePool,
     make_transport,
@@ -45,35 +42,70 @@ from dsmesh.v1 import kv_broker_pb2 as kb
 log = logging.getLogger(__name__)
 
 
+TRANSFER_GROUP = "KV transfer (Mooncake Transfer Engine)"
+ENGINE_GROUP = "engine (docs/OPTIONS.md)"
+
+
 @dataclass(frozen=True)
 class TransferConfig:
     backend: str = "mooncake"
-    # "auto" (tcp for a host pool; nvlink_intra for a GPU pool reached on loopback, else
-    # rdma), "tcp", "nvlink_intra" or "rdma": dsmesh/runtime/transfer/protocol.py
-    protocol: str = "auto"
-    hostname: str = "127.0.0.1"  # address peers use to reach this process's transfer engine
-    device_name: str = ""  # RDMA devices, e.g. "mlx5_0,mlx5_1"
+    protocol: str = option(
+        "auto",
+        "how KV bytes move: auto = tcp for a CPU pool, nvlink_intra (CUDA IPC) for a GPU pool "
+        "whose peers are on this host (--transfer-hostname on loopback), else rdma (GPUDirect "
+        "RDMA, needs an RDMA NIC); tcp refuses a GPU pool (docs/PD.md, "
+        "dsmesh/runtime/transfer/protocol.py)",
+        flag="--transfer-protocol",
+        choices=PROTOCOLS,
+    )
+    hostname: str = option(
+        LOOPBACK,
+        "address peers use to reach this process's transfer engine",
+        flag="--transfer-hostname",
+        metavar="HOST",
+        cli_default="",  # the CLI puts the advertised host
+        default_text="the advertised host, --advertise-host",
+    )
+    device_name: str = option("", 'RDMA devices, e.g. "mlx5_0,mlx5_1"', flag="--transfer-device")
 
 
 @dataclass(frozen=True, kw_only=True)
-class InstanceConfig:
+class InstanceConfig(ServerOptions):
     """What every prefill, decode and unified instance is told at start-up; each role's
-    config adds its own fields (keyword-only)."""
+    config adds its own fields (keyword-only). Each option is a flag of the instance's
+    command (dsmesh/runtime/options.py)."""
 
-    broker_address: str
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    host: str = "127.0.0.1"  # the address bound
-    # what peers dial, registered with kv_broker; empty: from ``host`` (dsmesh.runtime.address)
-    advertise_host: str = ""
-    port: int = 0
-    instance_id: str = ""
-    metrics_port: int = 0  # Prometheus /metrics port; 0 = off
-    tls: TLSConfig = TLSConfig()  # every gRPC server and channel of the process; off by default
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # requests in flight at SIGTERM finish
+    broker_address: str = option(REQUIRED, "kv_broker address HOST:PORT", flag="--broker")
+    engine: EngineConfig = nested(EngineConfig, group=ENGINE_GROUP)
+    port: int = port_option()
+    instance_id: str = option("", "instance name", default_text="role-host-pid-rand")
+    metrics_port: int = metrics_port_option()
 
-    def __post_init__(self) -> None:
-        check_drain_timeout(self.drain_timeout_s)
+
+@dataclass(frozen=True, kw_only=True)
+class PDInstanceConfig(InstanceConfig):
+    """What prefill and decode instances share: the prefix cache on, the transfer engine
+    that moves KV between them, and the expert-parallel group each may run as."""
+
+    # decode's prefix cache keeps finished requests' KV, so a follow-up turn receives only
+    # the pages the instance does not hold already
+    engine: EngineConfig = nested(
+        EngineConfig, group=ENGINE_GROUP, default_factory=lambda: EngineConfig(prefix_cache=True)
+    )
+    transfer: TransferConfig = nested(TransferConfig, group=TRANSFER_GROUP)
+    ep: EPConfig = nested(EPConfig, group=EP_GROUP)  # ep_size 1: one process
+    eplb_address: str = option(
+        "",
+        "eplb_svc address: stream expert load to it and apply its placements live "
+        "(docs/EPLB.md); needs --ep-size > 1 or redundant experts",
+        flag="--eplb",
+        metavar="HOST:PORT",
+        group=EP_GROUP,
+    )
+    eplb_report_interval_s: float = option(
+        1.0, "seconds between expert-load reports to eplb_svc", group=EP_GROUP
+    )
+    ep_rank: RankSpec | None = None  # set on each rank of an expert-parallel group
 
 
 @dataclass

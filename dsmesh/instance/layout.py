@@ -12,6 +12,7 @@ _DTYPE_NAMES = {
     "torch.float32": "float32",
     "torch.bfloat16": "bfloat16",
     "torch.float16": "float16",
+    "torch.float8_e4m3fn": "fp8_e4m3",  # --kv-cache-dtype fp8_e4m3: codes + scales per page
 }
 
 
@@ -25,7 +26,7 @@ def layout_of(engine: LLMEngine, transport: str = "") -> kb.KVLayout:
     """The layout of ``engine``'s pool, moved by ``transport`` (its signature, e.g.
     "mooncake/nvlink_intra")."""
     pool = engine.kv_pool
-    dtype = str(pool.buffer.dtype)
+    dtype = str(pool.dtype)  # the cache's values: a bf16 and an FP8 pool never match
     return kb.KVLayout(
         dtype=_DTYPE_NAMES.get(dtype, dtype),
         page_size=pool.page_size,

@@ -40,3 +40,37 @@ def rotate(x1, x2, cos, sin, KIND: tl.constexpr):
     o1 = round_to(round_to(x1 * cos, KIND) - round_to(x2 * sin, KIND), KIND)
     o2 = round_to(round_to(x2 * cos, KIND) + round_to(x1 * sin, KIND), KIND)
     return o1, o2
+
+
+@triton.jit
+def fp8_scale(amax, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
+    """The e4m3 scale of a part whose absolute maximum is ``amax`` (float32):
+    ``max(amax, MIN_AMAX) / FP8_MAX``, divided with round to nearest (torch's division)."""
+    a = tl.maximum(amax, MIN_AMAX)
+    return tl.math.div_rn(a, tl.full(a.shape, FP8_MAX, tl.float32))
+
+
+@triton.jit
+def round_to_e4m3(v):
+    """float32 ``v`` (|v| <= 448) -> float32 holding the nearest e4m3 value, ties to even.
+
+    By arithmetic, as :func:`round_to` does for bf16: Triton's CPU interpreter rounds
+    float32 -> e4m3 casts sloppily (tests/kernels/conftest.py), while a cast of a value
+    e4m3 holds is exact on both. Normal values keep 3 mantissa bits (bit rounding; a carry
+    moves to the next binade); below 2^-6 the subnormals step by 2^-9 (adding and removing
+    2^14, whose float32 ulp is 2^-9, rounds to that step)."""
+    a = tl.abs(v)
+    bits = a.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFFF + ((bits >> 20) & 1)
+    normal = ((bits >> 20) << 20).to(tl.float32, bitcast=True)
+    out = tl.where(a < 0.015625, (a + 16384.0) - 16384.0, normal).to(tl.uint32, bitcast=True)
+    sign = v.to(tl.uint32, bitcast=True) & 0x80000000  # -0.0 for negatives that round to 0
+    return (out | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_codes(x, scale, FP8_MAX: tl.constexpr):
+    """float32 ``x`` / ``scale`` (round to nearest), saturated at +-FP8_MAX, as e4m3."""
+    y = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))
+    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    return round_to_e4m3(y).to(tl.float8e4nv)

@@ -14,6 +14,10 @@ choice once per kernel. Adapters so far:
 
 MLA prefill has no adapter (no measured need: the Triton kernel runs prefill at 54-58% of the
 matmul rate).
+
+An installed library is used only when its build fits this torch and is a tested release
+(:func:`dsmesh.kernels.libraries.status`): otherwise :func:`decide` logs a warning naming the
+release to install (``pip install ...`` or ``bash scripts/setup-gpu.sh``) and keeps Triton.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+from dataclasses import dataclass
+
+from dsmesh.kernels.libraries import status as library_status
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +40,16 @@ _ADAPTERS: dict[str, str] = {
 }
 
 
+@dataclass(frozen=True)
+class Decision:
+    """``backend``: ``"triton"`` or the optional module that runs the kernel; ``why``: one
+    line for the start-up summary ("flashinfer-python 0.6.18.post1", "flashinfer not
+    installed (...)", or why an installed build was refused)."""
+
+    backend: str
+    why: str
+
+
 @functools.cache
 def available(module: str) -> bool:
     """Whether ``module`` can be imported (found on the path; not imported here)."""
@@ -40,15 +57,28 @@ def available(module: str) -> bool:
 
 
 @functools.cache
-def choose(kernel: str) -> str:
-    """The backend that runs ``kernel``: ``"triton"`` (dsmesh's own) unless a tested adapter
-    for an installed optional library exists. Logged once per kernel."""
+def decide(kernel: str) -> Decision:
+    """The backend that runs ``kernel`` and why: ``"triton"`` (dsmesh's own) unless a tested
+    adapter exists for an installed optional library whose build fits this torch. Logged
+    once per kernel; a refused build as a warning that names the release to install."""
     module = OPTIONAL.get(kernel)
-    if module is not None and available(module) and kernel in _ADAPTERS:
-        log.info("%s: using %s", kernel, module)
-        return module
-    if module is not None and available(module):
-        log.info("%s: %s is installed but has no tested adapter here; using Triton", kernel, module)
-    else:
+    if module is None:
         log.info("%s: using dsmesh's Triton kernel", kernel)
-    return "triton"
+        return Decision("triton", "dsmesh's kernel")
+    if not available(module):
+        log.info("%s: using dsmesh's Triton kernel (%s not installed)", kernel, module)
+        return Decision("triton", f"{module} not installed")
+    if kernel not in _ADAPTERS:
+        log.info("%s: %s is installed but has no tested adapter here; using Triton", kernel, module)
+        return Decision("triton", f"no {module} adapter for {kernel}")
+    lib = library_status(module)
+    if not lib.usable:
+        log.warning("%s: %s; using dsmesh's Triton kernel", kernel, lib.detail)
+        return Decision("triton", lib.detail)
+    log.info("%s: using %s (%s)", kernel, module, lib.detail)
+    return Decision(module, lib.detail)
+
+
+def choose(kernel: str) -> str:
+    """:func:`decide`'s backend for ``kernel``."""
+    return decide(kernel).backend

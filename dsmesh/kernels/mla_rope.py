@@ -22,24 +22,43 @@ float32 to a few ulp, bf16 equal or one ulp apart).
 Grid (T, head blocks + 1): programs ``(t, j < head blocks)`` rotate a block of q heads of row
 ``t`` in place, program ``(t, last)`` normalises and rotates ``kv_a[t]`` and stores the row at
 ``kv_cache_flat[slots[t]]``. The launch depends on shapes only: capturable in a CUDA graph.
+
+:func:`mla_decode_prep_fp8` is the same launch for a pool in the FP8 page format
+(``--kv-cache-dtype fp8_e4m3``, :mod:`dsmesh.kernels.kv_fp8`): the row's program quantises
+the normalised latent and the rotated key per token (the values the torch path would store,
+divided by ``max(amax, 1e-8) / 448`` with round-to-nearest divisions, saturated, rounded to
+e4m3 by arithmetic: ``dsmesh.kernels._jit_math.round_to_e4m3``) and stores the codes and both
+scales in the slot's page. Same bits as :func:`mla_decode_prep_fp8_ref` for the same
+normalised latent and rotated key (the latent's norm may be a few ulp apart, above, and so
+its scale and a code).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dsmesh.kernels._triton import can_launch, next_pow2
+from dsmesh.kernels.kv_fp8 import KV_FP8_DTYPE, KV_FP8_MAX, KV_FP8_MIN_AMAX, quantize_kv_fp8
 from dsmesh.kernels.norm import SUPPORTED_DTYPES, rms_norm_ref
 
-__all__ = ["mla_decode_prep", "mla_decode_prep_ref", "rotary_ref"]
+__all__ = [
+    "mla_decode_prep",
+    "mla_decode_prep_fp8",
+    "mla_decode_prep_fp8_ref",
+    "mla_decode_prep_ref",
+    "rotary_ref",
+]
 
 # @triton.jit helpers the kernel calls, bound by ``_kernels()`` (module globals, as Triton's
 # interpreter needs; see dsmesh/kernels/norm.py).
 _round_to: Any = None
 _rotate: Any = None
+_fp8_scale: Any = None
+_fp8_codes: Any = None
 
 _MAX_BLOCK_H = 16
 
@@ -83,6 +102,35 @@ def mla_decode_prep_ref(
     kv_cache_flat.index_copy_(0, slots, kv.to(kv_cache_flat.dtype))
 
 
+def mla_decode_prep_fp8_ref(
+    q: torch.Tensor,
+    kv_a: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_pages: torch.Tensor,
+    kv_scales: torch.Tensor,
+    slots: torch.Tensor,
+    interleave: bool,
+    nope_dim: int,
+    rope_dim: int,
+    kv_lora_rank: int,
+) -> None:
+    """Plain torch, same contract as :func:`mla_decode_prep_fp8` (``q``, ``kv_pages`` and
+    ``kv_scales`` are updated in place): :func:`mla_decode_prep_ref`'s row, quantised by
+    :func:`dsmesh.kernels.kv_fp8.quantize_kv_fp8`."""
+    q[..., nope_dim:] = rotary_ref(q[..., nope_dim:], cos, sin, interleave)
+    latent, k_pe = kv_a.split([kv_lora_rank, rope_dim], dim=-1)
+    latent = rms_norm_ref(latent, norm_weight, eps)
+    k_pe = rotary_ref(k_pe, cos, sin, interleave)
+    values, scales = quantize_kv_fp8(torch.cat([latent, k_pe], dim=-1), kv_lora_rank)
+    page_size = kv_pages.shape[1]
+    at = (slots.long() // page_size, slots.long() % page_size)
+    kv_pages.view(torch.uint8).index_put_(at, values.view(torch.uint8))
+    kv_scales.index_put_(at, scales)
+
+
 @functools.cache
 def _kernels():
     import triton
@@ -90,9 +138,11 @@ def _kernels():
 
     from dsmesh.kernels import _jit_math
 
-    global _round_to, _rotate
+    global _round_to, _rotate, _fp8_scale, _fp8_codes
     _round_to = _jit_math.round_to
     _rotate = _jit_math.rotate
+    _fp8_scale = _jit_math.fp8_scale
+    _fp8_codes = _jit_math.fp8_codes
 
     @triton.jit
     def prep_kernel(
@@ -112,6 +162,9 @@ def _kernels():
         sin_stride,
         cache_stride,
         eps,
+        scales_ptr,
+        cache_page_stride,
+        scales_page_stride,
         NOPE: tl.constexpr,
         HALF: tl.constexpr,
         BLOCK_HALF: tl.constexpr,
@@ -123,6 +176,10 @@ def _kernels():
         ROPE_KIND: tl.constexpr,
         NORM_KIND: tl.constexpr,
         CACHE_KIND: tl.constexpr,
+        FP8: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
+        FP8_MAX: tl.constexpr,
+        MIN_AMAX: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         j = tl.program_id(1)
@@ -159,10 +216,24 @@ def _kernels():
             k1 = tl.load(row + LORA + off1, mask=i_mask, other=0.0).to(tl.float32)
             k2 = tl.load(row + LORA + off2, mask=i_mask, other=0.0).to(tl.float32)
             r1, r2 = _rotate(k1, k2, cos, sin, ROPE_KIND)
-            dst = cache_ptr + tl.load(slots_ptr + t).to(tl.int64) * cache_stride
-            tl.store(dst + c, _round_to(y, CACHE_KIND), mask=c_mask)
-            tl.store(dst + LORA + i, _round_to(r1, CACHE_KIND), mask=i_mask)
-            tl.store(dst + LORA + HALF + i, _round_to(r2, CACHE_KIND), mask=i_mask)
+            slot = tl.load(slots_ptr + t).to(tl.int64)
+            if FP8:  # per-token e4m3 codes and float32 scales, in the slot's page
+                page, off = slot // PAGE_SIZE, slot % PAGE_SIZE
+                dst = cache_ptr + page * cache_page_stride + off * cache_stride
+                s_lat = _fp8_scale(tl.max(tl.abs(y), axis=0), FP8_MAX, MIN_AMAX)
+                pe_amax = tl.maximum(tl.max(tl.abs(r1), axis=0), tl.max(tl.abs(r2), axis=0))
+                s_pe = _fp8_scale(pe_amax, FP8_MAX, MIN_AMAX)
+                tl.store(dst + c, _fp8_codes(y, s_lat, FP8_MAX), mask=c_mask)
+                tl.store(dst + LORA + i, _fp8_codes(r1, s_pe, FP8_MAX), mask=i_mask)
+                tl.store(dst + LORA + HALF + i, _fp8_codes(r2, s_pe, FP8_MAX), mask=i_mask)
+                scale_dst = scales_ptr + page * scales_page_stride + off * 2
+                tl.store(scale_dst, s_lat)
+                tl.store(scale_dst + 1, s_pe)
+            else:
+                dst = cache_ptr + slot * cache_stride
+                tl.store(dst + c, _round_to(y, CACHE_KIND), mask=c_mask)
+                tl.store(dst + LORA + i, _round_to(r1, CACHE_KIND), mask=i_mask)
+                tl.store(dst + LORA + HALF + i, _round_to(r2, CACHE_KIND), mask=i_mask)
 
     return prep_kernel
 
@@ -206,11 +277,102 @@ def mla_decode_prep(
     Rows may have any stride; last dims must be dense. No host syncs (CUDA-graph capturable).
     Same result as :func:`mla_decode_prep_ref`; see the module docstring for the rounding.
     """
+    kinds = _check(q, kv_a, norm_weight, cos, sin, slots, nope_dim, rope_dim, kv_lora_rank)
+    if kv_cache_flat.dim() != 2 or kv_cache_flat.shape[1] != kv_lora_rank + rope_dim:
+        raise ValueError(
+            f"kv_cache_flat must be [num_slots, {kv_lora_rank + rope_dim}], "
+            f"got {list(kv_cache_flat.shape)}"
+        )
+    if kv_cache_flat.device != q.device:
+        raise ValueError(f"kv_cache_flat is on {kv_cache_flat.device}, q on {q.device}")
+    cache_kind = _kind("kv_cache_flat", kv_cache_flat.dtype)
+    _dense_last("kv_cache_flat", kv_cache_flat)
+    dest = _Dest(kv_cache_flat, kv_cache_flat.stride(0), cache_kind)
+    _launch(q, kv_a, norm_weight, eps, cos, sin, slots, interleave, nope_dim, kinds, dest)
+
+
+def mla_decode_prep_fp8(
+    q: torch.Tensor,
+    kv_a: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_pages: torch.Tensor,
+    kv_scales: torch.Tensor,
+    slots: torch.Tensor,
+    interleave: bool,
+    nope_dim: int,
+    rope_dim: int,
+    kv_lora_rank: int,
+) -> None:
+    """:func:`mla_decode_prep` for one layer of a pool in the FP8 page format: the row of
+    token ``t`` (the values :func:`mla_decode_prep` would store) is quantised per token and
+    its e4m3 codes go to ``kv_pages[p, o]``, its scales (latent's, rope key's) to
+    ``kv_scales[p, o]``, where ``p, o = divmod(slots[t], page_size)``.
+
+    ``kv_pages`` [num_pages, page_size, kv_lora_rank + rope_dim] float8_e4m3fn and
+    ``kv_scales`` [num_pages, page_size, 2] float32: the pool's strided views
+    (:meth:`dsmesh.engine.kv.pool.MLAKVPool.layer_pages`), dense within a page. Same bits
+    as :func:`mla_decode_prep_fp8_ref` (see the module docstring)."""
+    kinds = _check(q, kv_a, norm_weight, cos, sin, slots, nope_dim, rope_dim, kv_lora_rank)
+    width = kv_lora_rank + rope_dim
+    if kv_pages.dim() != 3 or kv_pages.shape[2] != width or kv_pages.dtype != KV_FP8_DTYPE:
+        raise ValueError(
+            f"kv_pages must be [num_pages, page_size, {width}] {KV_FP8_DTYPE}, got "
+            f"{list(kv_pages.shape)} {kv_pages.dtype}"
+        )
+    if kv_scales.shape != (*kv_pages.shape[:2], 2) or kv_scales.dtype != torch.float32:
+        raise ValueError(
+            f"kv_scales must be [{kv_pages.shape[0]}, {kv_pages.shape[1]}, 2] float32, got "
+            f"{list(kv_scales.shape)} {kv_scales.dtype}"
+        )
+    for name, x in (("kv_pages", kv_pages), ("kv_scales", kv_scales)):
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device}, q on {q.device}")
+        if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+            raise ValueError(f"{name} must be dense within a page, got strides {x.stride()}")
+    dest = _Dest(
+        kv_pages, kv_pages.stride(1), 0, kv_scales, kv_pages.stride(0), kv_scales.stride(0)
+    )
+    _launch(q, kv_a, norm_weight, eps, cos, sin, slots, interleave, nope_dim, kinds, dest)
+
+
+@dataclass(frozen=True)
+class _Dest:
+    """Where the row of a token goes: ``values`` with ``slot_stride`` elements between slots
+    (a flat cache: ``values[slot]``), in dtype ``cache_kind``; for FP8 also ``scales`` and
+    both page strides (``values[slot // page_size, slot % page_size]``)."""
+
+    values: torch.Tensor
+    slot_stride: int
+    cache_kind: int
+    scales: torch.Tensor | None = None
+    page_stride: int = 0
+    scales_page_stride: int = 0
+
+    @property
+    def page_size(self) -> int:
+        return self.values.shape[1] if self.scales is not None else 1
+
+
+def _check(
+    q: torch.Tensor,
+    kv_a: torch.Tensor,
+    norm_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    nope_dim: int,
+    rope_dim: int,
+    kv_lora_rank: int,
+) -> tuple[int, int, int, int]:
+    """Validates the inputs both launches share; returns (x, rope, norm kinds, lora)."""
     if rope_dim <= 0 or rope_dim % 2:
         raise ValueError(f"rope_dim must be even and > 0, got {rope_dim}")
     if q.dim() != 3 or q.shape[2] != nope_dim + rope_dim:
         raise ValueError(f"q must be [T, H, {nope_dim + rope_dim}], got {tuple(q.shape)}")
-    t, heads = q.shape[0], q.shape[1]
+    t = q.shape[0]
     half = rope_dim // 2
     expect = {
         "kv_a": (kv_a, (t, kv_lora_rank + rope_dim)),
@@ -224,13 +386,6 @@ def mla_decode_prep(
             raise ValueError(f"{name} must be {list(shape)}, got {list(tensor.shape)}")
         if tensor.device != q.device:
             raise ValueError(f"{name} is on {tensor.device}, q on {q.device}")
-    if kv_cache_flat.dim() != 2 or kv_cache_flat.shape[1] != kv_lora_rank + rope_dim:
-        raise ValueError(
-            f"kv_cache_flat must be [num_slots, {kv_lora_rank + rope_dim}], "
-            f"got {list(kv_cache_flat.shape)}"
-        )
-    if kv_cache_flat.device != q.device:
-        raise ValueError(f"kv_cache_flat is on {kv_cache_flat.device}, q on {q.device}")
     if slots.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"slots must be int64 (or int32), got {slots.dtype}")
     if cos.dtype != sin.dtype:
@@ -242,13 +397,20 @@ def mla_decode_prep(
     _kind("norm_weight", norm_weight.dtype)
     rope_kind = _kind("cos", torch.promote_types(q.dtype, cos.dtype))
     norm_kind = _kind("norm_weight", torch.promote_types(q.dtype, norm_weight.dtype))
-    cache_kind = _kind("kv_cache_flat", kv_cache_flat.dtype)
     _dense_last("q", q)
-    _dense_last("kv_cache_flat", kv_cache_flat)
     if not can_launch(q):
         raise RuntimeError("Triton MLA decode prep needs a CUDA tensor (or TRITON_INTERPRET=1)")
+    return x_kind, rope_kind, norm_kind, kv_lora_rank
+
+
+def _launch(q, kv_a, norm_weight, eps, cos, sin, slots, interleave, nope_dim, kinds, dest):
+    """One launch; ``kinds`` from :func:`_check`, the rows go to ``dest``."""
+    t, heads = q.shape[0], q.shape[1]
     if t == 0:
         return
+    x_kind, rope_kind, norm_kind, lora = kinds
+    fp8 = dest.scales is not None
+    half = cos.shape[1]
     kv_a, cos, sin = (x if x.stride(-1) == 1 else x.contiguous() for x in (kv_a, cos, sin))
     block_h = min(next_pow2(heads), _MAX_BLOCK_H)
     head_blocks = -(-heads // block_h)
@@ -258,7 +420,7 @@ def mla_decode_prep(
         norm_weight.contiguous(),
         cos,
         sin,
-        kv_cache_flat,
+        dest.values,
         slots.contiguous(),
         heads,
         head_blocks,
@@ -267,19 +429,26 @@ def mla_decode_prep(
         kv_a.stride(0),
         cos.stride(0),
         sin.stride(0),
-        kv_cache_flat.stride(0),
+        dest.slot_stride,
         float(eps),
+        dest.scales if fp8 else dest.values,  # not read without FP8
+        dest.page_stride,
+        dest.scales_page_stride,
         NOPE=nope_dim,
         HALF=half,
         BLOCK_HALF=next_pow2(half),
-        LORA=kv_lora_rank,
-        BLOCK_LORA=next_pow2(kv_lora_rank),
+        LORA=lora,
+        BLOCK_LORA=next_pow2(lora),
         BLOCK_H=block_h,
         INTERLEAVE=bool(interleave),
         X_KIND=x_kind,
         ROPE_KIND=rope_kind,
         NORM_KIND=norm_kind,
-        CACHE_KIND=cache_kind,
+        CACHE_KIND=dest.cache_kind,
+        FP8=fp8,
+        PAGE_SIZE=dest.page_size,
+        FP8_MAX=KV_FP8_MAX,
+        MIN_AMAX=KV_FP8_MIN_AMAX,
         num_warps=4,
         enable_fp_fusion=False,
     )

@@ -21,7 +21,9 @@ Which builds work: ``sgl-deep-gemm`` ships one prebuilt host library per release
 against one torch; it reads torch tensors through torch's inline accessors, so a release built
 against another torch imports and then misreads them (it asserts ``dim == 2 or dim == 3`` on a
 2-D tensor). With torch 2.11 (the H200 image) 0.1.0, 0.1.3 and 0.1.5 work, 0.1.5.post3 and
-later do not (docs/KERNELS.md). :func:`load_deep_gemm` checks the build before first use.
+later do not (docs/KERNELS.md); dsmesh.kernels.libraries records which torch each release was
+built for, and a release built for another torch is not imported at all
+(dsmesh.kernels.backends). :func:`load_deep_gemm` still checks the build before first use.
 
 When it runs: :func:`prefers_deep_gemm`, a pure function of the problem's static shape. Every
 expert's rows are padded to a 128-row block, so with few rows per expert (decode) DeepGEMM
@@ -39,6 +41,7 @@ from types import ModuleType
 import torch
 
 from dsmesh.kernels.fp8 import BLOCK, Fp8ExpertWeights
+from dsmesh.kernels.libraries import install_hint
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +74,12 @@ def load_deep_gemm() -> ModuleType | None:
     if problem:
         log.warning(
             "DeepGEMM %s is installed but unusable with torch %s (%s): its prebuilt library "
-            "was built against another torch (docs/KERNELS.md). FP8 experts use the Triton "
-            "grouped GEMM",
+            "was built against another torch (docs/KERNELS.md); %s. FP8 experts use the "
+            "Triton grouped GEMM",
             getattr(deep_gemm, "__file__", "?"),
             torch.__version__,
             problem,
+            install_hint("deep_gemm", torch.__version__, torch.version.cuda),
         )
         return None
     return deep_gemm

@@ -1,1 +1,1 @@
-"""KV handoff state machine between prefill and decode (PD-services issue)."""
+"""KV handoff state machine between prefill and decode (docs/PD.md)."""

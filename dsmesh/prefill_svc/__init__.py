@@ -1,1 +1,1 @@
-"""Prefill service: chunked prefill and KV push into decode's pages (PD-services issue)."""
+"""Prefill service: chunked prefill and KV push into decode's pages (docs/PD.md)."""

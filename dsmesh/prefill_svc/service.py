@@ -6,21 +6,20 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dsmesh.clients.broker import BrokerLink
-from dsmesh.engine.llm_engine import EngineConfig
 from dsmesh.instance.attach import (
-    InstanceConfig,
-    TransferConfig,
+    PDInstanceConfig,
     build_instance,
     new_instance_id,
     serve_attached,
 )
-from dsmesh.instance.ep_group import RankSpec
 from dsmesh.instance.metrics import start_metrics
 from dsmesh.prefill_svc.servicer import PrefillLimits, PrefillServicer
+from dsmesh.runtime import argtypes
 from dsmesh.runtime.grpc_server import channel, set_channel_defaults
+from dsmesh.runtime.options import option
 from dsmesh.runtime.telemetry import tracing
 from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
@@ -32,13 +31,24 @@ SERVICE = _SERVICE.full_name
 
 
 @dataclass(frozen=True, kw_only=True)
-class PrefillConfig(InstanceConfig):
-    engine: EngineConfig = field(default_factory=lambda: EngineConfig(prefix_cache=True))
-    transfer: TransferConfig = field(default_factory=TransferConfig)
-    resolve_wait_s: float = 30.0
-    max_queued_tokens: int = 262144
-    max_transfer_backlog_s: float = 1.0
-    ep_rank: RankSpec | None = None  # set on each rank of an expert-parallel group
+class PrefillConfig(PDInstanceConfig):
+    """Each option is a flag of ``dsmesh prefill`` (dsmesh/runtime/options.py)."""
+
+    resolve_wait_s: float = option(
+        30.0, "seconds to wait for decode's page reservation", parse=argtypes.seconds
+    )
+    max_queued_tokens: int = option(
+        262144,
+        "prompt tokens admitted and unfinished at most; beyond it RESOURCE_EXHAUSTED",
+        parse=argtypes.count,
+        up=True,
+    )
+    max_transfer_backlog_s: float = option(
+        1.0,
+        "new prompts wait while the queued KV writes would take longer than this many seconds "
+        "at the measured transfer rate",
+        parse=argtypes.seconds,
+    )
 
 
 async def serve(
@@ -55,7 +65,9 @@ async def _serve(
     # Prefill runs no decode step (it samples each first token in the prompt's last chunk):
     # no decode graphs to capture, no memory or start-up time spent on them. Its prompt
     # pages are copied to decode, a run of pages per layer: keep them in runs.
-    engine = dataclasses.replace(config.engine, cuda_graphs=False, contiguous_prompts=True)
+    engine = dataclasses.replace(
+        config.engine, cuda_graphs=False, contiguous_prompts=True, role="prefill"
+    )
     parts = await build_instance(engine, config.transfer, config.ep_rank)
     instance = parts.member(config.instance_id or new_instance_id("prefill"), kb.ROLE_PREFILL)
     metrics = start_metrics(parts.engine, "prefill", config.metrics_port, config.host)

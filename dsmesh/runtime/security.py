@@ -7,21 +7,25 @@
 ``ca_file``. ``dsmesh.runtime.grpc_server`` applies it: explicitly per server and channel, or
 through the process-wide default each service sets at start-up (docs/SECURITY.md).
 
-API keys (``--api-key``, ``DSMESH_API_KEYS``) guard the gateway's public front doors:
-:class:`ApiKeyInterceptor` on gRPC, ``dsmesh.gateway.http_app`` on HTTP. Keys are compared in
-constant time.
+Each file, the switch and the name is an option (dsmesh/runtime/options.py): a flag of every
+command that takes :class:`SecurityOptions`, with its environment variable as the fallback.
+
+API keys (``--api-key``, ``DSMESH_API_KEYS``: the gateway's ``api_keys`` option) guard the
+gateway's public front doors: :class:`ApiKeyInterceptor` on gRPC, ``dsmesh.gateway.http_app``
+on HTTP. Keys are compared in constant time.
 """
 
 from __future__ import annotations
 
 import argparse
 import hmac
-import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+
+from dsmesh.runtime.options import from_args, nested, option
 
 ENV_CERT = "DSMESH_TLS_CERT"
 ENV_KEY = "DSMESH_TLS_KEY"
@@ -34,8 +38,7 @@ ENV_API_KEYS = "DSMESH_API_KEYS"
 # refused with RESOURCE_EXHAUSTED; no KV byte travels over gRPC, so messages stay small.
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
+SECURITY = "security (docs/SECURITY.md)"  # the help group of these options
 
 
 @dataclass(frozen=True)
@@ -49,11 +52,22 @@ class TLSConfig:
     of the address dialled).
     """
 
-    cert_file: str = ""
-    key_file: str = ""
-    ca_file: str = ""
-    client_auth: bool = False
-    server_name: str = ""
+    cert_file: str = option("", "certificate chain", flag="--tls-cert", metavar="PEM", env=ENV_CERT)
+    key_file: str = option("", "its key", flag="--tls-key", metavar="PEM", env=ENV_KEY)
+    ca_file: str = option("", "CA that verifies peers", flag="--tls-ca", metavar="PEM", env=ENV_CA)
+    client_auth: bool = option(
+        False,
+        "servers require client certificates: mTLS",
+        flag="--tls-client-auth",
+        env=ENV_CLIENT_AUTH,
+    )
+    server_name: str = option(
+        "",
+        "name expected in servers' certificates instead of the dialled host",
+        flag="--tls-server-name",
+        metavar="NAME",
+        env=ENV_SERVER_NAME,
+    )
 
     def __post_init__(self) -> None:
         if bool(self.cert_file) != bool(self.key_file):
@@ -71,24 +85,9 @@ class TLSConfig:
     def from_env_and_args(
         cls, args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None
     ) -> TLSConfig:
-        """Flags (``args.tls_cert`` ... as added by ``dsmesh.cli.common.add_security_args``)
-        win over the environment; the files must exist."""
-        env = os.environ if env is None else env
-
-        def pick(attr: str, var: str) -> str:
-            value = getattr(args, attr, None) if args is not None else None
-            return value if value is not None else env.get(var, "")
-
-        client_auth = getattr(args, "tls_client_auth", None) if args is not None else None
-        if client_auth is None:
-            client_auth = _env_flag(env, ENV_CLIENT_AUTH)
-        config = cls(
-            cert_file=pick("tls_cert", ENV_CERT),
-            key_file=pick("tls_key", ENV_KEY),
-            ca_file=pick("tls_ca", ENV_CA),
-            client_auth=client_auth,
-            server_name=pick("tls_server_name", ENV_SERVER_NAME),
-        )
+        """Flags (``args`` parsed with these options) win over the environment (``env``,
+        default ``os.environ``); the files must exist."""
+        config = from_args(cls, args or argparse.Namespace(), env=env)
         for flag, path in (
             ("--tls-cert", config.cert_file),
             ("--tls-key", config.key_file),
@@ -140,29 +139,28 @@ def _read(path: str) -> bytes:
     return Path(path).read_bytes()
 
 
-def _env_flag(env: Mapping[str, str], name: str) -> bool:
-    value = env.get(name, "").strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"{name} must be 1/0 (or true/false), got {value!r}")
+@dataclass(frozen=True, kw_only=True)
+class SecurityOptions:
+    """TLS for every gRPC server and channel of a process, and its message size limit."""
+
+    tls: TLSConfig = nested(TLSConfig, group=SECURITY)  # off by default
+    max_message_bytes: int = option(
+        DEFAULT_MAX_MESSAGE_BYTES,
+        "largest gRPC message sent or received; beyond it RESOURCE_EXHAUSTED",
+        metavar="N",
+        group=SECURITY,
+    )
 
 
 # ---- API keys -----------------------------------------------------------------------------
 
 
-def api_keys_from_env_and_args(
-    flag_keys: Sequence[str] | None, env: Mapping[str, str] | None = None
-) -> tuple[str, ...]:
-    """``--api-key`` values if any were given, else ``DSMESH_API_KEYS`` split on commas."""
-    env = os.environ if env is None else env
-    raw = list(flag_keys) if flag_keys else env.get(ENV_API_KEYS, "").split(",")
-    keys = tuple(key.strip() for key in raw if key.strip())
-    for key in keys:
-        if any(ch.isspace() for ch in key) or not key.isprintable():
-            raise ValueError("an API key must not contain spaces or control characters")
-    return keys
+def api_key(text: str) -> str:
+    """One API key (``--api-key``, an item of ``DSMESH_API_KEYS``), stripped."""
+    key = text.strip()
+    if any(ch.isspace() for ch in key) or not key.isprintable():
+        raise argparse.ArgumentTypeError("an API key must not contain spaces or control characters")
+    return key
 
 
 def bearer_matches(authorization: str | None, keys: Sequence[str]) -> bool:

@@ -7,16 +7,23 @@ link is for discovery (the gateway finds it there) and liveness (health follows 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dsmesh.clients.broker import BrokerLink
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
-from dsmesh.instance.attach import InstanceConfig, new_instance_id, serve_attached
+from dsmesh.instance.attach import (
+    ENGINE_GROUP,
+    InstanceConfig,
+    new_instance_id,
+    serve_attached,
+)
 from dsmesh.instance.metrics import start_metrics
 from dsmesh.instance.worker import EngineWorker
 from dsmesh.runtime.grpc_server import set_channel_defaults
+from dsmesh.runtime.options import nested
 from dsmesh.runtime.telemetry import tracing
 from dsmesh.unified_svc.servicer import UnifiedServicer
 from dsmesh.v1 import decode_pb2, decode_pb2_grpc
@@ -29,7 +36,11 @@ SERVICE = _SERVICE.full_name
 
 @dataclass(frozen=True, kw_only=True)
 class UnifiedConfig(InstanceConfig):
-    engine: EngineConfig = field(default_factory=lambda: EngineConfig(prefix_cache=True))
+    """Each option is a flag of ``dsmesh unified`` (dsmesh/runtime/options.py)."""
+
+    engine: EngineConfig = nested(
+        EngineConfig, group=ENGINE_GROUP, default_factory=lambda: EngineConfig(role="unified")
+    )
 
 
 async def serve(
@@ -43,7 +54,8 @@ async def _serve(
     config: UnifiedConfig, stop: asyncio.Event, ready: Callable[[str, int], None] | None
 ) -> None:
     set_channel_defaults(config.tls, config.max_message_bytes)  # before the broker channel
-    engine = await asyncio.to_thread(LLMEngine, config.engine)  # loads off the event loop
+    engine_config = dataclasses.replace(config.engine, role="unified")
+    engine = await asyncio.to_thread(LLMEngine, engine_config)  # loads off the event loop
     worker = EngineWorker(engine)
     worker.start()
     instance_id = config.instance_id or new_instance_id("unified")

@@ -44,7 +44,7 @@ def test_shared_prefix_groups_share_exactly_their_system_prompt() -> None:
     assert order != sorted(order)
     assert shared_prefix_requests(config, (3, 50), seed=1) == reqs
     assert shared_prefix_requests(config, (3, 50), seed=2) != reqs
-    assert SharedPrefixConfig() == SharedPrefixConfig(64, 16, 4000, 200, 128)  # the issue's
+    assert SharedPrefixConfig() == SharedPrefixConfig(64, 16, 4000, 200, 128)  # the target's
     with pytest.raises(ValueError, match="at least 1"):
         shared_prefix_requests(SharedPrefixConfig(num_groups=0))
 

@@ -82,3 +82,24 @@ def test_tiny_run_writes_every_field(tmp_path) -> None:
     assert hf["batch"] == 3 and hf["decode_tokens_per_s"] > 0 and hf["decode_speedup"] > 0
     assert set(res["targets"]) == {"decode_roofline", "prefill_matmul", "vs_transformers"}
     assert res["targets"]["decode_roofline"]["batch"] == 3
+
+
+def test_v3_decode_with_each_kv_cache_dtype(tmp_path) -> None:
+    """``--kv-cache-dtype auto,fp8_e4m3``: the V3 decode runs with the model-dtype cache, then
+    again with an FP8 cache (its KV bytes: 48 one-byte values and 8 bytes of scales a token
+    and layer at the tiny shape)."""
+    out = tmp_path / "results.json"
+    argv = ["--tiny", "--device", "cpu", "--out", str(out), "--parts", "v3", "--context", "24"]
+    argv += ["--prompt-len", "16", "--prefill-prompts", "2", "--steps", "2", "--page-size", "8"]
+    argv += ["--v3-batch", "2", "--v3-layers", "2", "--kv-cache-dtype", "auto,fp8_e4m3"]
+    gpu.main(argv)
+    res = json.loads(out.read_text())
+    assert "errors" not in res
+    v3 = res["v3_layers"]
+    assert v3["kv_cache_dtype"] == "auto"
+    assert v3["decode"]["kv_bytes"] == 2 * 24 * 2 * (32 + 16) * 4
+    fp8 = v3["decode"]["kv_fp8_e4m3"]
+    assert fp8["kv_cache_dtype"] == "fp8_e4m3" and fp8["step_ms"] > 0
+    assert fp8["kv_bytes"] == 2 * 24 * 2 * (32 + 16 + 8)
+    with pytest.raises(SystemExit):
+        gpu.parse_args(["--kv-cache-dtype", "auto,int8"])

@@ -24,7 +24,7 @@ YAML_FILES = sorted([*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.yml")])
 TARGETS = [*OVERLAYS, K8S / "base"]
 
 
-def test_deploy_has_the_issue_files() -> None:
+def test_deploy_has_its_image_and_manifest_files() -> None:
     for rel in (
         "Dockerfile",
         "Dockerfile.cpu",

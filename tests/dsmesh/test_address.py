@@ -10,10 +10,12 @@ import pytest
 from dsmesh.cli.common import (
     advertise_host_from,
     ep_config_from,
-    instance_fields_from,
-    server_fields_from,
+    instance_config_from,
+    server_config_from,
 )
 from dsmesh.cli.main import build_parser
+from dsmesh.decode_svc.service import DecodeConfig
+from dsmesh.kv_broker.config import BrokerConfig
 from dsmesh.runtime.address import (
     advertise_host,
     default_route_address,
@@ -130,16 +132,17 @@ def test_every_service_takes_host_and_advertise_host(argv: list[str]) -> None:
     assert advertise_host_from(_parse(*argv, "--host", "198.18.0.8")) == "198.18.0.8"
 
 
-def test_server_fields_carry_both_addresses() -> None:
-    fields = server_fields_from(_parse("kv-broker", "--host", "0.0.0.0", "--advertise-host", "h1"))
-    assert (fields["host"], fields["advertise_host"]) == ("0.0.0.0", "h1")
+def test_server_configs_carry_both_addresses() -> None:
+    args = _parse("kv-broker", "--host", "0.0.0.0", "--advertise-host", "h1")
+    config = server_config_from(BrokerConfig, args)
+    assert (config.host, config.advertise_host) == ("0.0.0.0", "h1")
 
 
 def test_the_transfer_engine_follows_the_advertised_host() -> None:
     base = ("decode", "--broker", "b:1", "--host", "0.0.0.0", "--advertise-host", "198.18.0.7")
-    assert instance_fields_from(_parse(*base))["transfer"].hostname == "198.18.0.7"
+    assert instance_config_from(DecodeConfig, _parse(*base)).transfer.hostname == "198.18.0.7"
     own = _parse(*base, "--transfer-hostname", "198.19.0.7")
-    assert instance_fields_from(own)["transfer"].hostname == "198.19.0.7"
+    assert instance_config_from(DecodeConfig, own).transfer.hostname == "198.19.0.7"
 
 
 def test_ep_master_follows_node_0s_advertised_host() -> None:

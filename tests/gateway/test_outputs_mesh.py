@@ -1,4 +1,4 @@
-"""Issue 20's remaining outputs through a PD mesh and a unified one, with the openai SDK, REST
+"""The remaining outputs through a PD mesh and a unified one, with the openai SDK, REST
 and gRPC: prompt scoring (echo + logprobs + max_tokens 0, as lm-eval-harness's
 local-completions asks for it; gRPC's prompt_logprobs and max_new_tokens 0) against
 transformers' log_softmax of the prompt's logits; min_tokens over EOS, stop_token_ids and stop

@@ -1,6 +1,7 @@
 """The fused MLA decode preparation (q rope in place, latent RMSNorm, k rope, cache write) equals
 its torch reference, and the reference equals the engine's own sequence of modules (RotaryEmbedding,
-RMSNorm, MLAKVPool.write) as the decode graph runs it."""
+RMSNorm, MLAKVPool.write) as the decode graph runs it; the same for its FP8 page format variant
+(per-token e4m3 codes and scales, --kv-cache-dtype fp8_e4m3)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ from dsmesh.engine.kv.pool import MLAKVPool
 from dsmesh.engine.model.config import RopeConfig
 from dsmesh.engine.model.norm import RMSNorm
 from dsmesh.engine.model.rope import RotaryEmbedding
-from dsmesh.kernels.mla_rope import mla_decode_prep, mla_decode_prep_ref
+from dsmesh.kernels.mla_rope import (
+    mla_decode_prep,
+    mla_decode_prep_fp8,
+    mla_decode_prep_fp8_ref,
+    mla_decode_prep_ref,
+)
 from tests.kernels.conftest import needs_cuda, needs_triton
 from tests.kernels.test_norm import assert_close_ulp
 
@@ -193,3 +199,134 @@ def test_kernel_in_a_cuda_graph() -> None:
         graph.replay()
         torch.cuda.synchronize()
         check(c, c.q, flat, q_ref, flat_ref, start)
+
+
+# ---- the FP8 page format (--kv-cache-dtype fp8_e4m3) ---------------------------------------
+
+
+def fp8_pool(c: Case, device, seed: int = 0) -> MLAKVPool:
+    """An FP8 pool of ``c``'s geometry, every slot of both layers holding random tokens."""
+    pool = MLAKVPool(
+        2, c.pool.num_pages, c.pool.page_size, c.pool.kv_dim, torch.float8_e4m3fn, device, c.lora
+    )
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.arange(pool.num_pages * pool.page_size)
+    for layer in range(2):
+        kv = torch.randn(len(slots), pool.kv_dim, generator=g).to(device)
+        pool.write(layer, slots.to(device), kv)
+    return pool
+
+
+def fp8_args(c: Case, q: torch.Tensor, pool: MLAKVPool) -> tuple:
+    kv, scales = pool.layer_pages(LAYER)
+    return (q, c.kv_a, c.norm.weight, c.norm.eps, c.cos, c.sin, kv, scales, c.slots,
+            c.rotary.interleave, c.nope, c.rope, c.lora)  # fmt: skip
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_reference_equals_engine_modules(dtype, interleave) -> None:
+    """The FP8 reference stores what the engine's modules and an FP8 pool's ``write`` store."""
+    c = make_case(3, 4, 16, 16, 64, dtype, "cpu", interleave, pad=8)
+    q_pe, _ = engine_sequence(c)
+    latent, k_pe = c.kv_a.split([c.lora, c.rope], -1)
+    want = fp8_pool(c, "cpu")
+    want.write(LAYER, c.slots, torch.cat([c.norm(latent), c.rotary(k_pe, c.cos, c.sin)], -1))
+    got = fp8_pool(c, "cpu")
+    q_ref = c.q.clone()
+    mla_decode_prep_fp8_ref(*fp8_args(c, q_ref, got))
+    assert torch.equal(q_ref[..., c.nope :], q_pe)
+    assert torch.equal(got.buffer, want.buffer)  # codes and scales, byte for byte
+    assert not torch.equal(got.buffer, fp8_pool(c, "cpu").buffer)
+
+
+def check_fp8(c: Case, q, pool: MLAKVPool, q_ref, ref: MLAKVPool, start: torch.Tensor) -> None:
+    """Rope channels bit for bit; the slots' codes equal the reference's (the rope key's bit
+    for bit, the latent's up to neighbours: its norm is a few ulp from torch's), their
+    scales equal (the latent's to the norm's ulps); every other byte of the pool untouched.
+    The kernel rounds to e4m3 by arithmetic, so this holds in Triton's interpreter too."""
+    assert torch.equal(q.cpu(), q_ref.cpu())
+    ps, slots = pool.page_size, c.slots.cpu()
+    at = (slots // ps, slots % ps)
+    kv, scales = (x.cpu() for x in pool.layer_pages(LAYER))
+    kv_ref, scales_ref = (x.cpu() for x in ref.layer_pages(LAYER))
+    rope_codes, rope_ref = kv[at][:, c.lora :], kv_ref[at][:, c.lora :]
+    assert torch.equal(rope_codes.view(torch.uint8), rope_ref.view(torch.uint8))
+    lat, lat_ref = kv[at][:, : c.lora].view(torch.uint8), kv_ref[at][:, : c.lora].view(torch.uint8)
+    assert int((lat.int() - lat_ref.int()).abs().max()) <= 1  # equal, or neighbouring codes
+    assert torch.equal(scales[at][:, 1], scales_ref[at][:, 1])
+    rtol = 1e-5 if c.q.dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(scales[at][:, 0], scales_ref[at][:, 0], rtol=rtol, atol=0)
+    written = torch.zeros(pool.num_pages, ps, dtype=torch.bool)
+    written[at] = True
+    after = pool.buffer.cpu()
+    codes, start_codes = pool.kv.view(torch.uint8).cpu(), start[..., : ps * pool.kv_dim]
+    start_codes = start_codes.view(2, pool.num_pages, ps, pool.kv_dim)
+    assert torch.equal(codes[0], start_codes[0]) and torch.equal(after[0], start[0])
+    assert torch.equal(codes[LAYER][~written], start_codes[LAYER][~written])
+    start_scales = start[..., ps * pool.kv_dim :].view(torch.float32).view(2, -1, ps, 2)
+    assert torch.equal(pool.scales.cpu()[LAYER][~written], start_scales[LAYER][~written])
+
+
+def run_both_fp8(c: Case, device) -> tuple:
+    pool, ref = fp8_pool(c, device), fp8_pool(c, device)
+    start = pool.buffer.cpu().clone()
+    q_ref = c.q.clone()
+    mla_decode_prep_fp8_ref(*fp8_args(c, q_ref, ref))
+    mla_decode_prep_fp8(*fp8_args(c, c.q, pool))
+    return c.q, pool, q_ref, ref, start
+
+
+@needs_triton
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pad", [0, 8])
+def test_fp8_kernel_equals_reference(pad, dtype, interleave, device) -> None:
+    c = make_case(3, 4, 16, 16, 64, dtype, device, interleave, pad=pad, seed=1)
+    check_fp8(c, *run_both_fp8(c, device))
+
+
+@needs_triton
+def test_fp8_kernel_real_dims_and_page_size(device) -> None:
+    """DeepSeek's latent (512 + 64), 20 heads over two blocks, slots spread over pages."""
+    c = make_case(3, 20, 128, 64, 512, torch.bfloat16, device, True, seed=2)
+    check_fp8(c, *run_both_fp8(c, device))
+
+
+@needs_triton
+def test_fp8_bad_arguments_name_the_argument(device) -> None:
+    c = make_case(2, 2, 8, 16, 32, torch.float32, device, True)
+    pool = fp8_pool(c, device)
+    kv, scales = pool.layer_pages(LAYER)
+    args = list(fp8_args(c, c.q, pool))
+    with pytest.raises(ValueError, match="^kv_pages must be"):
+        mla_decode_prep_fp8(*args[:6], kv.float(), *args[7:])
+    with pytest.raises(ValueError, match="^kv_scales must be"):
+        mla_decode_prep_fp8(*args[:7], scales[..., :1], *args[8:])
+    with pytest.raises(ValueError, match="^q must be"):
+        mla_decode_prep_fp8(c.q[..., :-2], *args[1:])
+
+
+@needs_cuda
+@needs_triton
+def test_fp8_kernel_in_a_cuda_graph() -> None:
+    """Captured once, replayed with new rows, positions and slots: equals the reference."""
+    c = make_case(4, 16, 128, 64, 512, torch.bfloat16, "cuda", True, seed=5)
+    pool = fp8_pool(c, "cuda")
+    mla_decode_prep_fp8(*fp8_args(c, c.q.clone(), fp8_pool(c, "cuda")))  # compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mla_decode_prep_fp8(*fp8_args(c, c.q, pool))
+    for seed in (6, 7):
+        new = make_case(4, 16, 128, 64, 512, torch.bfloat16, "cuda", True, seed=seed)
+        for mine, theirs in ((c.q, new.q), (c.kv_a, new.kv_a), (c.cos, new.cos),
+                             (c.sin, new.sin), (c.slots, new.slots)):  # fmt: skip
+            mine.copy_(theirs)
+        ref = fp8_pool(c, "cuda")
+        ref.buffer.copy_(pool.buffer)
+        q_ref = c.q.clone()
+        mla_decode_prep_fp8_ref(*fp8_args(c, q_ref, ref))
+        start = pool.buffer.cpu().clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        check_fp8(c, c.q, pool, q_ref, ref, start)

@@ -18,7 +18,7 @@ from tests.multihost.conftest import Mesh, wait_until
 
 # gRPC keepalive (dsmesh/runtime/grpc_server.py): a ping after 5 s without a frame from the
 # peer, answered within 3 s, else the connection is closed. A silent peer is noticed within
-# about 8 s; docs/RELIABILITY.md states 15 s, the bound the issue set.
+# about 8 s; docs/RELIABILITY.md states the 15 s bound.
 STREAM_BOUND_S = 15.0
 HANDOFF_BOUND_S = 15.0
 

@@ -37,7 +37,7 @@ from tests.multihost import netns, transfer_peer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 PROGRESS_TIMEOUT_ENV = "MC_TCP_PROGRESS_TIMEOUT_SEC"
-WRITE_FAILED_BOUND_S = 15.0  # the bound for a write to a dark host
+WRITE_FAILED_BOUND_S = 15.0  # docs/RELIABILITY.md's bound for a write to a dark host
 # shorter than the transport's default (5 s), to keep the test short: the mechanism is the
 # same, and tests/multihost/test_across_hosts.py measures the default inside the mesh
 STALL_TIMEOUT_S = 2.0

@@ -44,7 +44,7 @@ CLIENT_FAULT_CODES = frozenset(
 
 
 def shared_cache(tmp_path_factory) -> Path:
-    """One cache folder for every reliability mesh of the session (the model is built once)."""
+    """One cache folder for every reliability mesh of the test run (the model is built once)."""
     path = tmp_path_factory.getbasetemp() / "reliability-cache"
     path.mkdir(exist_ok=True)
     return path
@@ -201,7 +201,7 @@ LIMITED_MAX_QUEUED = 16  # gateway --max-queued
 LIMITED_DECODE_TOKENS = 2048  # decode --max-total-tokens: 128 pages of 16
 LIMITED_PREFILL_QUEUE = 1024  # prefill --max-queued-tokens
 _shared: dict[str, Mesh] = {}
-atexit.register(lambda: [m.close() for m in list(_shared.values())])  # an interrupted session
+atexit.register(lambda: [m.close() for m in list(_shared.values())])  # an interrupted test run
 
 
 LIMITED_USERS = ("overload_mesh", "fuzz_mesh")  # the module fixtures built on limited_mesh
@@ -209,7 +209,7 @@ LIMITED_USERS = ("overload_mesh", "fuzz_mesh")  # the module fixtures built on l
 
 def limited_mesh(request, tmp_path_factory) -> Iterator[Mesh]:
     """Body of the module-scoped fixtures in LIMITED_USERS: the shared small-limits mesh,
-    stopped when no later test of the session uses one of them."""
+    stopped when no later test of the run uses one of them."""
     mesh = _shared.get("limited")
     if mesh is None or not all(mesh.alive().values()):
         if mesh is not None:

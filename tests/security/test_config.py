@@ -9,8 +9,11 @@ import pytest
 
 from dsmesh.cli.common import advertise_host_from, transfer_config_from
 from dsmesh.cli.main import build_parser
-from dsmesh.cli.supervisor import MeshConfig, broker_stage, gateway_stage, instance_stage
-from dsmesh.runtime.security import TLSConfig, api_keys_from_env_and_args, bearer_matches
+from dsmesh.cli.mesh_config import MeshConfig
+from dsmesh.cli.stages import broker_stage, gateway_stage, instance_stage
+from dsmesh.gateway.config import GatewayConfig
+from dsmesh.runtime.options import from_args
+from dsmesh.runtime.security import TLSConfig, bearer_matches
 from tests.security.certs import Pki
 
 
@@ -83,12 +86,21 @@ def test_client_only_config_cannot_serve(pki: Pki) -> None:
     assert TLSConfig(ca_file=str(pki.ca)).channel_credentials() is not None
 
 
+def _api_keys(*argv: str, env: dict[str, str]) -> tuple[str, ...]:
+    """The gateway's API keys for ``argv`` (its --api-key flags) and environment ``env``."""
+    args = build_parser().parse_args(["gateway", "--broker", "b:1", *argv])
+    return from_args(GatewayConfig, args, env=env, model_dir="m").api_keys
+
+
 def test_api_keys() -> None:
-    assert api_keys_from_env_and_args(None, env={}) == ()
-    assert api_keys_from_env_and_args(None, env={"DSMESH_API_KEYS": " a, b ,,"}) == ("a", "b")
-    assert api_keys_from_env_and_args(["x"], env={"DSMESH_API_KEYS": "a"}) == ("x",)
-    with pytest.raises(ValueError, match="spaces"):
-        api_keys_from_env_and_args(["a b"], env={})
+    assert _api_keys(env={}) == ()
+    assert _api_keys(env={"DSMESH_API_KEYS": " a, b ,,"}) == ("a", "b")
+    assert _api_keys("--api-key", "x", env={"DSMESH_API_KEYS": "a"}) == ("x",)
+    assert _api_keys("--api-key", " x ", "--api-key", "y", env={}) == ("x", "y")
+    with pytest.raises(ValueError, match="DSMESH_API_KEYS: .*spaces"):
+        _api_keys(env={"DSMESH_API_KEYS": "a b"})
+    with pytest.raises(SystemExit):  # the parser refuses it, naming --api-key
+        _api_keys("--api-key", "a b", env={})
 
 
 def test_bearer_matches() -> None:

@@ -1,4 +1,4 @@
-"""A span receiver for the session, and tracing in the test process itself (service
+"""A span receiver for the whole test run, and tracing in the test process itself (service
 ``test-client``) exporting to it."""
 
 from __future__ import annotations

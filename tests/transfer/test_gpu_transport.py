@@ -1,6 +1,6 @@
 """KV pages between two processes on one GPU through the transfer engine's CUDA IPC transport
 (``nvlink_intra``), the way prefill writes into decode's pool. Skipped without a GPU or a CUDA
-build of Mooncake; run on the lent H200 through the device tool.
+build of Mooncake; run on an H200.
 
 The child plays decode: a bf16 pool on the GPU, registered from the event-loop-less main
 thread (no CUDA call made there before: the transport must bind the context itself). The

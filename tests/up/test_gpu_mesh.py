@@ -1,7 +1,7 @@
 """The mesh on a GPU, as a user starts it: ``dsmesh up --device cuda`` (prefill and decode
 sharing the GPU, KV moved by CUDA IPC) and a unified instance give the in-process engine's
-greedy tokens, in float32 on the tiny default model. Skipped without a GPU; run on the lent
-H200 through the device tool."""
+greedy tokens, in float32 on the tiny default model. Skipped without a GPU; run on an
+H200."""
 
 from __future__ import annotations
 

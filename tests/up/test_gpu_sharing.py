@@ -21,7 +21,9 @@ from dsmesh.cli.gpu_sharing import (
     choose,
 )
 from dsmesh.cli.main import build_parser
-from dsmesh.cli.supervisor import Console, MeshConfig, instance_stage, share_gpus
+from dsmesh.cli.mesh_config import MeshConfig
+from dsmesh.cli.stages import instance_stage
+from dsmesh.cli.supervisor import Console, share_gpus
 from dsmesh.cli.up import mesh_config_from
 
 

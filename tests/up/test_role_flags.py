@@ -1,13 +1,23 @@
 """`dsmesh up` forwards each bound/limit flag to exactly the services that own it, and every
-forwarded flag exists on that service's command line."""
+forwarded flag exists on that service's command line (the flags come from the fields marked
+``up`` in each service's config: dsmesh/cli/up.py ROLES)."""
 
 from __future__ import annotations
 
 from dsmesh.cli.main import build_parser
-from dsmesh.cli.supervisor import MeshConfig, broker_stage, gateway_stage, instance_stage
-from dsmesh.cli.up import ROLE_FLAGS, role_flags
+from dsmesh.cli.mesh_config import MeshConfig
+from dsmesh.cli.stages import broker_stage, gateway_stage, instance_stage
+from dsmesh.cli.up import ROLES, role_flags
+from dsmesh.runtime.options import up_fields
 
-COMMAND = {"broker": "kv-broker", "prefill": "prefill", "decode": "decode", "gateway": "gateway"}
+COMMAND = {
+    "broker": ["kv-broker"],
+    "eplb": ["eplb", "serve"],
+    "ep": ["prefill", "--broker", "x:1"],
+    "prefill": ["prefill", "--broker", "x:1"],
+    "decode": ["decode", "--broker", "x:1"],
+    "gateway": ["gateway", "--broker", "x:1"],
+}
 
 
 def test_bounds_reach_their_services() -> None:
@@ -43,14 +53,19 @@ def test_bounds_reach_their_services() -> None:
 
 def test_unset_bounds_are_not_forwarded() -> None:
     args = build_parser().parse_args(["up"])
-    assert all(role_flags(args, role) == () for role in COMMAND)
+    assert all(role_flags(args, role.name) == () for role in ROLES)
 
 
 def test_every_forwarded_flag_exists_on_its_service() -> None:
     parser = build_parser()
-    for flag, roles, kind, _ in ROLE_FLAGS:
-        for role in roles:
-            extra = ["--broker", "x:1"] if role != "broker" else []
-            value = "1" if kind is int else "1.5"
-            parsed = parser.parse_args([COMMAND[role], *extra, flag, value])
-            assert getattr(parsed, flag.lstrip("-").replace("-", "_")) == kind(value)
+    for role in ROLES:
+        for cls in role.configs:
+            for field in up_fields(cls):
+                if field.is_switch:
+                    words, expected = [field.flag], True
+                else:
+                    value = {int: "1", float: "0.5"}.get(field.kind, "k1")
+                    words, expected = [field.flag, value], (field.meta.parse or field.kind)(value)
+                parsed = parser.parse_args([*COMMAND[role.name], *words])
+                got = getattr(parsed, field.dest)
+                assert got == ([expected] if field.many else expected), (role.name, field.flag)

@@ -9,14 +9,9 @@ import pytest
 
 from dsmesh.cli.launcher import _READY
 from dsmesh.cli.main import build_parser
-from dsmesh.cli.supervisor import (
-    MeshConfig,
-    ServiceSpec,
-    broker_stage,
-    gateway_stage,
-    instance_stage,
-    placement_lines,
-)
+from dsmesh.cli.mesh_config import MeshConfig
+from dsmesh.cli.stages import ServiceSpec, broker_stage, gateway_stage, instance_stage
+from dsmesh.cli.supervisor import placement_lines
 from dsmesh.cli.up import mesh_config_from
 
 BROKER = "127.0.0.1:7"

@@ -15,14 +15,9 @@ from pathlib import Path
 import pytest
 
 from dsmesh.cli.main import build_parser
-from dsmesh.cli.supervisor import (
-    Console,
-    CrashLoopDetector,
-    MeshConfig,
-    RestartPolicy,
-    Slot,
-    broker_stage,
-)
+from dsmesh.cli.mesh_config import MeshConfig, RestartPolicy
+from dsmesh.cli.stages import broker_stage
+from dsmesh.cli.supervisor import Console, CrashLoopDetector, Slot
 from dsmesh.cli.up import engine_flags
 from tests.up.harness import (
     UpProcess,
@@ -264,15 +259,28 @@ def test_sigkilled_up_leaves_no_orphans(cache_env: dict[str, str]) -> None:
 
 
 def test_failed_start_stops_everything_and_shows_the_log(cache_env: dict[str, str]) -> None:
-    up = UpProcess(["--no-gateway", "--page-size", "0"], cache_env)
+    # the default tiny model has no MTP layer: each engine refuses to start
+    up = UpProcess(["--no-gateway", "--speculative", "mtp"], cache_env)
     try:
         code = up.process.wait(60)
         out = up.output
         assert code == 1, out
-        assert "page_size must be > 0" in out  # the failed service's last log lines
+        # the cause, named on the failure's own line, then the failed service's log
+        assert re.search(r"prefill-0 exited with 2 before serving: .*needs a checkpoint with an "
+                         r"MTP layer", out), out  # fmt: skip
         assert "could not start the mesh" in out
         broker_pid = up.ready_services()["kv-broker"][1]
         assert wait_until(lambda: not pid_alive(broker_pid), 5)
+    finally:
+        up.close()
+
+
+def test_bad_flags_are_refused_before_anything_starts(cache_env: dict[str, str]) -> None:
+    up = UpProcess(["--no-gateway", "--page-size", "0"], cache_env)
+    try:
+        assert up.process.wait(60) == 2
+        assert "argument --page-size: must be >= 1, got 0" in up.output
+        assert "ready at" not in up.output
     finally:
         up.close()
 

@@ -18,22 +18,31 @@ that is tested.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from dsmesh.engine.model.moe_dispatch import DispatchOutput, MoEDispatcher
+from dsmesh.kernels.libraries import status as library_status
 
 DEEPEP_MODES = ("normal", "low_latency")
 
 
 def deepep_available(device: torch.device) -> tuple[bool, str]:
-    """(usable, why): deep_ep imports, the group runs on NCCL, and the GPU is Hopper+."""
+    """(usable, why): deep_ep is installed as a build for this torch (dsmesh.kernels.libraries:
+    checked from its metadata before it is imported), imports, the group runs on NCCL, and
+    the GPU is Hopper+."""
+    if importlib.util.find_spec("deep_ep") is None:
+        return False, "deep_ep is not installed"
+    installed = library_status("deep_ep")
+    if not installed.usable:
+        return False, installed.detail
     try:
         import deep_ep  # noqa: F401
-    except ImportError:
-        return False, "deep_ep is not installed"
+    except ImportError as exc:
+        return False, f"deep_ep does not import ({exc}): {installed.detail}"
     if device.type != "cuda":
         return False, "DeepEP needs CUDA"
     if dist.get_backend() != "nccl":

@@ -18,32 +18,70 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dsmesh.engine.derived import resolve_engine_config
 from dsmesh.engine.ep.all_to_all import AllToAllDispatcher
 from dsmesh.engine.ep.deepep import DEEPEP_MODES, deepep_available
 from dsmesh.engine.ep.placement import round_robin_placement
-from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.llm_engine import EngineConfig, LLMEngine, resolve_model_dir
 from dsmesh.engine.model.build import load_model
 from dsmesh.engine.model.config import load_config
 from dsmesh.engine.model.moe_dispatch import MoEDispatcher
 from dsmesh.engine.model.mtp import MTPDraft, build_mtp, mtp_moe_layers
 from dsmesh.engine.model.mtp_weights import load_mtp_weights
-from dsmesh.engine.options import resolve_model_dir
+from dsmesh.runtime.options import option
 
 log = logging.getLogger(__name__)
 DISPATCH_BACKENDS = ("auto", "all-to-all", "deepep")
+EP_GROUP = "expert parallelism (docs/EP.md)"  # the help group of the expert-parallel flags
 
 
 @dataclass(frozen=True)
 class EPConfig:
-    ep_size: int = 1
-    num_redundant_experts: int = 0
+    """An expert-parallel group; the fields made with ``option`` are the expert-parallel
+    flags of the instance commands (dsmesh/runtime/options.py, docs/EP.md)."""
+
+    ep_size: int = option(
+        1,
+        "expert-parallel ranks (processes, one per GPU; gloo on CPU, NCCL on GPU); requests "
+        "are spread over the ranks (DP attention)",
+    )
+    num_redundant_experts: int = option(
+        0, "extra physical expert replicas (logical + R must divide by --ep-size)", up=True
+    )
     backend: str = "auto"  # "auto" = nccl on CUDA, gloo on CPU
-    master_addr: str = "127.0.0.1"
-    master_port: int = 0  # 0 = pick a free port (single host)
-    nnodes: int = 1  # hosts the group spans; each runs ep_size // nnodes ranks
-    node_rank: int = 0  # this host's index; ranks node_rank * local_size + 0..local_size-1
-    timeout_s: float = 120.0  # a collective waiting longer than this fails (a peer is gone)
-    dispatch: str = "auto"  # "auto" (DeepEP when usable) | "all-to-all" | "deepep"
+    master_addr: str = option(
+        "127.0.0.1",
+        "address of node 0, where the group's rendezvous listens",
+        flag="--ep-master-addr",
+        metavar="HOST",
+        cli_default="",  # derived: dsmesh.runtime.address.ep_master_addr
+        default_text="127.0.0.1 for one host; node 0's advertised host when the group spans "
+        "hosts; required on the other nodes",
+    )
+    # 0 = pick a free port (single host)
+    master_port: int = option(
+        0,
+        "rendezvous port on node 0 (0 = any free port; single host only)",
+        flag="--ep-master-port",
+    )
+    # hosts the group spans; each runs ep_size // nnodes ranks
+    nnodes: int = option(
+        1, "hosts the group spans; each runs ep-size / ep-nnodes ranks", flag="--ep-nnodes"
+    )
+    # this host's index; ranks node_rank * local_size + 0..local_size-1
+    node_rank: int = option(0, "this host's index in the group", flag="--ep-node-rank")
+    timeout_s: float = option(
+        120.0,
+        "seconds a collective may wait for a peer before the group is declared broken",
+        flag="--ep-timeout",
+    )
+    dispatch: str = option(
+        "auto",
+        "token dispatch between ranks: auto = DeepEP when deep_ep imports on Hopper GPUs with "
+        "NCCL (normal mode on prefill, low-latency on decode), else torch all-to-all",
+        flag="--moe-dispatch",
+        choices=DISPATCH_BACKENDS,
+    )
     deepep_mode: str = "normal"  # "normal" (prefill, offline) | "low_latency" (decode)
     # the network interface gloo and NCCL use between hosts (GLOO_SOCKET_IFNAME,
     # NCCL_SOCKET_IFNAME, unless the environment sets them); empty: their own choice
@@ -114,13 +152,23 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
 
 
 def check_dispatch(ep: EPConfig) -> None:
-    """Refuse a forced DeepEP early (before any rank starts) when it cannot even import."""
+    """Refuse a forced DeepEP early (before any rank starts) when it is missing, a build for
+    another torch (naming the release to install), or cannot import."""
     if ep.dispatch != "deepep":
         return
+    import importlib.util
+
+    from dsmesh.kernels.libraries import status as library_status
+
+    if importlib.util.find_spec("deep_ep") is None:
+        raise ValueError("moe_dispatch deepep: deep_ep is not installed")
+    installed = library_status("deep_ep")
+    if not installed.usable:
+        raise ValueError(f"moe_dispatch deepep: {installed.detail}")
     try:
         import deep_ep  # noqa: F401
     except ImportError as exc:
-        raise ValueError("moe_dispatch deepep: deep_ep is not installed") from exc
+        raise ValueError(f"moe_dispatch deepep: deep_ep does not import ({exc})") from exc
 
 
 def check_placement(config: EngineConfig, ep: EPConfig) -> None:
@@ -168,6 +216,8 @@ def build_ep_engine(config: EngineConfig, ep: EPConfig, rank: int) -> LLMEngine:
         len(cfg.moe_layer_ids), cfg.moe.n_routed_experts, ep.ep_size, ep.num_redundant_experts
     )
     device = rank_device(config, rank)
+    share = placement.num_local_physical / max(cfg.moe.n_routed_experts, 1)
+    config = resolve_engine_config(config, cfg, device, expert_share=share)
     # a speculative step verifies K drafts after each request's token: K + 1 rows each
     rows_per_request = 1 + config.num_draft_tokens if config.speculative else 1
     dispatcher = make_dispatcher(

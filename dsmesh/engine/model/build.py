@@ -12,9 +12,9 @@ from dsmesh.engine.model.config import ModelConfig, load_config
 from dsmesh.engine.model.deepseek import DeepseekForCausalLM
 from dsmesh.engine.model.expert_location import ExpertLocation
 from dsmesh.engine.model.kernel_choice import KernelChoice
-from dsmesh.engine.model.moe import MoEGate
+from dsmesh.engine.model.moe import MoEGate, RoutedExperts
 from dsmesh.engine.model.moe_dispatch import MoEDispatcher
-from dsmesh.engine.model.weights import load_weights
+from dsmesh.engine.model.weights import WeightError, load_weights
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -26,14 +26,22 @@ def build_model(
     expert_location: ExpertLocation | None = None,
     dispatcher: MoEDispatcher | None = None,
     ep_rank: int = 0,
+    dense_experts: bool = True,
 ) -> DeepseekForCausalLM:
     """Allocate an uninitialised model directly in ``dtype`` on ``device``.
 
     Built on the meta device first so a large model is never materialised twice. Router
     weights and the correction bias stay float32, as in the reference implementation.
+    ``dense_experts=False``: the routed experts get no dense weights (they will be held in
+    FP8 only, see :func:`load_model`).
     """
     with torch.device("meta"):
         model = DeepseekForCausalLM(cfg, expert_location, dispatcher, ep_rank)
+        if not dense_experts:
+            for module in model.modules():
+                if isinstance(module, RoutedExperts):
+                    module.w13 = nn.Parameter(module.w13[:0], requires_grad=False)
+                    module.w2 = nn.Parameter(module.w2[:0], requires_grad=False)
     model = materialize(model, dtype, device)
     model.model.rotary.reset_buffers()
     return model.eval()
@@ -58,16 +66,33 @@ def load_model(
     expert_location: ExpertLocation | None = None,
     dispatcher: MoEDispatcher | None = None,
     ep_rank: int = 0,
+    fp8_only: bool = False,
 ) -> DeepseekForCausalLM:
     """Read config.json and the safetensors of ``checkpoint_dir`` into a ready model, with
-    the kernels "auto" picks for ``device`` and ``dtype`` (an engine may choose again)."""
+    the kernels "auto" picks for ``device`` and ``dtype`` (an engine may choose again).
+
+    ``keep_fp8`` on CUDA gives the routed experts their FP8 form for the FP8 grouped GEMM.
+    With ``fp8_only`` too they are held in FP8 alone: no dense copy is ever allocated, so a
+    V3 checkpoint's experts take half the memory (one byte a weight). Experts that move
+    later (EPLB under expert parallelism) need the dense copy: EP ranks keep it."""
     cfg = load_config(checkpoint_dir)
-    model = build_model(cfg, dtype, device, expert_location, dispatcher, ep_rank)
+    cuda = torch.device(device).type == "cuda"
+    lean = keep_fp8 and fp8_only and cuda
+    model = build_model(
+        cfg, dtype, device, expert_location, dispatcher, ep_rank, dense_experts=not lean
+    )
     load_weights(model, checkpoint_dir, keep_fp8=keep_fp8)
-    if keep_fp8 and torch.device(device).type == "cuda":
+    if keep_fp8 and cuda:
         from dsmesh.kernels.moe_gemm import attach_fp8_experts  # FP8 grouped GEMM for the experts
 
-        attach_fp8_experts(model)
+        attached = attach_fp8_experts(model)
+        if lean:
+            if attached != len(cfg.moe_layer_ids):
+                raise WeightError(
+                    f"--fp8-experts: {len(cfg.moe_layer_ids) - attached} MoE layer(s) have "
+                    "experts that are not FP8 in 128 x 128 blocks; load with --no-fp8-experts"
+                )
+            model.fp8_weights.clear()  # the host copies: the device holds the experts now
     model.set_kernels(KernelChoice.resolve(torch.device(device), dtype))
     return model
 

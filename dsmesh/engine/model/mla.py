@@ -141,9 +141,19 @@ class MLAttention(nn.Module):
         sin: torch.Tensor,
     ) -> None:
         """Rope on ``q``'s rope channels (in place); RMSNorm of the new latents and rope of
-        their shared key, written to ``slots`` of this layer's cache. One Triton launch
-        (dsmesh.kernels.mla_rope.mla_decode_prep) when the kernels are chosen."""
+        their shared key, written to ``slots`` of this layer's cache (FP8 pools: quantised per
+        token). One Triton launch (dsmesh.kernels.mla_rope.mla_decode_prep, or
+        mla_decode_prep_fp8) when the kernels are chosen."""
         norm = self.kv_a_layernorm
+        if self.kernels.triton and q.shape[0] and kv_pool.fp8:
+            from dsmesh.kernels.mla_rope import mla_decode_prep_fp8
+
+            kv, scales = kv_pool.layer_pages(self.layer_idx)
+            mla_decode_prep_fp8(
+                q, kv_a, norm.weight, norm.eps, cos, sin, kv, scales, slots,
+                self.rotary.interleave, self.nope_dim, self.rope_dim, self.kv_lora_rank,
+            )  # fmt: skip
+            return
         if self.kernels.triton and q.shape[0]:
             from dsmesh.kernels.mla_rope import mla_decode_prep
 
@@ -175,8 +185,10 @@ class MLAttention(nn.Module):
         latent_out = torch.empty(
             self.num_heads, d, self.kv_lora_rank, dtype=q_nope.dtype, device=q_nope.device
         ).transpose(0, 1)
-        kv = kv_pool.buffer[self.layer_idx]
-        self.decode_backend.forward(q_latent, q_pe, kv, meta, self.scale, out=latent_out)
+        kv, scales = kv_pool.layer_pages(self.layer_idx)
+        self.decode_backend.forward(
+            q_latent, q_pe, kv, meta, self.scale, out=latent_out, kv_scales=scales
+        )
         if out is None:
             out = torch.empty(
                 d, self.num_heads, self.v_dim, dtype=q_nope.dtype, device=q_nope.device

@@ -11,10 +11,17 @@ and the same call, so the eager forward and the captured one run the same code:
   its schedule on the host: :meth:`MLADecodeBackend.plan` before an eager forward,
   :meth:`MLADecodeBackend.prepare_replay` before a CUDA graph's replay (and its capture).
 
-``"auto"`` takes FlashInfer where dsmesh.kernels.backends has a tested adapter, it is installed, the
-dtype is bf16/fp16 and the cache holds DeepSeek's latent (512 + 64, the shape its kernels are
-built and tested for); it builds the kernel at once (FlashInfer compiles on first use) and
-falls back to Triton with a warning when that fails; an explicit "flashinfer" raises instead.
+``"auto"`` takes FlashInfer where dsmesh.kernels.backends has a tested adapter, it is installed
+at the tested release (dsmesh.kernels.libraries), the dtype is bf16/fp16 and the cache holds
+DeepSeek's latent (512 + 64, the shape its kernels are built and tested for); it builds the
+kernel at once (FlashInfer compiles on first use) and falls back to Triton with a warning when
+that fails; an explicit "flashinfer" raises instead, naming the release to install.
+
+A pool in the FP8 page format (``--kv-cache-dtype fp8_e4m3``) passes its layer's scales as
+``kv_scales``: the torch reference dequantises the tokens a step reads in float32, the
+Triton kernel reads the codes and folds the scales in (dsmesh.kernels.mla_decode);
+FlashInfer does not read this format (EngineConfig refuses the combination, "auto" never
+takes it since the cache dtype is not bf16/fp16).
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ import torch
 
 from dsmesh.engine.model.forward_batch import DecodeMeta
 from dsmesh.kernels.backends import available, choose
+from dsmesh.kernels.libraries import FLASHINFER_DIST, FLASHINFER_TESTED, SETUP_HINT
+from dsmesh.kernels.libraries import status as library_status
 from dsmesh.kernels.mla_decode import mla_decode_ref
 
 log = logging.getLogger(__name__)
@@ -38,9 +47,11 @@ DEEPSEEK_LATENT = (512, 64)  # kv_lora_rank, qk_rope_head_dim
 
 class MLADecodeBackend(ABC):
     """Contract: ``forward(q_latent [D, H, C], q_pe [D, H, R], kv [pages, page_size, C + R],
-    meta, scale, out)`` -> [D, H, C] in q's dtype, the softmax over the first
+    meta, scale, out, kv_scales)`` -> [D, H, C] in q's dtype, the softmax over the first
     ``meta.seq_lens[d]`` cached tokens of request ``d`` (zeros for an empty context). ``q``
-    and ``out`` may be strided views with a dense last dim. ``forward`` never synchronises
+    and ``out`` may be strided views with a dense last dim. With ``kv_scales`` [pages,
+    page_size, 2] float32, ``kv`` is float8_e4m3fn (the FP8 page format: the latent's and
+    the rope key's scale per token, :mod:`dsmesh.kernels.kv_fp8`). ``forward`` never synchronises
     with the host, so a captured forward can call it; the host work, if any, is in
     ``plan`` / ``prepare_replay``, which the caller runs before the forward.
     ``plans_on_host``: that work reads the step's lengths, so a replay whose positions are
@@ -71,14 +82,16 @@ class MLADecodeBackend(ABC):
         meta: DecodeMeta,
         scale: float,
         out: torch.Tensor | None = None,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
 class TorchMLADecode(MLADecodeBackend):
     name = "torch"
 
-    def forward(self, q_latent, q_pe, kv, meta, scale, out=None):
-        return mla_decode_ref(q_latent, q_pe, kv, meta.page_table, meta.seq_lens, scale, out)
+    def forward(self, q_latent, q_pe, kv, meta, scale, out=None, kv_scales=None):
+        pt, lens = meta.page_table, meta.seq_lens
+        return mla_decode_ref(q_latent, q_pe, kv, pt, lens, scale, out, kv_scales=kv_scales)
 
 
 class TritonMLADecode(MLADecodeBackend):
@@ -89,8 +102,9 @@ class TritonMLADecode(MLADecodeBackend):
 
         self._kernel = mla_decode
 
-    def forward(self, q_latent, q_pe, kv, meta, scale, out=None):
-        return self._kernel(q_latent, q_pe, kv, meta.page_table, meta.seq_lens, scale, out=out)
+    def forward(self, q_latent, q_pe, kv, meta, scale, out=None, kv_scales=None):
+        pt, lens = meta.page_table, meta.seq_lens
+        return self._kernel(q_latent, q_pe, kv, pt, lens, scale, out=out, kv_scales=kv_scales)
 
 
 class FlashInferMLADecode(MLADecodeBackend):
@@ -116,8 +130,11 @@ class FlashInferMLADecode(MLADecodeBackend):
         if not available("flashinfer"):
             raise ValueError(
                 "attention='flashinfer' but FlashInfer is not installed "
-                "(pip install flashinfer-python)"
+                f"(pip install {FLASHINFER_DIST}=={FLASHINFER_TESTED}, or {SETUP_HINT})"
             )
+        installed = library_status("flashinfer")
+        if not installed.usable:  # an untested release: "auto" would have kept Triton
+            raise ValueError(f"attention='flashinfer': {installed.detail}")
         from dsmesh.kernels.mla_decode_flashinfer import FlashInferMLADecode as Kernel
 
         shape = (device, num_heads, kv_lora_rank, rope_dim, page_size, dtype, scale)
@@ -136,13 +153,16 @@ class FlashInferMLADecode(MLADecodeBackend):
         self.graphed.plan(page_table, seq_lens)
         self._active = self.graphed
 
-    def forward(self, q_latent, q_pe, kv, meta, scale, out=None):
+    def forward(self, q_latent, q_pe, kv, meta, scale, out=None, kv_scales=None):
+        if kv_scales is not None:
+            raise ValueError("FlashInfer's MLA decode does not read FP8 KV pages")
         return self._active(q_latent, q_pe, kv, meta.page_table, meta.seq_lens, scale, out=out)
 
 
 def flashinfer_fits(head_dims: tuple[int, int], device: torch.device, dtype: torch.dtype) -> bool:
     """Whether "auto" should try FlashInfer: a tested adapter for an installed FlashInfer,
-    CUDA, bf16/fp16 and DeepSeek's latent (``head_dims`` = kv_lora_rank, rope dim)."""
+    CUDA, a bf16/fp16 cache (``dtype``: the pool's values; not FP8) and DeepSeek's latent
+    (``head_dims`` = kv_lora_rank, rope dim)."""
     return (
         device.type == "cuda"
         and dtype in (torch.bfloat16, torch.float16)

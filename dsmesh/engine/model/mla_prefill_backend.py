@@ -53,7 +53,8 @@ class MLAPrefillBackend(ABC):
     tokens in ``out`` [T, H, v] become its causal attention over its context
     (``batch.kv_slots[i]``, already holding the new tokens' latents). ``q_nope`` [T, H, nope]
     and ``q_pe`` [T, H, rope] (roped) are the whole batch's queries; other rows of ``out``
-    are left alone."""
+    are left alone. The context is read through ``kv_pool.read`` (an FP8 pool's
+    dequantised values), new tokens included."""
 
     name: str
 

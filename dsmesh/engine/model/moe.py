@@ -131,10 +131,22 @@ class RoutedExperts(nn.Module):
         self.fp8: Fp8ExpertWeights | None = None
         self.triton = False  # FP8 experts through the Triton grouped GEMM; set by set_kernels
 
+    @property
+    def has_dense(self) -> bool:
+        """False when the experts are held in FP8 only (``fp8``; dsmesh/engine/model/build.py)."""
+        return self.w13.shape[0] > 0 or self.num_local == 0
+
     def forward(self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] grouped by local expert; tokens_per_expert [num_local] -> [N, H]."""
-        if self.fp8 is not None and hidden.shape[0] and self.triton:
+        if self.fp8 is not None and self.triton:
+            if not hidden.shape[0]:
+                return torch.empty_like(hidden)
             return expert_ffn_fp8(hidden, tokens_per_expert, self.fp8)
+        if not self.has_dense:
+            raise RuntimeError(
+                "the routed experts are held in FP8 only, which needs dsmesh's Triton FP8 "
+                "kernels on CUDA (--kernels auto); load with --no-fp8-experts for other paths"
+            )
         capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
         if capturing and not _grouped_mm_capturable(hidden.dtype, hidden.device):
             return self.forward_masked(hidden, tokens_per_expert)

@@ -121,8 +121,11 @@ def load_weights(
             targets = slots.get((layer, logical), [])
             if not targets:
                 continue  # not placed on this rank
-            tensor = _read(names, name, block, model, keep_fp8)
             experts = model.model.layers[layer].mlp.experts
+            if not experts.has_dense:  # held in FP8 only: never dequantised
+                _keep_fp8_only(names, name, model)
+                continue
+            tensor = _read(names, name, block, model, keep_fp8)
             _copy_expert(experts, em.group(3), targets, tensor, name)
             continue
         tensor = _read(names, name, block, model, keep_fp8)
@@ -144,6 +147,20 @@ def _check_scale_partner(names: dict[str, object], scale_name: str) -> None:
     dtype = names[weight].get_slice(weight).get_dtype()  # type: ignore[attr-defined]
     if dtype != "F8_E4M3":
         raise WeightError(f"unexpected tensor {scale_name!r}: {weight!r} is {dtype}, not FP8")
+
+
+def _keep_fp8_only(names: dict[str, object], name: str, model: DeepseekForCausalLM) -> None:
+    """Keep a routed expert's FP8 tensor and scales as they are (no dense copy)."""
+    tensor = names[name].get_tensor(name)  # type: ignore[attr-defined]
+    scale_name = name + _SCALE_SUFFIX
+    if tensor.dtype != torch.float8_e4m3fn or scale_name not in names:
+        raise WeightError(
+            f"{name!r} is {tensor.dtype}, not FP8 with {scale_name!r}: the experts cannot be "
+            "held in FP8 only; load with --no-fp8-experts"
+        )
+    scale = names[scale_name].get_tensor(scale_name)  # type: ignore[attr-defined]
+    block = model.config.quant.weight_block_size if model.config.quant else (128, 128)
+    model.fp8_weights[name] = Fp8Weight(tensor, scale.to(torch.float32), block)
 
 
 def _read(

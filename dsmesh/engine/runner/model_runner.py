@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from dsmesh.engine.kernel_summary import describe_kernels
 from dsmesh.engine.kv.budget import (
     CPU_MAX_TOTAL_TOKENS,
     DEFAULT_MEM_FRACTION,
@@ -24,7 +25,7 @@ from dsmesh.engine.kv.budget import (
     KVBudget,
     kv_pool_tokens,
 )
-from dsmesh.engine.kv.pool import MLAKVPool, pages_for
+from dsmesh.engine.kv.pool import MLAKVPool, kv_bytes_per_token, kv_cache_dtype, pages_for
 from dsmesh.engine.model.config import ModelConfig
 from dsmesh.engine.model.deepseek import DeepseekForCausalLM
 from dsmesh.engine.model.forward_batch import ForwardBatch, SequenceChunk
@@ -75,22 +76,25 @@ class ModelRunner:
         self.device = device
         self.model = model
         self.model_config: ModelConfig = model.config
-        dtype = next(model.parameters()).dtype
+        mla = self.model_config.mla
+        cache_dtype = kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype)
         self.kv_pool = MLAKVPool(
             self.num_kv_layers,
-            self._kv_pool_pages(dtype),
+            self._kv_pool_pages(cache_dtype),
             config.page_size,
-            self.model_config.mla.kv_cache_dim,
-            dtype,
+            mla.kv_cache_dim,
+            cache_dtype,
             self.device,
+            kv_lora_rank=mla.kv_lora_rank,
         )
         pool_gib = self.kv_pool.buffer.numel() * self.kv_pool.buffer.element_size() / GIB
         log.info(
-            "KV pool: %d tokens (%d pages of %d), %.2f GiB on %s",
+            "KV pool: %d tokens (%d pages of %d), %.2f GiB of %s on %s",
             self.kv_pool.num_pages * config.page_size,
             self.kv_pool.num_pages,
             config.page_size,
             pool_gib,
+            cache_dtype,
             self.device,
         )
         self.set_kernels()
@@ -118,12 +122,13 @@ class ModelRunner:
     def max_pages_per_request(self) -> int:
         return min(pages_for(self.max_context, self.config.page_size), self.kv_pool.num_pages)
 
-    def _kv_pool_pages(self, dtype: torch.dtype) -> int:
+    def _kv_pool_pages(self, cache_dtype: torch.dtype) -> int:
         """Pages of the KV pool: ``max_total_tokens`` when given; on CPU 65536 tokens; on
         CUDA what ``mem_fraction`` of the GPU leaves after what this process's allocator
         already holds (``torch.cuda.memory_reserved`` once its cache is emptied: the weights,
-        and other engines of this process). The CUDA context and NCCL's buffers live outside
-        the allocator and come out of the ``1 - mem_fraction`` headroom."""
+        and other engines of this process), at the bytes per token of ``cache_dtype`` (FP8:
+        values and scales). The CUDA context and NCCL's buffers live outside the allocator
+        and come out of the ``1 - mem_fraction`` headroom."""
         cfg = self.config
         if cfg.max_total_tokens is not None:
             return pages_for(cfg.max_total_tokens, cfg.page_size)
@@ -136,7 +141,8 @@ class ModelRunner:
             total_bytes=torch.cuda.get_device_properties(self.device).total_memory,
             mem_fraction=fraction,
             used_bytes=torch.cuda.memory_reserved(self.device),
-            bytes_per_token=self.num_kv_layers * mc.mla.kv_cache_dim * dtype.itemsize,
+            bytes_per_token=self.num_kv_layers
+            * kv_bytes_per_token(mc.mla.kv_cache_dim, cache_dtype),
             page_size=cfg.page_size,
         )
         # A pool beyond every running request at full context could only idle.
@@ -161,9 +167,10 @@ class ModelRunner:
         forwards alike (dsmesh/engine/model/kernel_choice.py,
         dsmesh/engine/model/mla_decode_backend.py)."""
         cfg = self.config
-        dtype = self.kv_pool.buffer.dtype
+        dtype = next(self.model.parameters()).dtype
         attn = self.model.model.layers[0].self_attn
-        fits = flashinfer_fits((attn.kv_lora_rank, attn.rope_dim), self.device, dtype)
+        head_dims = (attn.kv_lora_rank, attn.rope_dim)
+        fits = flashinfer_fits(head_dims, self.device, self.kv_pool.dtype)  # not FP8
         kernels = KernelChoice.resolve(
             self.device, dtype, cfg.kernels, cfg.decode_attention, cfg.moe_backend, fits
         )
@@ -181,12 +188,7 @@ class ModelRunner:
             self.max_pages_per_request,
         )
         self.model.set_kernels(dataclasses.replace(kernels, decode_attention=backend.name), backend)
-        log.info(
-            "kernels: %s glue, %s decode attention, %s MoE for decode batches",
-            "Triton" if kernels.triton else "torch",
-            backend.name,
-            "fused" if kernels.fused_moe else "grouped",
-        )
+        log.info("%s", describe_kernels(self.model, cfg, kernels, backend.name))
 
     def switch_kernels(self, config: EngineConfig) -> None:
         """Choose kernels again from ``config`` (validated by the caller); captured graphs

@@ -82,3 +82,13 @@ def below_one(text: str) -> float:
     if not 0 <= value < 1:
         raise _error(f"must be in [0, 1), got {text}")
     return value
+
+
+def switch(text: str) -> bool:
+    """On or off: 1/0, true/false, yes/no, on/off (an environment variable's spelling)."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise _error(f"must be 1/0 (or true/false), got {text!r}")
