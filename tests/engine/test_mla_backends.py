@@ -15,8 +15,9 @@ import torch
 
 from dsmesh.engine.kv.pool import MLAKVPool
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.model import mla_decode_backend
 from dsmesh.engine.model.build import load_model
-from dsmesh.engine.model.deepseek import DeepseekForCausalLM, mla_decode_backend
+from dsmesh.engine.model.deepseek import DeepseekForCausalLM
 from dsmesh.engine.model.forward_batch import ForwardBatch, SequenceChunk
 from dsmesh.engine.model.kernel_choice import KernelChoice
 from dsmesh.engine.model.mla_decode_backend import (

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from dsmesh.engine.kv.pool import MLAKVPool
+from dsmesh.engine.model import tiny_model
 from dsmesh.engine.model.build import load_model
 from dsmesh.engine.model.config import ModelConfig, load_config
-from dsmesh.engine.model.deepseek import DeepseekForCausalLM, tiny_model
+from dsmesh.engine.model.deepseek import DeepseekForCausalLM
 from dsmesh.engine.model.forward_batch import ForwardBatch, SequenceChunk
 from dsmesh.engine.model.tiny_model import (
     COMPLETE_MARKER,
