@@ -1,5 +1,5 @@
-"""dsmesh/engine/kernel_summary.py: the start-up table of which implementation serves each op,
-and why, built from the choices an engine made (facts given as plain values, no GPU)."""
+"""dsmesh/engine/runner/kernel_summary.py: the start-up table of which implementation serves each
+op, and why, built from the choices an engine made (facts given as plain values, no GPU)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,16 @@ import dataclasses
 import pytest
 import torch
 
-from dsmesh.engine.kernel_summary import KernelFacts, describe_kernels, format_table, kernel_table
 from dsmesh.engine.model.deepseek import DeepseekForCausalLM
 from dsmesh.engine.model.kernel_choice import KernelChoice
 from dsmesh.engine.model.tiny_model import tiny_config
 from dsmesh.engine.options import EngineConfig
+from dsmesh.engine.runner.kernel_summary import (
+    KernelFacts,
+    describe_kernels,
+    format_table,
+    kernel_table,
+)
 from dsmesh.kernels.backends import Decision
 
 FLASHINFER = Decision("flashinfer", "flashinfer-python 0.6.18.post1")

@@ -17,7 +17,6 @@ import time
 
 import torch
 
-from dsmesh.engine.kernel_summary import describe_kernels
 from dsmesh.engine.kv.budget import (
     CPU_MAX_TOTAL_TOKENS,
     DEFAULT_MEM_FRACTION,
@@ -37,6 +36,7 @@ from dsmesh.engine.runner.cuda_graph import (
     GraphCaptureError,
     graph_support_problem,
 )
+from dsmesh.engine.runner.kernel_summary import describe_kernels
 from dsmesh.engine.sampling.prompt_logprobs import positions_to_score, score_tokens
 from dsmesh.engine.sampling.token_logprobs import TokenLogprobs
 from dsmesh.engine.sched.scheduler import ScheduledChunk
