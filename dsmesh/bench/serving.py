@@ -10,30 +10,27 @@ with no ``max_new_tokens`` (``--output-len context``, OpenAI backend only) sends
 ``max_tokens`` and honours EOS, as OpenAI clients do: the server's default, up to the context
 limit, applies. Failures are counted by outcome: refused (429), timed out, or other.
 
-Layout: prompt generation, arrival schedule, latency split and statistics are pure functions;
-:class:`Backend` implementations only move messages; :func:`run_benchmark` times requests.
-Reporting (table, JSON, plot) works on the returned :class:`RequestRecord` list.
+Layout: prompt generation and the arrival schedule (prompts.py) and the records and their
+statistics (serving_stats.py) are pure functions; :class:`Backend` implementations
+(backends.py, offline.py) only move messages; this module holds the run's config and
+:func:`run_benchmark`, which times requests. Reporting (table, JSON, plot: serving_report.py)
+works on the returned :class:`RequestRecord` list. The names ``dsmesh bench``, the other
+benchmarks and the tests import from here are re-exported below.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from dsmesh.bench.backends import (
     BACKENDS,
     FAILED,
-    REFUSED,
-    TIMED_OUT,
     Backend,
     BenchError,
     GrpcBackend,
@@ -42,10 +39,40 @@ from dsmesh.bench.backends import (
     RestBackend,
 )
 from dsmesh.bench.offline import OfflineBackend
+from dsmesh.bench.prompts import BenchRequest, arrival_offsets, load_dataset, sample_random_requests
+from dsmesh.bench.serving_report import format_errors, format_summary, plot_results, result_json
+from dsmesh.bench.serving_stats import (
+    Distribution,
+    RequestRecord,
+    percentile,
+    summarize,
+    token_latencies,
+    tokens_per_bin,
+)
 from dsmesh.engine.llm_engine import EngineConfig
-from dsmesh.v1 import generation_pb2 as pb
 
-MAX_ERRORS_SHOWN = 5
+__all__ = [  # the runner, and the names imported from here elsewhere
+    "BenchConfig",
+    "BenchRequest",
+    "BenchRun",
+    "Distribution",
+    "RequestRecord",
+    "arrival_offsets",
+    "format_errors",
+    "format_summary",
+    "load_dataset",
+    "make_backend",
+    "percentile",
+    "plot_results",
+    "result_json",
+    "run_benchmark",
+    "sample_random_requests",
+    "send_request",
+    "send_units",
+    "summarize",
+    "token_latencies",
+    "tokens_per_bin",
+]
 
 
 @dataclass(frozen=True)
@@ -76,311 +103,6 @@ class BenchConfig:
         return self.grpc_addr if self.backend == "grpc" else self.url
 
 
-# --------------------------------------------------------------------------- prompts
-
-
-@dataclass(frozen=True)
-class BenchRequest:
-    """One prompt to send: token ids, or text that the gateway tokenizes.
-
-    A turn of a conversation (``conversation`` >= 0) holds only its new tokens: it is sent
-    after the conversation's previous turn ended, prefixed with that turn's prompt and the
-    tokens the server answered. ``max_new_tokens`` None: no limit sent, EOS honoured (the
-    OpenAI backend omits ``max_tokens``); else exactly that many tokens, EOS ignored."""
-
-    input_ids: tuple[int, ...] = ()
-    text: str = ""
-    max_new_tokens: int | None = 16
-    conversation: int = -1  # -1: a request on its own
-    turn: int = 0
-
-    def to_proto(self) -> pb.GenerateRequest:
-        # temperature is optional in the proto: set it explicitly so that 0 means greedy.
-        sampling = pb.SamplingParams(temperature=0.0)
-        if self.max_new_tokens is not None:
-            sampling.max_new_tokens = self.max_new_tokens
-            sampling.ignore_eos = True
-        return pb.GenerateRequest(
-            input_ids=self.input_ids, text=self.text, sampling=sampling, stream=True
-        )
-
-
-def _uniform_lengths(rng: np.random.Generator, bounds: tuple[int, int], num: int) -> list[int]:
-    low, high = bounds
-    return [int(x) for x in rng.integers(low, high + 1, size=num)]
-
-
-def sample_random_requests(
-    num_prompts: int,
-    input_len: tuple[int, int],
-    output_len: tuple[int, int] | None,
-    token_id_range: tuple[int, int] = (3, 500),
-    seed: int = 0,
-) -> list[BenchRequest]:
-    """Synthetic prompts of random token ids.
-
-    Lengths are uniform integers in the inclusive ranges ``input_len`` and ``output_len``
-    (None: no limit, up to the context); token ids are uniform in the half-open
-    ``token_id_range``. Same seed, same prompts.
-    """
-    low_id, high_id = token_id_range
-    if not 0 <= low_id < high_id:
-        raise ValueError(f"token id range [{low_id}, {high_id}) is empty or negative")
-    rng = np.random.default_rng(seed)
-    input_lens = _uniform_lengths(rng, input_len, num_prompts)
-    output_lens: list[int | None] = (
-        [None] * num_prompts
-        if output_len is None
-        else list(_uniform_lengths(rng, output_len, num_prompts))
-    )
-    return [
-        BenchRequest(
-            input_ids=tuple(int(t) for t in rng.integers(low_id, high_id, size=n_in)),
-            max_new_tokens=n_out,
-        )
-        for n_in, n_out in zip(input_lens, output_lens, strict=True)
-    ]
-
-
-def load_dataset(
-    path: str | Path,
-    num_prompts: int | None,
-    output_len: tuple[int, int] | None,
-    seed: int = 0,
-) -> list[BenchRequest]:
-    """Prompts from a JSON Lines file, one object per line.
-
-    Each line has ``prompt`` (text) or ``input_ids`` (list of ints), and optionally
-    ``output_len`` or ``max_new_tokens``; lines without one draw it uniformly from
-    ``output_len`` (None: no limit). ``num_prompts`` takes the first N lines, repeating the
-    file if it is shorter; None takes every line.
-    """
-    items: list[tuple[tuple[int, ...], str, int | None]] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: not JSON ({exc.msg})") from exc
-            if not isinstance(obj, dict):
-                raise ValueError(f"{where}: expected a JSON object")
-            ids, text = obj.get("input_ids"), obj.get("prompt")
-            if ids is not None:
-                if not ids or not all(isinstance(t, int) for t in ids):
-                    raise ValueError(f"{where}: input_ids must be a non-empty list of ints")
-                items.append((tuple(ids), "", obj.get("output_len", obj.get("max_new_tokens"))))
-            elif isinstance(text, str) and text:
-                items.append(((), text, obj.get("output_len", obj.get("max_new_tokens"))))
-            else:
-                raise ValueError(f"{where}: needs a non-empty 'prompt' or 'input_ids'")
-    if not items:
-        raise ValueError(f"{path}: no prompts")
-    num = len(items) if num_prompts is None else num_prompts
-    drawn: list[int | None] = (
-        [None] * num
-        if output_len is None
-        else list(_uniform_lengths(np.random.default_rng(seed), output_len, num))
-    )
-    requests = []
-    for i in range(num):
-        ids, text, n_out = items[i % len(items)]
-        requests.append(BenchRequest(ids, text, int(n_out) if n_out is not None else drawn[i]))
-    return requests
-
-
-# --------------------------------------------------------------------------- schedule
-
-
-def arrival_offsets(num_requests: int, request_rate: float, seed: int = 0) -> list[float]:
-    """When each request is sent, in seconds after the start.
-
-    A Poisson process: the first request at 0, then exponential gaps of mean
-    ``1 / request_rate``. ``inf`` sends everything at 0. The generator is seeded apart from
-    the prompts', so changing the rate keeps the prompts.
-    """
-    if request_rate <= 0:
-        raise ValueError(f"request rate must be positive, got {request_rate}")
-    if math.isinf(request_rate) or num_requests == 0:
-        return [0.0] * num_requests
-    gaps = np.random.default_rng((seed, 1)).exponential(1.0 / request_rate, num_requests - 1)
-    return [0.0, *(float(x) for x in np.cumsum(gaps))]
-
-
-# --------------------------------------------------------------------------- statistics
-
-
-def token_latencies(
-    send_s: float, chunk_times_s: Sequence[float], chunk_tokens: Sequence[int]
-) -> tuple[float | None, list[float]]:
-    """TTFT and inter-token latencies of one request, in seconds.
-
-    ``chunk_times_s[i]`` is when the i-th token-bearing message arrived, carrying
-    ``chunk_tokens[i]`` tokens. TTFT is the first arrival minus ``send_s`` (None without
-    tokens). A later message of k tokens arriving g after the previous one adds k ITLs of
-    g / k; extra tokens of the first message add none. So TTFT + sum(ITL) is the time of the
-    last token and there is one ITL per token after the first message.
-    """
-    if not chunk_times_s:
-        return None, []
-    itls: list[float] = []
-    for i in range(1, len(chunk_times_s)):
-        gap = chunk_times_s[i] - chunk_times_s[i - 1]
-        itls.extend([gap / chunk_tokens[i]] * chunk_tokens[i])
-    return chunk_times_s[0] - send_s, itls
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) of ascending values, interpolating linearly between the
-    two nearest ranks (numpy's default method); nan when empty."""
-    if not sorted_values:
-        return math.nan
-    pos = (len(sorted_values) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
-@dataclass(frozen=True)
-class Distribution:
-    """Summary of one latency sample, in milliseconds; nan figures when empty."""
-
-    count: int
-    mean: float
-    p50: float
-    p90: float
-    p99: float
-    max: float
-
-    @classmethod
-    def of(cls, values: Sequence[float]) -> Distribution:
-        xs = sorted(values)
-        mean = math.fsum(xs) / len(xs) if xs else math.nan
-        top = xs[-1] if xs else math.nan
-        p = [percentile(xs, q) for q in (50, 90, 99)]
-        return cls(len(xs), mean, p[0], p[1], p[2], top)
-
-
-def tokens_per_bin(
-    chunk_times_s: Sequence[float], chunk_tokens: Sequence[int], duration_s: float, bin_s: float
-) -> list[int]:
-    """Tokens that arrived in each ``bin_s``-wide bin of ``[0, duration_s)``; arrivals at or
-    after the end fall into the last bin."""
-    num_bins = max(1, math.ceil(duration_s / bin_s))
-    bins = [0] * num_bins
-    for t, k in zip(chunk_times_s, chunk_tokens, strict=True):
-        bins[min(max(int(t // bin_s), 0), num_bins - 1)] += k
-    return bins
-
-
-# --------------------------------------------------------------------------- records
-
-
-@dataclass(frozen=True)
-class RequestRecord:
-    """One timed request. Times in seconds, relative to the start of the timed run."""
-
-    index: int
-    max_new_tokens: int | None  # None: no limit was sent
-    prompt_tokens: int  # len(input_ids), or the server's usage for text prompts (0 if unknown)
-    output_tokens: int
-    success: bool
-    error: str
-    finish_reason: str
-    request_id: str
-    send_s: float
-    ttft_s: float | None
-    e2e_s: float
-    itl_s: tuple[float, ...]
-    chunk_times_s: tuple[float, ...]  # arrival of each token-bearing message
-    chunk_tokens: tuple[int, ...]  # tokens in each of those messages
-    cached_tokens: int = 0  # prompt tokens a prefix cache served, as the server reported
-    # speculative decoding, as the server reported it: (drafted, accepted, verifications)
-    spec: tuple[int, int, int] = (0, 0, 0)
-    outcome: str = "ok"  # "ok", or FAILED, REFUSED (429) or TIMED_OUT (dsmesh/bench/backends.py)
-
-
-@dataclass(frozen=True)
-class BenchSummary:
-    """The figures of one run; latencies in milliseconds, throughputs per second."""
-
-    completed: int
-    failed: int
-    duration_s: float
-    total_input_tokens: int
-    total_output_tokens: int
-    request_throughput: float
-    input_throughput: float
-    output_throughput: float
-    total_throughput: float
-    concurrency: float  # mean requests in flight: sum of E2E / duration
-    ttft_ms: Distribution
-    tpot_ms: Distribution  # (E2E - TTFT) / (output tokens - 1), per request
-    itl_ms: Distribution
-    e2e_ms: Distribution
-    total_cached_tokens: int = 0  # prompt tokens prefix caches served
-    mean_cached_tokens: float = math.nan  # per successful request
-    cache_hit_rate: float = math.nan  # cached / input tokens
-    # speculative decoding: drafts accepted / drafted, and tokens per verification
-    # (accepted drafts + the target's own); nan when the server did not speculate
-    spec_acceptance_rate: float = math.nan
-    spec_mean_acceptance_length: float = math.nan
-    # of ``failed``: refused for lack of room (429 / RESOURCE_EXHAUSTED), and past a deadline
-    refused: int = 0
-    timed_out: int = 0
-    # output tokens of each successful request, and how many ended for each finish reason
-    output_tokens: Distribution = field(default_factory=lambda: Distribution.of([]))
-    finish_reasons: dict[str, int] = field(default_factory=dict)
-
-
-def summarize(records: Sequence[RequestRecord], duration_s: float) -> BenchSummary:
-    """Aggregate the successful requests; failed ones count only in ``failed``."""
-    ok = [r for r in records if r.success]
-    total_in = sum(r.prompt_tokens for r in ok)
-    total_out = sum(r.output_tokens for r in ok)
-    total_cached = sum(r.cached_tokens for r in ok)
-    drafted, accepted, verifications = (sum(r.spec[i] for r in ok) for i in range(3))
-    per_s = 1.0 / duration_s if duration_s > 0 else math.nan
-    tpot = [
-        (r.e2e_s - r.ttft_s) / (r.output_tokens - 1) * 1e3
-        for r in ok
-        if r.ttft_s is not None and r.output_tokens > 1
-    ]
-    return BenchSummary(
-        completed=len(ok),
-        failed=len(records) - len(ok),
-        duration_s=duration_s,
-        total_input_tokens=total_in,
-        total_output_tokens=total_out,
-        request_throughput=len(ok) * per_s,
-        input_throughput=total_in * per_s,
-        output_throughput=total_out * per_s,
-        total_throughput=(total_in + total_out) * per_s,
-        concurrency=math.fsum(r.e2e_s for r in ok) * per_s,
-        ttft_ms=Distribution.of([r.ttft_s * 1e3 for r in ok if r.ttft_s is not None]),
-        tpot_ms=Distribution.of(tpot),
-        itl_ms=Distribution.of([x * 1e3 for r in ok for x in r.itl_s]),
-        e2e_ms=Distribution.of([r.e2e_s * 1e3 for r in ok]),
-        total_cached_tokens=total_cached,
-        mean_cached_tokens=total_cached / len(ok) if ok else math.nan,
-        cache_hit_rate=total_cached / total_in if total_in else math.nan,
-        spec_acceptance_rate=accepted / drafted if drafted else math.nan,
-        spec_mean_acceptance_length=1 + accepted / verifications if verifications else math.nan,
-        refused=sum(1 for r in records if r.outcome == REFUSED),
-        timed_out=sum(1 for r in records if r.outcome == TIMED_OUT),
-        output_tokens=Distribution.of([r.output_tokens for r in ok]),
-        finish_reasons={
-            reason: sum(1 for r in ok if r.finish_reason == reason)
-            for reason in sorted({r.finish_reason for r in ok})
-        },
-    )
-
-
-# --------------------------------------------------------------------------- backends
-
-
 def make_backend(
     kind: str, grpc_addr: str, url: str, engine: EngineConfig | None = None
 ) -> Backend:
@@ -394,9 +116,6 @@ def make_backend(
     if kind == "offline":
         return OfflineBackend(engine)
     raise ValueError(f"unknown backend {kind!r}; choose from {', '.join(BACKENDS)}")
-
-
-# --------------------------------------------------------------------------- running
 
 
 async def send_request(
@@ -605,136 +324,3 @@ async def run_benchmark(
     finally:
         if owned:
             await backend.close()
-
-
-# --------------------------------------------------------------------------- reporting
-
-
-def _row(label: str, value: object) -> str:
-    if isinstance(value, float):
-        value = "n/a" if math.isnan(value) else f"{value:.2f}"
-    return f"{label:<40} {value}"
-
-
-def format_summary(config: BenchConfig, summary: BenchSummary) -> str:
-    """The sglang-style result table."""
-    s = summary
-    rate = "inf" if math.isinf(config.request_rate) else f"{config.request_rate:g}"
-    lines = [
-        "{:=^50}".format(" Serving Benchmark Result "),
-        _row("Backend:", f"{config.backend} ({config.target})"),
-        _row("Traffic request rate:", rate),
-        _row("Max request concurrency:", config.max_concurrency or "not set"),
-        _row("Successful requests:", s.completed),
-        _row("Failed requests:", s.failed),
-        _row("  of which refused (429):", s.refused),
-        _row("  of which timed out:", s.timed_out),
-        _row("Benchmark duration (s):", s.duration_s),
-        _row("Total input tokens:", s.total_input_tokens),
-        _row("Total generated tokens:", s.total_output_tokens),
-        _row("Output tokens per request (mean):", s.output_tokens.mean),
-        _row("Output tokens per request (max):", s.output_tokens.max),
-        _row(
-            "Finish reasons:",
-            ", ".join(f"{k or 'none'} {v}" for k, v in s.finish_reasons.items()) or "n/a",
-        ),
-        _row("Total cached prompt tokens:", s.total_cached_tokens),
-        _row("Mean cached tokens per request:", s.mean_cached_tokens),
-        _row("Prompt cache hit rate (%):", s.cache_hit_rate * 100),
-        *(
-            []
-            if math.isnan(s.spec_mean_acceptance_length)
-            else [
-                _row("Draft acceptance rate (%):", s.spec_acceptance_rate * 100),
-                _row("Mean acceptance length:", s.spec_mean_acceptance_length),
-            ]
-        ),
-        _row("Request throughput (req/s):", s.request_throughput),
-        _row("Input token throughput (tok/s):", s.input_throughput),
-        _row("Output token throughput (tok/s):", s.output_throughput),
-        _row("Total token throughput (tok/s):", s.total_throughput),
-        _row("Concurrency:", s.concurrency),
-    ]
-    sections = [
-        ("End-to-End Latency", "E2E Latency", s.e2e_ms),
-        ("Time to First Token", "TTFT", s.ttft_ms),
-        ("Time per Output Token (excl. 1st token)", "TPOT", s.tpot_ms),
-        ("Inter-Token Latency", "ITL", s.itl_ms),
-    ]
-    for title, name, dist in sections:
-        lines.append(f"{title:-^50}")
-        lines.append(_row(f"Mean {name} (ms):", dist.mean))
-        lines.append(_row(f"P50 {name} (ms):", dist.p50))
-        lines.append(_row(f"P90 {name} (ms):", dist.p90))
-        lines.append(_row(f"P99 {name} (ms):", dist.p99))
-    lines.append("=" * 50)
-    return "\n".join(lines)
-
-
-def format_errors(records: Sequence[RequestRecord], limit: int = MAX_ERRORS_SHOWN) -> str:
-    """The first ``limit`` failures, one line each; empty when all succeeded."""
-    failed = [r for r in records if not r.success]
-    lines = [f"request {r.index}: {r.error}" for r in failed[:limit]]
-    if len(failed) > limit:
-        lines.append(f"... and {len(failed) - limit} more failed requests")
-    return "\n".join(lines)
-
-
-def _finite(value: Any) -> Any:
-    """JSON has no nan: empty statistics become null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    return value
-
-
-def result_json(
-    config: BenchConfig, summary: BenchSummary, run: BenchRun, details: bool
-) -> dict[str, Any]:
-    """Everything the table shows, plus the config and the first errors; with ``details``
-    also one object per request."""
-    out: dict[str, Any] = {
-        "config": _finite(dataclasses.asdict(config)),
-        "summary": _finite(dataclasses.asdict(summary)),
-        "errors": [
-            {"index": r.index, "error": r.error}
-            for r in [r for r in run.records if not r.success][:MAX_ERRORS_SHOWN]
-        ],
-    }
-    if details:
-        out["requests"] = [_finite(dataclasses.asdict(r)) for r in run.records]
-    return out
-
-
-def plot_results(run: BenchRun, path: str | Path, bin_s: float = 1.0) -> None:
-    """One PNG: CDFs of TTFT, ITL and E2E (ms), and output tokens/s over time."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    ok = [r for r in run.records if r.success]
-    samples = {
-        "TTFT": [r.ttft_s * 1e3 for r in ok if r.ttft_s is not None],
-        "ITL": [x * 1e3 for r in ok for x in r.itl_s],
-        "E2E latency": [r.e2e_s * 1e3 for r in ok],
-    }
-    fig = Figure(figsize=(11, 8), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(2, 2).flat
-    for ax, (name, values) in zip(axes, samples.items(), strict=False):
-        xs = np.sort(values)
-        ax.plot(xs, np.arange(1, len(xs) + 1) / max(len(xs), 1), drawstyle="steps-post")
-        ax.set(title=f"{name} CDF (n={len(xs)})", xlabel="ms", ylabel="fraction", ylim=(0, 1.02))
-        ax.grid(alpha=0.3)
-    times = [t for r in ok for t in r.chunk_times_s]
-    counts = [k for r in ok for k in r.chunk_tokens]
-    bins = tokens_per_bin(times, counts, run.duration_s, bin_s)
-    starts = [i * bin_s for i in range(len(bins))]
-    # the last bin ends with the run: divide by its real width, not bin_s
-    widths = [min(bin_s, max(run.duration_s - t, 1e-9)) for t in starts]
-    ax = fig.axes[3]
-    ax.bar(starts, [b / w for b, w in zip(bins, widths, strict=True)], width=widths, align="edge")
-    ax.set(title=f"Output throughput ({bin_s:g} s bins)", xlabel="s since start", ylabel="tok/s")
-    ax.grid(alpha=0.3)
-    fig.suptitle(f"{len(ok)} requests, {run.duration_s:.2f} s")
-    fig.savefig(path, dpi=100)

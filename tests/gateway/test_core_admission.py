@@ -85,7 +85,7 @@ async def test_abort_between_admission_and_the_first_call_ends_the_request() -> 
     # whose stub must not be called
     unusable = Instance("d0", 2, "127.0.0.1:1", None, stub=None)  # type: ignore[arg-type]
     core.admission.is_waiting = lambda rid: False  # type: ignore[method-assign]
-    core._queued["r1"].set_result(Placement(unusable, None))
+    core.gate.waiting["r1"].set_result(Placement(unusable, None))
     assert await core.abort("r1")  # the coroutine has not resumed yet
     deltas = await task
     assert [(d.token_ids, d.finish_reason) for d in deltas] == [([], "abort")]

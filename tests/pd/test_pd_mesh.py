@@ -308,6 +308,7 @@ def test_decode_abort_rpc_ends_the_stream(mesh) -> None:
         try:
             reasons: list[str] = []
             count = 0
+            aborted = False
             async for msg in generate_pd(
                 client.prefill,
                 client.decode,
@@ -317,7 +318,9 @@ def test_decode_abort_rpc_ends_the_stream(mesh) -> None:
                 60,
             ):
                 count += len(msg.token_ids)
-                if count == 2:
+                # a message may carry several tokens when the stream lags (a loaded machine)
+                if count >= 2 and not aborted:
+                    aborted = True
                     await client.decode.Abort(generation_pb2.AbortRequest(request_id="rpc-abort"))
                 if msg.finish_reason:
                     reasons.append(msg.finish_reason)
