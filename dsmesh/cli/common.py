@@ -1,5 +1,5 @@
 """What the sub-commands share: their flags come from the config fields
-(dsmesh/runtime/options.py); here the parsed flags become the configs, with the values that
+(dsmesh/options/fields.py); here the parsed flags become the configs, with the values that
 are derived at start-up (the advertised host, TLS files from the environment, the engine's
 ``--tbo``, the rendezvous address of an expert-parallel group)."""
 
@@ -13,6 +13,7 @@ from typing import TypeVar
 from dsmesh.engine.ep.runtime import EP_GROUP, EPConfig
 from dsmesh.engine.options import EngineConfig
 from dsmesh.instance.attach import ENGINE_GROUP, PDInstanceConfig, TransferConfig
+from dsmesh.options.fields import add_options, from_args, given_flags, option_group
 from dsmesh.runtime.address import (
     LOOPBACK,
     advertise_host,
@@ -21,7 +22,6 @@ from dsmesh.runtime.address import (
     interface_of,
     unbracket,
 )
-from dsmesh.runtime.options import add_options, from_args, given_flags, option_group
 from dsmesh.runtime.security import TLSConfig
 
 # Python's 5 ms switch interval let the event loop (64 gRPC streams) hold the GIL while the
@@ -38,7 +38,7 @@ def add_engine_args(
     p: argparse.ArgumentParser, *, not_given: bool = False, mem_fraction_help: str | None = None
 ) -> None:
     """The engine's flags: one per option field of :class:`EngineConfig` (its type, default
-    and help; dsmesh/runtime/options.py), and the process flag ``--gil-switch-ms``.
+    and help; dsmesh/options/fields.py), and the process flag ``--gil-switch-ms``.
     ``not_given``: every flag defaults to None (``dsmesh up``, which forwards only the
     flags given)."""
     g = option_group(p, ENGINE_GROUP)

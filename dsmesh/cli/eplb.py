@@ -6,8 +6,8 @@ import argparse
 
 from dsmesh.cli.common import run_server, server_config_from, tls_config_from
 from dsmesh.eplb_svc.config import EPLBConfig
-from dsmesh.runtime import argtypes
-from dsmesh.runtime.options import add_options
+from dsmesh.options import parse as argtypes
+from dsmesh.options.fields import add_options
 from dsmesh.runtime.security import SecurityOptions
 
 

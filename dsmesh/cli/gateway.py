@@ -6,7 +6,7 @@ import argparse
 
 from dsmesh.cli.common import server_config_from
 from dsmesh.gateway.config import GatewayConfig
-from dsmesh.runtime.options import add_options
+from dsmesh.options.fields import add_options
 
 
 def register(sub: argparse._SubParsersAction) -> None:

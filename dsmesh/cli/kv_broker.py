@@ -6,7 +6,7 @@ import argparse
 
 from dsmesh.cli.common import run_server, server_config_from
 from dsmesh.kv_broker.config import BrokerConfig
-from dsmesh.runtime.options import add_options
+from dsmesh.options.fields import add_options
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -1,7 +1,7 @@
 """``dsmesh up``'s config: the mesh to run (how many instances of each role, where), and the
 shape that follows from it (its engine instances, their GPUs and metrics ports).
 
-Each field made with ``option`` is a flag of ``dsmesh up`` (dsmesh/runtime/options.py); the
+Each field made with ``option`` is a flag of ``dsmesh up`` (dsmesh/options/fields.py); the
 rest come from the engine flags it takes and the service options it offers and forwards
 (dsmesh/cli/up.py)."""
 
@@ -22,10 +22,10 @@ from dsmesh.cli.placement import (
 )
 from dsmesh.engine.ep.runtime import EP_GROUP
 from dsmesh.engine.kv.budget import DEFAULT_MEM_FRACTION
-from dsmesh.runtime import argtypes
+from dsmesh.options import parse as argtypes
+from dsmesh.options.fields import option
 from dsmesh.runtime.address import LOOPBACK
 from dsmesh.runtime.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
-from dsmesh.runtime.options import option
 from dsmesh.runtime.security import SecurityOptions
 
 GPUS = "GPUs (CUDA meshes: --device cuda, or auto with GPUs visible; docs/DEPLOY.md)"

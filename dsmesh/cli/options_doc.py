@@ -17,8 +17,8 @@ from dsmesh.eplb_svc.config import EPLBConfig
 from dsmesh.gateway.config import GatewayConfig
 from dsmesh.instance.attach import InstanceConfig, PDInstanceConfig
 from dsmesh.kv_broker.config import BrokerConfig
+from dsmesh.options.fields import options_table
 from dsmesh.prefill_svc.service import PrefillConfig
-from dsmesh.runtime.options import options_table
 from dsmesh.runtime.security import SecurityOptions
 from dsmesh.runtime.server_options import ServerOptions
 from dsmesh.unified_svc.service import UnifiedConfig

@@ -1,6 +1,6 @@
 """``dsmesh up``: the whole mesh on this machine with one command, supervised.
 
-Its flags come from fields (dsmesh/runtime/options.py): :class:`MeshConfig`'s own, the
+Its flags come from fields (dsmesh/options/fields.py): :class:`MeshConfig`'s own, the
 engine's (forwarded to every engine instance when given), and the service options marked
 ``up`` in each role's config (:data:`ROLES`), forwarded when given to the services of that
 role; the API keys among them go through the environment, out of the process list.
@@ -21,8 +21,7 @@ from dsmesh.engine.options import EngineConfig
 from dsmesh.eplb_svc.config import EPLBConfig
 from dsmesh.gateway.config import GatewayConfig
 from dsmesh.kv_broker.config import BrokerConfig
-from dsmesh.prefill_svc.service import PrefillConfig
-from dsmesh.runtime.options import (
+from dsmesh.options.fields import (
     OptionField,
     add_flag,
     add_options,
@@ -32,6 +31,7 @@ from dsmesh.runtime.options import (
     up_fields,
     up_flag,
 )
+from dsmesh.prefill_svc.service import PrefillConfig
 
 BOUNDS = "bounds and limits (forwarded to the services that own them; default: theirs)"
 
@@ -68,7 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_options(p, MeshConfig)
     add_role_options(p)
     # Not given: None, and the service's own default (or derived value) applies. Only the
-    # flags given are forwarded to the engine instances (dsmesh/runtime/options.py).
+    # flags given are forwarded to the engine instances (dsmesh/options/fields.py).
     add_engine_args(
         p,
         not_given=True,

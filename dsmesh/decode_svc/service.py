@@ -18,9 +18,9 @@ from dsmesh.instance.attach import (
     serve_attached,
 )
 from dsmesh.instance.metrics import start_metrics
-from dsmesh.runtime import argtypes
+from dsmesh.options import parse as argtypes
+from dsmesh.options.fields import option
 from dsmesh.runtime.grpc_server import channel, set_channel_defaults
-from dsmesh.runtime.options import option
 from dsmesh.runtime.telemetry import tracing
 from dsmesh.v1 import decode_pb2, decode_pb2_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
@@ -33,7 +33,7 @@ SERVICE = _SERVICE.full_name
 
 @dataclass(frozen=True, kw_only=True)
 class DecodeConfig(PDInstanceConfig):
-    """Each option is a flag of ``dsmesh decode`` (dsmesh/runtime/options.py)."""
+    """Each option is a flag of ``dsmesh decode`` (dsmesh/options/fields.py)."""
 
     handoff_timeout_s: float = option(
         30.0, "seconds a request may wait for its prompt KV", parse=argtypes.seconds, up=True

@@ -1,9 +1,9 @@
 """The engine's options: runtime choices for one engine (the model's shape comes from its
 checkpoint), each declared once, validated before anything is built.
 
-Every field made with :func:`~dsmesh.runtime.options.option` is also a command-line flag of
+Every field made with :func:`~dsmesh.options.fields.option` is also a command-line flag of
 every command that runs an engine, and what ``dsmesh up`` forwards to the engines it starts
-(dsmesh/runtime/options.py). Fields whose default is ``None`` are derived at start-up from the
+(dsmesh/options/fields.py). Fields whose default is ``None`` are derived at start-up from the
 device, the model and the process's role (dsmesh/engine/derived.py): an explicit value wins.
 """
 
@@ -20,8 +20,8 @@ from dsmesh.engine.model.kernel_choice import KERNEL_SETS, MOE_BACKENDS
 from dsmesh.engine.model.mla import ATTENTION_MODES
 from dsmesh.engine.model.mla_decode_backend import ATTENTION_BACKENDS
 from dsmesh.engine.model.mtp import SPECULATIVE_METHODS
-from dsmesh.runtime import argtypes
-from dsmesh.runtime.options import option
+from dsmesh.options import parse as argtypes
+from dsmesh.options.fields import option
 
 # what the process is for; picks derived defaults (dsmesh/engine/derived.py)
 ROLES = ("offline", "prefill", "decode", "unified")
@@ -79,7 +79,7 @@ class EngineConfig:
     admit_interval: int = option(
         1,
         "while requests decode, new requests join the batch at most every N steps, so that "
-        "their prompt chunks share one forward (1 = every step; dsmesh/engine/scheduler.py)",
+        "their prompt chunks share one forward (1 = every step; dsmesh/engine/sched/scheduler.py)",
         parse=argtypes.positive,
     )
     attention_mode: str = option(
@@ -127,7 +127,7 @@ class EngineConfig:
         "auto",
         "MLA decode kernel: auto = FlashInfer's where it is installed and fits, else "
         "dsmesh's Triton kernel (kernel); flashinfer = FlashInfer's (bash "
-        "scripts/setup-gpu.sh); torch = the reference (dsmesh/engine/mla_decode_backend.py)",
+        "scripts/setup-gpu.sh); torch = the reference (dsmesh/engine/model/mla_decode_backend.py)",
         choices=ATTENTION_BACKENDS,
     )
     kernels: str = option(
@@ -170,7 +170,7 @@ class EngineConfig:
         None,
         "speculative decoding: mtp = draft with the checkpoint's MTP layer "
         "(num_nextn_predict_layers > 0) and verify the drafts in one forward; off by default "
-        "(dsmesh/engine/speculative.py)",
+        "(dsmesh/engine/speculative/)",
         choices=SPECULATIVE_METHODS,
     )
     num_draft_tokens: int = option(

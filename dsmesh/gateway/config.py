@@ -1,13 +1,13 @@
 """What a gateway process is told at start-up: each field is a flag of ``dsmesh gateway``
-(dsmesh/runtime/options.py); those marked ``up`` are offered by ``dsmesh up`` too."""
+(dsmesh/options/fields.py); those marked ``up`` are offered by ``dsmesh up`` too."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from dsmesh.gateway.reasoning import check_reasoning_parser
-from dsmesh.runtime import argtypes
-from dsmesh.runtime.options import REQUIRED, option
+from dsmesh.options import parse as argtypes
+from dsmesh.options.fields import REQUIRED, option
 from dsmesh.runtime.security import ENV_API_KEYS, api_key
 from dsmesh.runtime.server_options import ServerOptions
 

@@ -22,12 +22,12 @@ from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.instance.ep_group import RankSpec
 from dsmesh.instance.layout import layout_of
 from dsmesh.instance.worker import EngineWorker
+from dsmesh.options.fields import REQUIRED, nested, option
 from dsmesh.runtime.address import LOOPBACK, advertise_host, host_port
 from dsmesh.runtime.drain import Drain
 from dsmesh.runtime.grpc_server import RunningServer, method_paths, start_server
 from dsmesh.runtime.heap import freeze_startup_heap
 from dsmesh.runtime.lifecycle import STOP_GRACE_S, ServiceConfig, serve_until_stopped
-from dsmesh.runtime.options import REQUIRED, nested, option
 from dsmesh.runtime.server_options import ServerOptions, metrics_port_option, port_option
 from dsmesh.runtime.transfer import (
     PROTOCOLS,
@@ -73,7 +73,7 @@ class TransferConfig:
 class InstanceConfig(ServerOptions):
     """What every prefill, decode and unified instance is told at start-up; each role's
     config adds its own fields (keyword-only). Each option is a flag of the instance's
-    command (dsmesh/runtime/options.py)."""
+    command (dsmesh/options/fields.py)."""
 
     broker_address: str = option(REQUIRED, "kv_broker address HOST:PORT", flag="--broker")
     engine: EngineConfig = nested(EngineConfig, group=ENGINE_GROUP)

@@ -1,12 +1,12 @@
 """What a kv_broker process is told at start-up: each field is a flag of ``dsmesh kv-broker``
-(dsmesh/runtime/options.py)."""
+(dsmesh/options/fields.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsmesh.runtime import argtypes
-from dsmesh.runtime.options import option
+from dsmesh.options import parse as argtypes
+from dsmesh.options.fields import option
 from dsmesh.runtime.server_options import ServerOptions, metrics_port_option, port_option
 
 DEFAULT_PORT = 50054  # the CLI's default; BrokerConfig's 0 picks any free port

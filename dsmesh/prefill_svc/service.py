@@ -16,10 +16,10 @@ from dsmesh.instance.attach import (
     serve_attached,
 )
 from dsmesh.instance.metrics import start_metrics
+from dsmesh.options import parse as argtypes
+from dsmesh.options.fields import option
 from dsmesh.prefill_svc.servicer import PrefillLimits, PrefillServicer
-from dsmesh.runtime import argtypes
 from dsmesh.runtime.grpc_server import channel, set_channel_defaults
-from dsmesh.runtime.options import option
 from dsmesh.runtime.telemetry import tracing
 from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
@@ -32,7 +32,7 @@ SERVICE = _SERVICE.full_name
 
 @dataclass(frozen=True, kw_only=True)
 class PrefillConfig(PDInstanceConfig):
-    """Each option is a flag of ``dsmesh prefill`` (dsmesh/runtime/options.py)."""
+    """Each option is a flag of ``dsmesh prefill`` (dsmesh/options/fields.py)."""
 
     resolve_wait_s: float = option(
         30.0, "seconds to wait for decode's page reservation", parse=argtypes.seconds

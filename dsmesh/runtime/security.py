@@ -7,7 +7,7 @@
 ``ca_file``. ``dsmesh.runtime.grpc_server`` applies it: explicitly per server and channel, or
 through the process-wide default each service sets at start-up (docs/SECURITY.md).
 
-Each file, the switch and the name is an option (dsmesh/runtime/options.py): a flag of every
+Each file, the switch and the name is an option (dsmesh/options/fields.py): a flag of every
 command that takes :class:`SecurityOptions`, with its environment variable as the fallback.
 
 API keys (``--api-key``, ``DSMESH_API_KEYS``: the gateway's ``api_keys`` option) guard the
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import grpc
 
-from dsmesh.runtime.options import from_args, nested, option
+from dsmesh.options.fields import from_args, nested, option
 
 ENV_CERT = "DSMESH_TLS_CERT"
 ENV_KEY = "DSMESH_TLS_KEY"

@@ -1,5 +1,5 @@
 """The options every server process takes: where it binds, what its peers dial, TLS, message
-size, and its drain on SIGTERM. Each service's config inherits them (dsmesh/runtime/options.py)
+size, and its drain on SIGTERM. Each service's config inherits them (dsmesh/options/fields.py)
 and declares its own ports with :func:`port_option` and :func:`metrics_port_option`."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dsmesh.runtime import argtypes
+from dsmesh.options import parse as argtypes
+from dsmesh.options.fields import option
 from dsmesh.runtime.address import LOOPBACK
 from dsmesh.runtime.lifecycle import DEFAULT_DRAIN_TIMEOUT_S, check_drain_timeout
-from dsmesh.runtime.options import option
 from dsmesh.runtime.security import SecurityOptions
 
 

@@ -22,8 +22,8 @@ from dsmesh.instance.attach import (
 )
 from dsmesh.instance.metrics import start_metrics
 from dsmesh.instance.worker import EngineWorker
+from dsmesh.options.fields import nested
 from dsmesh.runtime.grpc_server import set_channel_defaults
-from dsmesh.runtime.options import nested
 from dsmesh.runtime.telemetry import tracing
 from dsmesh.unified_svc.servicer import UnifiedServicer
 from dsmesh.v1 import decode_pb2, decode_pb2_grpc
@@ -36,7 +36,7 @@ SERVICE = _SERVICE.full_name
 
 @dataclass(frozen=True, kw_only=True)
 class UnifiedConfig(InstanceConfig):
-    """Each option is a flag of ``dsmesh unified`` (dsmesh/runtime/options.py)."""
+    """Each option is a flag of ``dsmesh unified`` (dsmesh/options/fields.py)."""
 
     engine: EngineConfig = nested(
         EngineConfig, group=ENGINE_GROUP, default_factory=lambda: EngineConfig(role="unified")

@@ -1,4 +1,4 @@
-"""Options declared once (dsmesh/runtime/options.py): each EngineConfig field is the flag of
+"""Options declared once (dsmesh/options/fields.py): each EngineConfig field is the flag of
 every engine command, what ``dsmesh up`` forwards, and a row of docs/OPTIONS.md; each service
 config's field is a flag of its command (and, marked ``up``, of ``dsmesh up``, which forwards
 it to that service), and a row of the service's table."""
@@ -23,8 +23,7 @@ from dsmesh.eplb_svc.config import EPLBConfig
 from dsmesh.gateway.config import GatewayConfig
 from dsmesh.instance.attach import InstanceConfig
 from dsmesh.kv_broker.config import BrokerConfig
-from dsmesh.prefill_svc.service import PrefillConfig
-from dsmesh.runtime.options import (
+from dsmesh.options.fields import (
     OptionField,
     add_options,
     all_option_fields,
@@ -36,6 +35,7 @@ from dsmesh.runtime.options import (
     up_fields,
     up_flag,
 )
+from dsmesh.prefill_svc.service import PrefillConfig
 from dsmesh.runtime.security import SecurityOptions
 from dsmesh.unified_svc.service import UnifiedConfig
 

@@ -12,7 +12,7 @@ from dsmesh.cli.main import build_parser
 from dsmesh.cli.mesh_config import MeshConfig
 from dsmesh.cli.stages import broker_stage, gateway_stage, instance_stage
 from dsmesh.gateway.config import GatewayConfig
-from dsmesh.runtime.options import from_args
+from dsmesh.options.fields import from_args
 from dsmesh.runtime.security import TLSConfig, bearer_matches
 from tests.security.certs import Pki
 

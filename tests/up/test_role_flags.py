@@ -8,7 +8,7 @@ from dsmesh.cli.main import build_parser
 from dsmesh.cli.mesh_config import MeshConfig
 from dsmesh.cli.stages import broker_stage, gateway_stage, instance_stage
 from dsmesh.cli.up import ROLES, role_flags
-from dsmesh.runtime.options import up_fields
+from dsmesh.options.fields import up_fields
 
 COMMAND = {
     "broker": ["kv-broker"],

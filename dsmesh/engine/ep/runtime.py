@@ -28,7 +28,7 @@ from dsmesh.engine.model.config import load_config
 from dsmesh.engine.model.moe_dispatch import MoEDispatcher
 from dsmesh.engine.model.mtp import MTPDraft, build_mtp, mtp_moe_layers
 from dsmesh.engine.model.mtp_weights import load_mtp_weights
-from dsmesh.runtime.options import option
+from dsmesh.options.fields import option
 
 log = logging.getLogger(__name__)
 DISPATCH_BACKENDS = ("auto", "all-to-all", "deepep")
@@ -38,7 +38,7 @@ EP_GROUP = "expert parallelism (docs/EP.md)"  # the help group of the expert-par
 @dataclass(frozen=True)
 class EPConfig:
     """An expert-parallel group; the fields made with ``option`` are the expert-parallel
-    flags of the instance commands (dsmesh/runtime/options.py, docs/EP.md)."""
+    flags of the instance commands (dsmesh/options/fields.py, docs/EP.md)."""
 
     ep_size: int = option(
         1,

@@ -4,7 +4,7 @@ On CUDA, with no ``--max-total-tokens``, a process may use ``mem_fraction`` of i
 memory for its weights and its KV pool (as SGLang's ``--mem-fraction-static``); the rest is
 left for activations, CUDA graphs, the CUDA context, communication buffers and the other
 processes on the GPU. The engine measures what it already holds after loading the weights
-and sizes the pool from what is left (dsmesh/engine/llm_engine.py; docs/DEPLOY.md).
+and sizes the pool from what is left (dsmesh/engine/runner/model_runner.py; docs/DEPLOY.md).
 """
 
 from __future__ import annotations

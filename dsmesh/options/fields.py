@@ -33,7 +33,7 @@ import typing
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from dsmesh.runtime import argtypes
+from dsmesh.options import parse as argtypes
 
 _KEY = "dsmesh.option"
 _NESTED = "dsmesh.nested"
