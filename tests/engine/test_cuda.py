@@ -1,6 +1,6 @@
 """The offline engine on CUDA with plain torch ops (no custom kernels yet): same greedy tokens
-as on the CPU in float32, and sane bfloat16. Skipped cleanly without a GPU; run on the lent
-H200 through the device tool."""
+as on the CPU in float32, and sane bfloat16. Skipped cleanly without a GPU; run on an
+H200."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """DeepEP's normal-mode dispatcher against the torch all-to-all one, on 2 GPUs over NCCL.
 
-Runs only where ``deep_ep`` is built and two GPUs are visible (the multi-GPU issue's
-machines); elsewhere it is skipped with the reason. Both backends must honour the same
+Runs only where ``deep_ep`` is built and two GPUs are visible (a host of
+several GPUs); elsewhere it is skipped with the reason. Both backends must honour the same
 contract: ``combine(f(dispatch(x).hidden))[t] == sum_k w[t,k] * f_{ids[t,k]}(x[t])``.
 """
 

@@ -11,8 +11,8 @@ Two modes, fixed per instance because every rank of a group must use the same on
 Both implement :class:`~dsmesh.engine.model.moe_dispatch.MoEDispatcher`, so the MoE layer is
 unchanged. ``deep_ep`` is imported lazily; :func:`deepep_available` says whether it can be used.
 
-Status: written against deep_ep 1.0.0's documented API; it has not run yet: the machines
-lent so far have not had a DeepEP build (see docs/EP.md). The all-to-all backend is the one
+Status: written against deep_ep 1.0.0's documented API; it has not run yet: no machine it was
+tried on has had a DeepEP build (see docs/EP.md). The all-to-all backend is the one
 that is tested.
 """
 

@@ -1,6 +1,6 @@
 """Tokens routed to each physical expert, per MoE layer, over a sliding window of steps.
 
-One recorder per rank; EPLB (a later issue) streams its windows to eplb_svc and turns them
+One recorder per rank; EPLB (docs/EPLB.md) streams its windows to eplb_svc and turns them
 into placements. Recording adds each MoE layer's routed pairs into a counter on the device
 (no host sync, so CUDA graphs capture it too); closing a step copies the counters to the host.
 """
