@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 from aiohttp import web
@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dsmesh.gateway import api
 from dsmesh.gateway.core import GenerationCore
-from dsmesh.gateway.openai_api import OpenAIError, OpenAIRoutes
+from dsmesh.gateway.openai_api import OpenAIError, OpenAIRoutes, is_openai_path
 from dsmesh.gateway.rest import error_response, transcoded_routes
 from dsmesh.runtime.drain import DRAINING_MESSAGE, Drain
 from dsmesh.runtime.security import bearer_matches
@@ -36,10 +36,9 @@ def build_app(
     a dsmesh/gateway/reasoning.py parser for chat completions' ``reasoning_content``."""
     drain = drain if drain is not None else Drain()
     openai_routes = OpenAIRoutes(core, model_name, reasoning_parser).routes()
-    openai_paths = frozenset(route.path for route in openai_routes)  # type: ignore[attr-defined]
-    middlewares = [admit(drain, openai_paths), body_limit(max_body_bytes, openai_paths)]
+    middlewares = [admit(drain), body_limit(max_body_bytes), unrouted]
     if api_keys:
-        middlewares.insert(0, require_api_key(tuple(api_keys), openai_paths))  # before reading
+        middlewares.insert(0, require_api_key(tuple(api_keys)))  # before reading
     app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
     service = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
     app.add_routes(
@@ -80,13 +79,13 @@ def build_app(
     return app
 
 
-def require_api_key(keys: tuple[str, ...], openai_paths: Collection[str]):
+def require_api_key(keys: tuple[str, ...]):
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path in OPEN_PATHS or bearer_matches(request.headers.get("Authorization"), keys):
             return await handler(request)
         message = "missing or invalid API key: send 'Authorization: Bearer <key>'"
-        if request.path in openai_paths:
+        if is_openai_path(request.path):
             resp = OpenAIError(
                 401, message, code="invalid_api_key", kind="authentication_error"
             ).response()
@@ -98,7 +97,7 @@ def require_api_key(keys: tuple[str, ...], openai_paths: Collection[str]):
     return middleware
 
 
-def admit(drain: Drain, openai_paths: Collection[str]):
+def admit(drain: Drain):
     """Counts requests in flight for the drain; once draining, new ones get 503."""
 
     @web.middleware
@@ -106,7 +105,7 @@ def admit(drain: Drain, openai_paths: Collection[str]):
         if request.path in OPEN_PATHS:
             return await handler(request)
         if drain.draining:
-            if request.path in openai_paths:
+            if is_openai_path(request.path):
                 resp = OpenAIError(
                     503, DRAINING_MESSAGE, code="service_unavailable", kind="server_error"
                 ).response()
@@ -120,7 +119,7 @@ def admit(drain: Drain, openai_paths: Collection[str]):
     return middleware
 
 
-def body_limit(max_body_bytes: int, openai_paths: Collection[str]):
+def body_limit(max_body_bytes: int):
     """Reads the body up front (the handlers find it cached) so that one over the limit is a
     413 with a JSON error instead of a failure inside a handler."""
 
@@ -135,10 +134,27 @@ def body_limit(max_body_bytes: int, openai_paths: Collection[str]):
                 except web.HTTPRequestEntityTooLarge:
                     too_large = True
             if too_large:
-                return _too_large(request.path in openai_paths, max_body_bytes)
+                return _too_large(is_openai_path(request.path), max_body_bytes)
         return await handler(request)
 
     return middleware
+
+
+@web.middleware
+async def unrouted(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """An unknown path (404) or a method a route does not take (405, with ``Allow``) answers
+    with OpenAI's error JSON rather than aiohttp's plain text."""
+    exc = request.match_info.http_exception
+    if exc is None:
+        return await handler(request)
+    if exc.status == 405:
+        allowed = exc.headers.get("Allow", "")
+        message = f"{request.method} is not allowed on {request.path} (allowed: {allowed})"
+        resp = OpenAIError(405, message, code="method_not_allowed").response()
+        resp.headers["Allow"] = allowed
+        return resp
+    message = f"Unknown route: {request.method} {request.path}"
+    return OpenAIError(exc.status, message, code="not_found").response()
 
 
 def _too_large(openai: bool, max_body_bytes: int) -> web.Response:

@@ -1,5 +1,5 @@
-"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions, and vLLM's
-and SGLang's /v1/tokenize and /v1/detokenize.
+"""OpenAI-compatible routes: /v1/models, /v1/models/{id}, /v1/completions,
+/v1/chat/completions, and vLLM's and SGLang's /v1/tokenize and /v1/detokenize.
 
 Follows the OpenAI API's request and response shapes (and its defaults: temperature 1; with
 ``max_tokens`` omitted, generation runs up to the room left in the context after the prompt),
@@ -54,7 +54,17 @@ from dsmesh.gateway.rest import http_status, read_json, sse
 from dsmesh.gateway.tool_calls import CallDelta, ToolCallParser, merge_call_deltas
 from dsmesh.runtime.telemetry import context_from_headers
 
-__all__ = ["OpenAIError", "OpenAIRoutes", "sampling_from_openai"]
+__all__ = ["OpenAIError", "OpenAIRoutes", "is_openai_path", "sampling_from_openai"]
+
+OPENAI_PATHS = frozenset(
+    {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/tokenize", "/v1/detokenize"}
+)
+MODEL_PREFIX = "/v1/models/"  # /v1/models/{id}; an id may hold slashes (org/name)
+
+
+def is_openai_path(path: str) -> bool:
+    """Whether ``path`` is one of these routes (its errors then come in OpenAI's shape)."""
+    return path in OPENAI_PATHS or (path.startswith(MODEL_PREFIX) and path != MODEL_PREFIX)
 
 
 def _from_gateway(
@@ -93,6 +103,7 @@ class OpenAIRoutes:
     def routes(self) -> list[web.RouteDef]:
         return [
             web.get("/v1/models", self.models),
+            web.get(MODEL_PREFIX + "{model:.+}", self.model),
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat),
             web.post("/v1/tokenize", self.tokenize),
@@ -102,6 +113,15 @@ class OpenAIRoutes:
     async def models(self, request: web.Request) -> web.Response:
         cards = [self._model_card(name) for name in self.model_names]
         return web.json_response({"object": "list", "data": cards})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """OpenAI's model retrieval: the card of a served name, else 404 ``model_not_found``."""
+        name = request.match_info["model"]
+        if name not in self.model_names:
+            return OpenAIError(
+                404, f"The model '{name}' does not exist", code="model_not_found"
+            ).response()
+        return web.json_response(self._model_card(name))
 
     def _model_card(self, name: str) -> dict[str, Any]:
         return {

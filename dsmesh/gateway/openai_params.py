@@ -2,8 +2,9 @@
 
 OpenAI's defaults apply (temperature 1; ``max_tokens`` omitted: the caller's default, the
 room left in the context). dsmesh accepts vLLM's extensions ``top_k``, ``min_p``,
-``repetition_penalty`` and ``ignore_eos``. Every error is a 400 naming the parameter as the
-client sent it.
+``repetition_penalty`` and ``ignore_eos``. OpenAI's limits hold here (``temperature`` in
+[0, 2], at most 4 ``stop`` strings), not on /v1/generate or gRPC. Every error is a 400 naming the
+parameter as the client sent it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,11 @@ from dsmesh.engine.errors import InvalidRequestError
 from dsmesh.engine.sampling.params import MAX_LOGPROBS, SamplingParams
 from dsmesh.gateway.choices import MAX_CHOICES
 from dsmesh.gateway.openai_grammar import grammar_from_openai
-from dsmesh.runtime.convert import MAX_STOP_STRINGS
+
+# OpenAI's own limits on these routes; /v1/generate and gRPC keep the engine's wider ones
+# (dsmesh/runtime/convert.py: 16 stop strings, any temperature >= 0).
+MAX_OPENAI_STOP = 4
+MAX_OPENAI_TEMPERATURE = 2.0
 
 
 class OpenAIError(Exception):
@@ -81,8 +86,8 @@ def _stop_list(body: dict[str, Any]) -> tuple[str, ...]:
     if isinstance(stop, str):
         stop = [stop]
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        if len(stop) > MAX_STOP_STRINGS:
-            raise bad_param("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        if len(stop) > MAX_OPENAI_STOP:
+            raise bad_param("stop", f"at most {MAX_OPENAI_STOP} stop strings, got {len(stop)}")
         return tuple(utf8_text("stop", s) for s in stop)
     raise bad_param("stop", "must be a string or a list of strings")
 
@@ -92,6 +97,13 @@ def _number(body: dict[str, Any], name: str, default: float) -> float:
         return float(_get(body, name, (int, float), default))
     except OverflowError as exc:
         raise bad_param(name, "is out of range") from exc
+
+
+def _temperature(body: dict[str, Any]) -> float:
+    temperature = _number(body, "temperature", 1.0)
+    if not 0 <= temperature <= MAX_OPENAI_TEMPERATURE:  # NaN too
+        raise bad_param("temperature", f"must be in [0, 2], got {temperature}")
+    return temperature
 
 
 def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
@@ -156,7 +168,7 @@ def sampling_from_openai(
     except InvalidRequestError as exc:
         raise bad_param(exc.field, exc.reason) from exc
     params = SamplingParams(
-        temperature=_number(body, "temperature", 1.0),
+        temperature=_temperature(body),
         top_p=_number(body, "top_p", 1.0),
         top_k=_get(body, "top_k", (int,), 0),
         min_p=_number(body, "min_p", 0.0),

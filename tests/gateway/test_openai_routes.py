@@ -1,0 +1,116 @@
+"""The gateway's HTTP app in process, on loopback: /v1/models/{id} answers OpenAI's Model
+object (checked by the openai package's own type) or a 404 ``model_not_found``; unknown
+routes and wrong methods answer OpenAI's error JSON; the OpenAI routes hold OpenAI's limits
+on ``temperature`` and ``stop``."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import openai
+import pytest
+from aiohttp import ClientSession
+from aiohttp.test_utils import TestServer
+
+from dsmesh.gateway.http_app import build_app
+from dsmesh.gateway.openai_api import OPENAI_PATHS, OpenAIRoutes, is_openai_path
+from dsmesh.gateway.openai_params import OpenAIError, sampling_from_openai
+
+NAMES = ["deepseek-v3", "org/ds-tiny"]
+
+
+def fetch(requests: list[tuple[str, str]]) -> list[tuple[int, dict[str, Any], str]]:
+    """(status, JSON body, Allow header) of each (method, path) against the app. No route
+    asked here reaches the generation core, so the app runs without one."""
+
+    async def main() -> list[tuple[int, dict[str, Any], str]]:
+        app = build_app(None, NAMES, 1 << 20)  # type: ignore[arg-type]
+        async with TestServer(app, host="127.0.0.1") as server, ClientSession() as http:
+            out = []
+            for method, path in requests:
+                async with http.request(method, server.make_url(path)) as resp:
+                    body = await resp.json()  # fails on plain text
+                    out.append((resp.status, body, resp.headers.get("Allow", "")))
+            return out
+
+    return asyncio.run(main())
+
+
+def openai_error(body: dict[str, Any], code: str) -> dict[str, Any]:
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["param"] is None
+    assert err["code"] == code and isinstance(err["message"], str)
+    return err
+
+
+def test_model_retrieve_is_openai_model_object() -> None:
+    (s1, one, _), (s2, slashed, _), (s3, listed, _) = fetch(
+        [
+            ("GET", "/v1/models/deepseek-v3"),
+            ("GET", "/v1/models/org/ds-tiny"),
+            ("GET", "/v1/models"),
+        ]
+    )
+    assert s1 == s2 == s3 == 200
+    model = openai.types.Model.model_validate(one, strict=True)
+    assert (model.id, model.object, model.owned_by) == ("deepseek-v3", "model", "dsmesh")
+    assert openai.types.Model.model_validate(slashed, strict=True).id == "org/ds-tiny"
+    assert listed["data"] == [one, slashed]  # the same cards /v1/models lists
+
+
+def test_unknown_model_is_openai_404() -> None:
+    [(status, body, _)] = fetch([("GET", "/v1/models/no-such-model")])
+    assert status == 404
+    err = openai_error(body, "model_not_found")
+    assert "no-such-model" in err["message"]
+
+
+def test_unknown_routes_and_wrong_methods_are_openai_errors() -> None:
+    out = fetch(
+        [
+            ("GET", "/v1/embeddings"),
+            ("POST", "/nope"),
+            ("POST", "/v1/models"),
+            ("GET", "/v1/chat/completions"),
+            ("DELETE", "/v1/models/deepseek-v3"),
+        ]
+    )
+    assert [status for status, _, _ in out] == [404, 404, 405, 405, 405]
+    for status, body, allow in out:
+        openai_error(body, "not_found" if status == 404 else "method_not_allowed")
+        if status == 405:
+            assert "POST" in allow or "GET" in allow
+    assert out[3][2] == "POST" and "GET" in out[2][2]
+
+
+def test_openai_paths_are_the_routes() -> None:
+    routes = OpenAIRoutes(None, NAMES).routes()  # type: ignore[arg-type]
+    paths = {route.path for route in routes}  # type: ignore[attr-defined]
+    assert paths == OPENAI_PATHS | {"/v1/models/{model:.+}"}
+    assert is_openai_path("/v1/models/org/ds-tiny") and is_openai_path("/v1/completions")
+    assert not is_openai_path("/v1/generate") and not is_openai_path("/v1/models/")
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"temperature": 2.01}, "temperature"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ],
+)
+def test_openai_limits_name_the_field(body: dict[str, Any], param: str, chat: bool) -> None:
+    with pytest.raises(OpenAIError) as info:
+        sampling_from_openai(body, 10, chat=chat)
+    assert info.value.status == 400 and info.value.param == param
+    assert info.value.message.startswith(f"{param}: ")
+
+
+def test_openai_limits_themselves_are_accepted() -> None:
+    params = sampling_from_openai({"temperature": 2, "stop": ["a", "b", "c", "d"]}, 10)
+    assert params.temperature == 2.0 and params.stop == ("a", "b", "c", "d")
+    assert sampling_from_openai({"temperature": 0}, 10).temperature == 0.0
