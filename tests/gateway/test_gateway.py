@@ -297,6 +297,8 @@ BAD_OPENAI = [
     ({"prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
     ({"prompt": "hi", "logit_bias": {"999999": 1}}, "logit_bias"),
     ({"prompt": {"a": 1}}, "prompt"),
+    ({"prompt": "hi", "temperature": 2.5}, "temperature"),  # OpenAI's [0, 2]
+    ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),  # OpenAI's 4 at most
 ]
 
 
@@ -306,6 +308,19 @@ def test_openai_bad_input_is_400_naming_the_param(gw, extra, field) -> None:
     assert status == 400, raw
     err = json.loads(raw)["error"]
     assert field in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_openai_model_retrieve_and_rest_keeps_the_engine_limits(gw, client) -> None:
+    """/v1/models/{id} through the SDK; OpenAI's temperature and stop limits stay off
+    /v1/generate, which takes what the engine takes."""
+    model = client.models.retrieve(gw.model_name)
+    assert openai.types.Model.model_validate(model.model_dump(), strict=True).id == gw.model_name
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    sampling = {"max_new_tokens": 2, "temperature": 3.0, "stop": list("abcdefgh"), "seed": 1}
+    status, raw = post(f"{gw.url}/v1/generate", {"input_ids": [42, 43], "sampling": sampling})
+    assert status == 200, raw
+    assert len(json.loads(raw)["token_ids"]) >= 1
 
 
 def test_grpc_bad_input_is_invalid_argument(gw) -> None:
