@@ -1,5 +1,6 @@
 """OpenAI-compatible routes: /v1/models, /v1/models/{id}, /v1/completions,
-/v1/chat/completions, and vLLM's and SGLang's /v1/tokenize and /v1/detokenize.
+/v1/chat/completions, and vLLM's and SGLang's /v1/tokenize and /v1/detokenize (also at
+vLLM's root paths /tokenize and /detokenize) and vLLM's GET /tokenizer_info.
 
 Follows the OpenAI API's request and response shapes (and its defaults: temperature 1; with
 ``max_tokens`` omitted, generation runs up to the room left in the context after the prompt),
@@ -57,7 +58,16 @@ from dsmesh.runtime.telemetry import context_from_headers
 __all__ = ["OpenAIError", "OpenAIRoutes", "is_openai_path", "sampling_from_openai"]
 
 OPENAI_PATHS = frozenset(
-    {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/tokenize", "/v1/detokenize"}
+    {
+        "/v1/models",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/tokenize",
+        "/v1/detokenize",
+        "/tokenize",
+        "/detokenize",
+        "/tokenizer_info",
+    }
 )
 MODEL_PREFIX = "/v1/models/"  # /v1/models/{id}; an id may hold slashes (org/name)
 
@@ -108,6 +118,9 @@ class OpenAIRoutes:
             web.post("/v1/chat/completions", self.chat),
             web.post("/v1/tokenize", self.tokenize),
             web.post("/v1/detokenize", self.detokenize),
+            web.post("/tokenize", self.tokenize),  # vLLM's root paths, probed by lm-eval
+            web.post("/detokenize", self.detokenize),
+            web.get("/tokenizer_info", self.tokenizer_info),
         ]
 
     async def models(self, request: web.Request) -> web.Response:
@@ -293,6 +306,23 @@ class OpenAIRoutes:
         except OpenAIError as exc:
             return exc.response()
         return web.json_response({"prompt": self.core.tokenizer.decode(tokens)})
+
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenizer_info: the tokenizer's class, special tokens, context length and
+        default chat template (null when the checkpoint has none)."""
+        tok = self.core.tokenizer
+        return web.json_response(
+            {
+                "tokenizer_class": type(tok).__name__,
+                "bos_token": tok.bos_token,
+                "eos_token": tok.eos_token,
+                "bos_token_id": tok.bos_token_id,
+                "eos_token_id": tok.eos_token_id,
+                "vocab_size": tok.vocab_size,
+                "model_max_length": self.core.model_config.max_position_embeddings,
+                "chat_template": tok.chat_template,
+            }
+        )
 
     # ---- shared ----------------------------------------------------------------------------
 

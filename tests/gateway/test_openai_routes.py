@@ -114,3 +114,75 @@ def test_openai_limits_themselves_are_accepted() -> None:
     params = sampling_from_openai({"temperature": 2, "stop": ["a", "b", "c", "d"]}, 10)
     assert params.temperature == 2.0 and params.stop == ("a", "b", "c", "d")
     assert sampling_from_openai({"temperature": 0}, 10).temperature == 0.0
+
+
+def tokenizer_calls(
+    tokenizer: Any, context: int, requests: list[tuple[str, str, Any]]
+) -> list[tuple[int, dict[str, Any]]]:
+    """(status, JSON body) of each (method, path, JSON body) against an app whose core holds
+    only what the tokenizer routes read: a real tokenizer and the model's context length."""
+
+    class Core:
+        pass
+
+    core = Core()
+    core.tokenizer = tokenizer  # type: ignore[attr-defined]
+    core.model_config = type("Config", (), {"max_position_embeddings": context})()  # type: ignore[attr-defined]
+
+    async def main() -> list[tuple[int, dict[str, Any]]]:
+        app = build_app(core, NAMES, 1 << 20)  # type: ignore[arg-type]
+        async with TestServer(app, host="127.0.0.1") as server, ClientSession() as http:
+            out = []
+            for method, path, body in requests:
+                async with http.request(method, server.make_url(path), json=body) as resp:
+                    out.append((resp.status, await resp.json()))
+            return out
+
+    return asyncio.run(main())
+
+
+def test_root_tokenizer_routes_follow_vllm(tmp_path) -> None:
+    from dsmesh.engine.tokenizer import Tokenizer, write_byte_level_tokenizer
+
+    write_byte_level_tokenizer(tmp_path)
+    tok = Tokenizer.from_dir(tmp_path)
+    messages = [{"role": "user", "content": "Hi there"}]
+    text = "héllo wörld 🦊"
+    out = tokenizer_calls(
+        tok,
+        512,
+        [
+            ("POST", "/tokenize", {"prompt": text}),
+            ("POST", "/tokenize", {"prompt": text, "add_special_tokens": False}),
+            ("POST", "/tokenize", {"model": "deepseek-v3", "messages": messages}),
+            ("POST", "/detokenize", {"tokens": tok.encode(text, add_special_tokens=False)}),
+            ("GET", "/tokenizer_info", None),
+            ("POST", "/tokenize", {"prompt": 5}),
+            ("POST", "/detokenize", {"tokens": "abc"}),
+            ("POST", "/tokenize", {"prompt": "x", "bogus": 1}),
+        ],
+    )
+    ids = tok.encode(text)  # what /v1/completions runs for a string prompt
+    assert ids[0] == tok.bos_token_id
+    assert out[0] == (200, {"tokens": ids, "count": len(ids), "max_model_len": 512})
+    assert out[1][1]["tokens"] == tok.encode(text, add_special_tokens=False) == ids[1:]
+    chat = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert out[2] == (200, {"tokens": list(chat), "count": len(chat), "max_model_len": 512})
+    assert out[3] == (200, {"prompt": text})
+    assert out[4] == (
+        200,
+        {
+            "tokenizer_class": "Tokenizer",
+            "bos_token": tok.bos_token,
+            "eos_token": tok.eos_token,
+            "bos_token_id": tok.bos_token_id,
+            "eos_token_id": tok.eos_token_id,
+            "vocab_size": tok.vocab_size,
+            "model_max_length": 512,
+            "chat_template": tok.chat_template,
+        },
+    )
+    assert tok.chat_template and tok.bos_token
+    for (status, body), param in zip(out[5:], ["prompt", "tokens", "bogus"], strict=True):
+        assert status == 400
+        assert body["error"]["param"] == param and body["error"]["type"] == "invalid_request_error"
