@@ -39,6 +39,7 @@ from dsmesh.gateway.openai_logprobs import LogprobsFormatter
 from dsmesh.gateway.openai_params import (
     OpenAIError,
     bad_param,
+    check_context_length,
     echo,
     include_usage,
     num_choices,
@@ -170,6 +171,7 @@ class OpenAIRoutes:
                 ids = self.core.tokenizer.encode(text)
             n = num_choices(body)
             usage = include_usage(body)
+            check_context_length(body, len(ids), self.core.model_config.max_position_embeddings)
             params = sampling_from_openai(body, self.core.room_to_generate(len(ids)))
             only = prompt_only(body, chat=False)
             inp = self.core.prepare("", None, ids, params, prompt_only=only)
@@ -207,6 +209,13 @@ class OpenAIRoutes:
                 )
             except Exception as exc:  # template errors are the request's fault
                 raise bad_param("messages", f"cannot apply the chat template: {exc}") from exc
+            check_context_length(
+                body,
+                len(ids),
+                self.core.model_config.max_position_embeddings,
+                "max_completion_tokens",
+                "messages",
+            )
             params = sampling_from_openai(
                 body,
                 self.core.room_to_generate(len(ids)),

@@ -194,6 +194,42 @@ def sampling_from_openai(
     return params
 
 
+def check_context_length(
+    body: dict[str, Any],
+    prompt_tokens: int,
+    context: int,
+    max_tokens_key: str = "max_tokens",
+    prompt_param: str = "prompt",
+) -> None:
+    """OpenAI's 400 ``context_length_exceeded`` (its message, as vLLM words it too) when the
+    prompt fills the model's context (``param``: ``prompt_param``) or the prompt plus the
+    ``max_tokens`` (or ``max_completion_tokens``) the client sent exceeds it (``param``: that
+    field), rather than clamping the limit. A field of the wrong type is left to
+    :func:`sampling_from_openai`."""
+    head = f"This model's maximum context length is {context} tokens. However, "
+    if prompt_tokens >= context:
+        raise OpenAIError(
+            400,
+            f"{head}your {'messages' if prompt_param == 'messages' else 'prompt'} resulted in "
+            f"{prompt_tokens} tokens, which leaves no room to generate. Please reduce the "
+            "length of the messages.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    key = sent_max_tokens_key(body, max_tokens_key)
+    requested = body.get(key)
+    valid = isinstance(requested, int) and not isinstance(requested, bool)
+    if valid and prompt_tokens + requested > context:
+        raise OpenAIError(
+            400,
+            f"{head}you requested {prompt_tokens + requested} tokens ({prompt_tokens} in the "
+            f"messages, {requested} in the completion). Please reduce the length of the "
+            "messages or completion.",
+            param=key,
+            code="context_length_exceeded",
+        )
+
+
 def prompt_only(body: dict[str, Any], chat: bool) -> bool:
     """Completions' ``max_tokens: 0``: no new token, the prompt only (with ``echo`` and
     ``logprobs``, prompt scoring as eval harnesses do it); GenerationInput.prompt_only."""

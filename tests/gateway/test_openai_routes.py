@@ -186,3 +186,54 @@ def test_root_tokenizer_routes_follow_vllm(tmp_path) -> None:
     for (status, body), param in zip(out[5:], ["prompt", "tokens", "bogus"], strict=True):
         assert status == 400
         assert body["error"]["param"] == param and body["error"]["type"] == "invalid_request_error"
+
+
+def test_max_tokens_past_the_context_is_openai_context_length_error(tmp_path) -> None:
+    from dsmesh.engine.tokenizer import Tokenizer, write_byte_level_tokenizer
+
+    write_byte_level_tokenizer(tmp_path)
+    tok = Tokenizer.from_dir(tmp_path)
+    messages = [{"role": "user", "content": "Hi there"}]
+    prompt = len(tok.encode("Hello"))
+    chat = len(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    completions = {"model": "deepseek-v3", "prompt": "Hello"}
+    long_text = "word " * 300
+    out = tokenizer_calls(
+        tok,
+        64,
+        [
+            ("POST", "/v1/completions", {**completions, "max_tokens": 100_000_000}),
+            ("POST", "/v1/completions", {**completions, "max_tokens": 65 - prompt}),
+            (
+                "POST",
+                "/v1/chat/completions",
+                {"model": "deepseek-v3", "messages": messages, "max_completion_tokens": 64},
+            ),
+            (
+                "POST",
+                "/v1/chat/completions",
+                {"model": "deepseek-v3", "messages": messages, "max_tokens": 64},
+            ),
+            ("POST", "/v1/completions", {"model": "deepseek-v3", "prompt": long_text}),
+        ],
+    )
+    assert [status for status, _ in out] == [400] * 5
+    errors = [body["error"] for _, body in out]
+    assert {e["code"] for e in errors} == {"context_length_exceeded"}
+    assert {e["type"] for e in errors} == {"invalid_request_error"}
+    assert [e["param"] for e in errors] == [
+        "max_tokens",
+        "max_tokens",
+        "max_completion_tokens",
+        "max_tokens",
+        "prompt",
+    ]
+    assert errors[0]["message"] == (
+        "This model's maximum context length is 64 tokens. However, you requested "
+        f"{prompt + 100_000_000} tokens ({prompt} in the messages, 100000000 in the "
+        "completion). Please reduce the length of the messages or completion."
+    )
+    assert f"requested 65 tokens ({prompt} in the messages" in errors[1]["message"]
+    assert f"requested {chat + 64} tokens ({chat} in the messages" in errors[2]["message"]
+    long_ids = len(tok.encode(long_text))
+    assert f"your prompt resulted in {long_ids} tokens" in errors[4]["message"]
