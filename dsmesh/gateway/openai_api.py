@@ -43,6 +43,7 @@ from dsmesh.gateway.openai_params import (
     echo,
     include_usage,
     num_choices,
+    openai_code,
     openai_param,
     prompt_only,
     refuse_unsupported,
@@ -94,7 +95,7 @@ def _from_gateway(
         field = openai_param(field.removeprefix("sampling."), chat, max_tokens_key)
         message, param = f"{field}: {rest}", field
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return OpenAIError(status, message, param=param, code=exc.code.name.lower(), kind=kind)
+    return OpenAIError(status, message, param=param, code=openai_code(exc.code), kind=kind)
 
 
 class OpenAIRoutes:
@@ -367,7 +368,12 @@ class OpenAIRoutes:
             if chat:
                 head["object"] = "chat.completion.chunk"
             events = _chunks(head, deltas, choices, chat, include_usage)
-            return await sse(request, events, done_marker=True)
+            key = sent_max_tokens_key(body, "max_completion_tokens" if chat else "max_tokens")
+
+            def early_error(exc: GatewayError) -> web.Response:
+                return _from_gateway(exc, chat=chat, max_tokens_key=key).response()
+
+            return await sse(request, events, done_marker=True, early_error=early_error)
         try:
             async for delta in deltas:
                 choices[delta.index].add(delta)

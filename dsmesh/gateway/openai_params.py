@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import grpc
 from aiohttp import web
 
 from dsmesh.engine.errors import InvalidRequestError
@@ -53,6 +54,31 @@ class OpenAIError(Exception):
         }
         headers = {"Retry-After": "1"} if self.status in (429, 503) else None
         return web.json_response(body, status=self.status, headers=headers)
+
+
+# The OpenAI ``error.code`` of a pipeline error's gRPC status (docs/GATEWAY.md, "Error
+# codes"): null where OpenAI sends null (a bad parameter, an internal error), else OpenAI's
+# or a descriptive name; never a gRPC status name.
+OPENAI_CODES: dict[grpc.StatusCode, str | None] = {
+    grpc.StatusCode.INVALID_ARGUMENT: None,
+    grpc.StatusCode.OUT_OF_RANGE: None,
+    grpc.StatusCode.FAILED_PRECONDITION: None,
+    grpc.StatusCode.NOT_FOUND: "not_found",
+    grpc.StatusCode.ALREADY_EXISTS: "conflict",
+    grpc.StatusCode.UNAUTHENTICATED: "invalid_api_key",
+    grpc.StatusCode.PERMISSION_DENIED: "insufficient_permissions",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "rate_limit_exceeded",
+    grpc.StatusCode.UNAVAILABLE: "service_unavailable",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
+    grpc.StatusCode.CANCELLED: "cancelled",
+    grpc.StatusCode.ABORTED: "cancelled",
+    grpc.StatusCode.UNIMPLEMENTED: "not_implemented",
+}
+
+
+def openai_code(status: grpc.StatusCode) -> str | None:
+    """OpenAI's ``error.code`` for a gRPC status (null for any not listed)."""
+    return OPENAI_CODES.get(status)
 
 
 def bad_param(param: str, message: str) -> OpenAIError:

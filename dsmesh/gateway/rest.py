@@ -87,9 +87,14 @@ def parse_message(body: Any, cls: type[Message]) -> Message:
 
 
 async def sse(
-    request: web.Request, events: AsyncIterator[dict[str, Any]], done_marker: bool = False
+    request: web.Request,
+    events: AsyncIterator[dict[str, Any]],
+    done_marker: bool = False,
+    early_error: Callable[[GatewayError], web.Response] | None = None,
 ) -> web.StreamResponse:
-    """Write each dict as one ``data:`` event; a failure becomes an ``error`` event."""
+    """Write each dict as one ``data:`` event; a failure becomes an ``error`` event (its body
+    in this module's gRPC-status shape). ``early_error``: the response to a failure before
+    the first event (the OpenAI routes' error JSON); None: :func:`error_response`."""
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
@@ -102,6 +107,8 @@ async def sse(
             await resp.write(f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
     except GatewayError as exc:
         if not started:
+            if early_error is not None:
+                return early_error(exc)
             return error_response(exc.code, exc.message)
         err = {
             "error": {

@@ -237,3 +237,43 @@ def test_max_tokens_past_the_context_is_openai_context_length_error(tmp_path) ->
     assert f"requested {chat + 64} tokens ({chat} in the messages" in errors[2]["message"]
     long_ids = len(tok.encode(long_text))
     assert f"your prompt resulted in {long_ids} tokens" in errors[4]["message"]
+
+
+def test_pipeline_errors_carry_openai_codes_not_grpc_names() -> None:
+    import grpc
+
+    from dsmesh.gateway.core import GatewayError
+    from dsmesh.gateway.openai_api import _from_gateway
+    from dsmesh.gateway.openai_params import OPENAI_CODES
+
+    # a bad logit_bias id, as the pipeline's vocabulary check words it
+    bad_bias = GatewayError(
+        grpc.StatusCode.INVALID_ARGUMENT, "sampling.logit_bias: token 999999 is not in the vocab"
+    )
+    err = _from_gateway(bad_bias)
+    assert (err.status, err.param, err.code) == (400, "logit_bias", None)
+    full = _from_gateway(GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue is full"))
+    assert (full.status, full.code, full.kind) == (
+        429,
+        "rate_limit_exceeded",
+        "invalid_request_error",
+    )
+    gone = _from_gateway(GatewayError(grpc.StatusCode.UNAVAILABLE, "no instance"))
+    assert (gone.status, gone.code, gone.kind) == (503, "service_unavailable", "server_error")
+    # gRPC names with an OpenAI meaning of their own (not_found, cancelled) may stay
+    grpc_only = {s.name.lower() for s in grpc.StatusCode} - {"not_found", "cancelled"}
+    for status in grpc.StatusCode:
+        code = _from_gateway(GatewayError(status, "x: y")).code
+        assert code not in grpc_only, status
+        assert code == OPENAI_CODES.get(status)
+
+    async def malformed() -> tuple[int, dict[str, Any]]:
+        app = build_app(None, NAMES, 1 << 20)  # type: ignore[arg-type]
+        async with TestServer(app, host="127.0.0.1") as server, ClientSession() as http:
+            url = server.make_url("/v1/completions")
+            async with http.post(url, data=b"{not json") as resp:
+                return resp.status, await resp.json()
+
+    status, body = asyncio.run(malformed())
+    assert status == 400
+    assert body["error"]["code"] is None and body["error"]["param"] == "body"
