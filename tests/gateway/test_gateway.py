@@ -409,3 +409,17 @@ def test_rest_client_disconnect_cancels_both_sides(gw) -> None:
             break
         assert time.monotonic() < deadline, "request not cancelled after the client left"
         time.sleep(0.05)
+
+
+def test_openai_context_overflow_and_root_tokenize(gw, client) -> None:
+    """max_tokens past the context is OpenAI's context_length_exceeded through the SDK;
+    vLLM's root /tokenize counts a string prompt as /v1/completions runs it."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=gw.model_name, prompt="hi", max_tokens=100_000_000)
+    assert info.value.code == "context_length_exceeded" and info.value.param == "max_tokens"
+    assert "maximum context length" in info.value.message
+    status, raw = post(f"{gw.url}/tokenize", {"prompt": "hi"})
+    assert status == 200, raw
+    counted = json.loads(raw)["count"]
+    out = client.completions.create(model=gw.model_name, prompt="hi", max_tokens=1)
+    assert out.usage is not None and out.usage.prompt_tokens == counted
