@@ -1,5 +1,5 @@
 """Two processes on one GPU: how much of each one's speed alone they keep when they run
-together, in the driver's time slices and under an MPS daemon (dsmesh/cli/gpu_sharing.py).
+together, in the driver's time slices and under an MPS daemon (dsmesh/runtime/gpu_sharing.py).
 
     python -m dsmesh.bench.gpu_sharing [--seconds 3]
 
@@ -85,7 +85,7 @@ def run(kinds: tuple[str, ...], seconds: float, env: dict[str, str]) -> dict[str
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
-    from dsmesh.cli.gpu_sharing import CONTROL, MpsDaemon
+    from dsmesh.runtime.gpu_sharing import CONTROL, MpsDaemon
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=3.0)

@@ -15,8 +15,8 @@ import asyncio
 import statistics
 import time
 
-from dsmesh.cli.launcher import dsmesh_command, start_service
 from dsmesh.clients.broker import BrokerLink
+from dsmesh.runtime.launcher import dsmesh_command, start_service
 from dsmesh.v1 import kv_broker_pb2 as kb
 
 

@@ -32,16 +32,22 @@ def bench_engine(model: str, args: argparse.Namespace, out: Path) -> dict[str, A
 
 
 def _engine_config(model: str, args: argparse.Namespace):
-    """The engine flags as ``dsmesh bench --backend offline`` takes them, with their
-    process-wide settings (the GIL switch interval) applied to this process too."""
-    from dsmesh.cli.common import add_engine_args, apply_process_flags, engine_config_from
+    """The engine flags as ``dsmesh bench --backend offline`` takes them (one per option field
+    of :class:`EngineConfig`, and ``--gil-switch-ms``), with their process-wide settings (the
+    GIL switch interval) applied to this process too."""
+    from dsmesh.engine.options import EngineConfig
+    from dsmesh.instance.attach import ENGINE_GROUP
+    from dsmesh.options.fields import add_options, from_args, option_group
+    from dsmesh.runtime.process_flags import add_gil_switch_arg, apply_process_flags
 
     parser = argparse.ArgumentParser()
-    add_engine_args(parser)
+    group = option_group(parser, ENGINE_GROUP)
+    add_options(group, EngineConfig)
+    add_gil_switch_arg(group)
     engine_args = ["--model", model, "--device", args.device, *shlex.split(args.engine_args)]
     parsed = parser.parse_args(engine_args)
     apply_process_flags(parsed)
-    return engine_config_from(parsed)
+    return from_args(EngineConfig, parsed, tbo=getattr(parsed, "tbo", False))
 
 
 async def engine_levels(model: str, args: argparse.Namespace, out: Path) -> None:

@@ -20,7 +20,7 @@ from dsmesh.cli import (
     unified,
     up,
 )
-from dsmesh.cli.common import apply_process_flags
+from dsmesh.runtime.process_flags import apply_process_flags
 
 Registrar = Callable[[argparse._SubParsersAction], None]
 COMMANDS: tuple[Registrar, ...] = (

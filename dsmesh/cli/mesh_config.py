@@ -11,7 +11,6 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsmesh.cli.gpu_sharing import MODES as SHARING_MODES
 from dsmesh.cli.placement import (
     EngineInstance,
     GpuList,
@@ -25,6 +24,7 @@ from dsmesh.engine.kv.budget import DEFAULT_MEM_FRACTION
 from dsmesh.options import parse as argtypes
 from dsmesh.options.fields import option
 from dsmesh.runtime.address import LOOPBACK
+from dsmesh.runtime.gpu_sharing import MODES as SHARING_MODES
 from dsmesh.runtime.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
 from dsmesh.runtime.security import SecurityOptions
 
@@ -116,7 +116,7 @@ class MeshConfig(SecurityOptions):
     )
     mem_fraction: float = DEFAULT_MEM_FRACTION  # --mem-fraction, split between a GPU's processes
     visible_gpus: tuple[str, ...] | None = None
-    # how engine processes on one GPU share it (dsmesh/cli/gpu_sharing.py), and the
+    # how engine processes on one GPU share it (dsmesh/runtime/gpu_sharing.py), and the
     # environment that connects them to the mesh's MPS daemon (set once it runs)
     gpu_sharing: str = option(
         "auto",

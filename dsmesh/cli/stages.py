@@ -8,7 +8,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dsmesh.cli.gpu_sharing import THREAD_PERCENTAGE_ENV
 from dsmesh.cli.mesh_config import (
     MeshConfig,
     engine_instances,
@@ -17,6 +16,7 @@ from dsmesh.cli.mesh_config import (
 )
 from dsmesh.cli.placement import cuda_visible_devices
 from dsmesh.runtime.address import LOOPBACK
+from dsmesh.runtime.gpu_sharing import THREAD_PERCENTAGE_ENV
 from dsmesh.runtime.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
 from dsmesh.runtime.security import DEFAULT_MAX_MESSAGE_BYTES
 

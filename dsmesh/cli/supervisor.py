@@ -37,19 +37,6 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dsmesh.cli.common import engine_config_of_flags
-from dsmesh.cli.gpu_sharing import (
-    PIPE_ENV,
-    GpuSharingError,
-    MpsDaemon,
-    start_sharing,
-)
-from dsmesh.cli.launcher import (
-    LaunchError,
-    ServiceProcess,
-    dsmesh_command,
-    failure_cause,
-    start_service,
-)
 from dsmesh.cli.memory_plan import MemoryPlan, plan_cpu, plan_gpus
 from dsmesh.cli.mesh_config import (
     MeshConfig,
@@ -61,8 +48,21 @@ from dsmesh.cli.mesh_config import (
 from dsmesh.cli.placement import visible_gpu_ids
 from dsmesh.cli.stages import STAGES, ServiceSpec, fraction_arg, url_host
 from dsmesh.runtime.address import LOOPBACK
+from dsmesh.runtime.gpu_sharing import (
+    PIPE_ENV,
+    GpuSharingError,
+    MpsDaemon,
+    start_sharing,
+)
 from dsmesh.runtime.gpus import gpu_memory, host_memory_available
 from dsmesh.runtime.grpc_server import sync_channel
+from dsmesh.runtime.launcher import (
+    LaunchError,
+    ServiceProcess,
+    dsmesh_command,
+    failure_cause,
+    start_service,
+)
 from dsmesh.runtime.security import TLSConfig
 
 # Run in front of every child on Linux, then exec'd away (same pid): the kernel SIGKILLs the
@@ -230,9 +230,7 @@ class Slot:
                 self.failure = f"{self.spec.name} did not become healthy"
                 if died:
                     log = self.log_path.read_text(errors="replace") if self.log_path else ""
-                    self.failure = (
-                        f"{self.spec.name} exited while starting: {failure_cause(log)}"
-                    )
+                    self.failure = f"{self.spec.name} exited while starting: {failure_cause(log)}"
             return False
         assert self.process is not None
         if self.spec.pinned_port_flag is not None:
@@ -443,7 +441,7 @@ def placement_lines(config: MeshConfig) -> list[str]:
 def share_gpus(
     config: MeshConfig, log_dir: Path, console: Console
 ) -> tuple[MeshConfig, MpsDaemon | None]:
-    """On a CUDA mesh, how its engine processes share GPUs (dsmesh/cli/gpu_sharing.py): the
+    """On a CUDA mesh, how its engine processes share GPUs (dsmesh/runtime/gpu_sharing.py): the
     config with the environment that connects them to the MPS daemon started here, if any."""
     placement = mesh_placement(config)
     if placement is None:

@@ -23,10 +23,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dsmesh.cli.launcher import dsmesh_command, start_service
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.runtime.grpc_server import channel
+from dsmesh.runtime.launcher import dsmesh_command, start_service
 from dsmesh.v1 import eplb_pb2, eplb_pb2_grpc, generation_pb2
 from dsmesh.v1 import generation_pb2_grpc as gen_grpc
 from tests.pd.launch import instance_load, start_gateway

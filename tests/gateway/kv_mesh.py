@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsmesh.cli.launcher import ServiceProcess, dsmesh_command
+from dsmesh.runtime.launcher import ServiceProcess, dsmesh_command
 from tests.gateway.mesh_processes import running_gateway_mesh
 from tests.up.harness import free_port
 

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
-from dsmesh.cli.launcher import ServiceProcess, dsmesh_command, start_service
+from dsmesh.runtime.launcher import ServiceProcess, dsmesh_command, start_service
 from tests.reliability.soak_harness import wait_http_ok
 from tests.up.harness import free_port
 

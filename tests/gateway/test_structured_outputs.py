@@ -21,8 +21,8 @@ import grpc
 import openai
 import pytest
 
-from dsmesh.cli.launcher import ServiceProcess, dsmesh_command, start_service
 from dsmesh.engine.tokenizer import Tokenizer
+from dsmesh.runtime.launcher import ServiceProcess, dsmesh_command, start_service
 from dsmesh.v1 import generation_pb2 as pb
 from dsmesh.v1 import generation_pb2_grpc
 from tests.engine.deepseek_checkpoint import make_tiny_deepseek_model, package_dir

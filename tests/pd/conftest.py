@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dsmesh.cli.launcher import ServiceProcess, dsmesh_command, start_service
+from dsmesh.runtime.launcher import ServiceProcess, dsmesh_command, start_service
 
 
 def free_port() -> int:

@@ -7,8 +7,8 @@ import socket
 import time
 from pathlib import Path
 
-from dsmesh.cli.launcher import ServiceProcess, dsmesh_command, start_service
 from dsmesh.runtime.grpc_server import channel
+from dsmesh.runtime.launcher import ServiceProcess, dsmesh_command, start_service
 from dsmesh.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from dsmesh.cli.launcher import ServiceProcess, dsmesh_command
 from dsmesh.clients.pd import generate_pd
 from dsmesh.decode_svc.handoff import Reservation
 from dsmesh.engine.kv.prefix_hashes import page_hashes
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.runtime.grpc_server import channel
+from dsmesh.runtime.launcher import ServiceProcess, dsmesh_command
 from dsmesh.v1 import decode_pb2_grpc, generation_pb2, prefill_pb2, prefill_pb2_grpc
 from tests.gateway.kv_mesh import metric, scrape
 from tests.gateway.mesh_processes import running_gateway_mesh

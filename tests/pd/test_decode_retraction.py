@@ -21,12 +21,12 @@ import openai
 import pytest
 import torch
 
-from dsmesh.cli.launcher import dsmesh_command
 from dsmesh.clients.pd import generate_pd
 from dsmesh.engine.llm_engine import EngineConfig, GenerationResult, LLMEngine
 from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.engine.tokenizer import Tokenizer
 from dsmesh.runtime.grpc_server import channel
+from dsmesh.runtime.launcher import dsmesh_command
 from dsmesh.v1 import decode_pb2_grpc, generation_pb2, prefill_pb2, prefill_pb2_grpc
 from tests.gateway.kv_mesh import metric, scrape
 from tests.gateway.mesh_processes import running_gateway_mesh

@@ -13,11 +13,11 @@ import time
 import pytest
 import torch
 
-from dsmesh.cli.launcher import dsmesh_command, start_service
 from dsmesh.clients.pd import generate_pd
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.runtime.grpc_server import channel
+from dsmesh.runtime.launcher import dsmesh_command, start_service
 from dsmesh.v1 import (
     decode_pb2,
     decode_pb2_grpc,

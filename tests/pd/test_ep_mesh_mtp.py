@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from dsmesh.cli.launcher import ServiceProcess, dsmesh_command, start_service
 from dsmesh.clients.pd import generate_pd
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.runtime.convert import sampling_to_proto
 from dsmesh.runtime.grpc_server import channel
+from dsmesh.runtime.launcher import ServiceProcess, dsmesh_command, start_service
 from dsmesh.v1 import decode_pb2_grpc, prefill_pb2_grpc
 from tests.engine.hf_checkpoints import add_mtp_layer, make_hf_v3, random_prompts
 from tests.pd.launch import group_ranks, two_free_ports, wait_pages_free

@@ -13,11 +13,11 @@ import grpc
 import pytest
 import torch
 
-from dsmesh.cli.launcher import dsmesh_command, start_service
 from dsmesh.clients.pd import PDError, generate_pd
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.runtime.grpc_server import channel
+from dsmesh.runtime.launcher import dsmesh_command, start_service
 from dsmesh.v1 import decode_pb2_grpc, generation_pb2, prefill_pb2, prefill_pb2_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc

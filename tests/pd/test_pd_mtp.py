@@ -17,12 +17,12 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from dsmesh.cli.launcher import dsmesh_command, start_service
 from dsmesh.clients.pd import generate_pd
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.runtime.convert import sampling_to_proto
 from dsmesh.runtime.grpc_server import channel
+from dsmesh.runtime.launcher import dsmesh_command, start_service
 from dsmesh.v1 import (
     decode_pb2_grpc,
     kv_broker_pb2,

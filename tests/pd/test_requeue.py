@@ -16,10 +16,10 @@ from pathlib import Path
 import openai
 import pytest
 
-from dsmesh.cli.launcher import dsmesh_command
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.engine.tokenizer import Tokenizer
+from dsmesh.runtime.launcher import dsmesh_command
 from tests.gateway.kv_mesh import metric, scrape
 from tests.gateway.mesh_processes import running_gateway_mesh
 from tests.up.harness import free_port

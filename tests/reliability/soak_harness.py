@@ -24,7 +24,7 @@ from pathlib import Path
 import aiohttp
 import grpc
 
-from dsmesh.cli.launcher import ServiceProcess, dsmesh_command, start_service
+from dsmesh.runtime.launcher import ServiceProcess, dsmesh_command, start_service
 from dsmesh.v1 import generation_pb2 as pb
 from dsmesh.v1 import generation_pb2_grpc
 from tests.up.harness import UpProcess, free_port

@@ -24,9 +24,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dsmesh.cli.launcher import ServiceProcess, dsmesh_command, start_service
 from dsmesh.engine.model.tiny_model import default_model_dir
 from dsmesh.runtime.drain import DRAINING_MESSAGE
+from dsmesh.runtime.launcher import ServiceProcess, dsmesh_command, start_service
 from dsmesh.v1 import (
     decode_pb2,
     decode_pb2_grpc,

@@ -13,10 +13,10 @@ from typing import TypeVar
 
 import pytest
 
-from dsmesh.cli.launcher import ServiceProcess, dsmesh_command, start_service
 from dsmesh.clients.pd import generate_pd
 from dsmesh.runtime import telemetry
 from dsmesh.runtime.grpc_server import channel
+from dsmesh.runtime.launcher import ServiceProcess, dsmesh_command, start_service
 from dsmesh.v1 import decode_pb2_grpc, generation_pb2, prefill_pb2_grpc
 from tests.telemetry.otlp_receiver import STATUS_ERROR, SpanRecord, orphans, roots
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dsmesh.cli.launcher import ServiceProcess, dsmesh_command, start_service
+from dsmesh.runtime.launcher import ServiceProcess, dsmesh_command, start_service
 from tests.reliability.soak_harness import wait_http_ok
 from tests.up.harness import free_port
 

@@ -15,7 +15,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dsmesh.cli.launcher import dsmesh_command, start_service
 from dsmesh.engine.kv.pool import PageAllocator
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.request import Request
@@ -24,6 +23,7 @@ from dsmesh.engine.sched.load_report import engine_load
 from dsmesh.engine.sched.scheduler import Scheduler, SchedulerConfig
 from dsmesh.runtime.convert import sampling_to_proto
 from dsmesh.runtime.grpc_server import channel
+from dsmesh.runtime.launcher import dsmesh_command, start_service
 from dsmesh.unified_svc.load import unified_load
 from dsmesh.v1 import decode_pb2, decode_pb2_grpc, generation_pb2, prefill_pb2
 from dsmesh.v1 import kv_broker_pb2 as kb

@@ -13,18 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from dsmesh.cli.gpu_sharing import (
+from dsmesh.cli.main import build_parser
+from dsmesh.cli.mesh_config import MeshConfig
+from dsmesh.cli.stages import instance_stage
+from dsmesh.cli.supervisor import Console, share_gpus
+from dsmesh.cli.up import mesh_config_from
+from dsmesh.runtime.gpu_sharing import (
     CONTROL,
     PIPE_ENV,
     THREAD_PERCENTAGE_ENV,
     GpuSharingError,
     choose,
 )
-from dsmesh.cli.main import build_parser
-from dsmesh.cli.mesh_config import MeshConfig
-from dsmesh.cli.stages import instance_stage
-from dsmesh.cli.supervisor import Console, share_gpus
-from dsmesh.cli.up import mesh_config_from
 
 
 @pytest.mark.parametrize(

@@ -7,12 +7,12 @@ import dataclasses
 
 import pytest
 
-from dsmesh.cli.launcher import _READY
 from dsmesh.cli.main import build_parser
 from dsmesh.cli.mesh_config import MeshConfig
 from dsmesh.cli.stages import ServiceSpec, broker_stage, gateway_stage, instance_stage
 from dsmesh.cli.supervisor import placement_lines
 from dsmesh.cli.up import mesh_config_from
+from dsmesh.runtime.launcher import _READY
 
 BROKER = "127.0.0.1:7"
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
