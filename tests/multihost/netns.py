@@ -101,7 +101,11 @@ class Host:
         ip("link", "set", self.port_link, "down")
 
     def link_up(self) -> None:
+        """Plug the host back in. The neighbour entry the outage left FAILED is flushed, as a
+        replugged cable's would age out, so the next connection resolves the host again
+        instead of failing with "No route to host"."""
         ip("link", "set", self.port_link, "up")
+        ip("neigh", "flush", "to", self.address, check=False)
 
 
 @dataclass(frozen=True)
