@@ -1,0 +1,284 @@
+"""``dsmesh plan``'s search: every deployment of a GPU count (unified or PD, prefill:decode
+split, EP sizes, redundant experts, chunk and batch sizes, TBO, MTP) scored in steady state
+against the latency targets; the best by output tokens/s per GPU.
+
+The steady state is analytic (docs/PLAN.md, "Serving equations"): a decode rank runs the
+largest batch whose step meets the ITL target and fits its KV pool; a prefill rank is an
+M/D/1 queue whose utilisation the TTFT target caps; the split balances their request rates.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from dsmesh.plan.balance import synthetic_balancedness
+from dsmesh.plan.costs import Parallel, decode_step, kv_capacity_tokens, prefill_step
+from dsmesh.plan.hardware import (
+    GPU,
+    HANDOFF_CONTROL_MS,
+    MOONCAKE_NVLINK_INTRA,
+    MOONCAKE_RDMA_PER_GPU,
+)
+from dsmesh.plan.shapes import ModelShape
+
+LN10, LN2 = math.log(10.0), math.log(2.0)
+MAX_UTILISATION = 0.9
+BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512)
+CHUNKS = (2048, 4096, 8192, 16384, 32768)
+
+
+@dataclass(frozen=True)
+class Target:
+    """The workload in steady state and its latency targets (p90, milliseconds)."""
+
+    input_len: float
+    output_len: float
+    ttft_p90_ms: float
+    itl_p90_ms: float
+    mtp_acceptance: float = 0.0  # per draft; 0: MTP off
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One scored deployment. Rates are per GPU of the whole deployment."""
+
+    mode: str  # "pd" | "unified"
+    prefill_instances: int
+    prefill_ep: int
+    decode_instances: int  # unified: the unified instances
+    decode_ep: int
+    prefill_redundant: int
+    decode_redundant: int
+    prefill_tbo: bool
+    decode_tbo: bool
+    chunk: int
+    batch: int  # running requests per decode (or unified) GPU
+    mtp: bool
+    out_tok_s_gpu: float
+    in_tok_s_gpu: float
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    itl_p50_ms: float
+    itl_p90_ms: float
+    kv_tokens_gpu: int
+    binding: str
+
+    @property
+    def gpus(self) -> int:
+        return self.prefill_instances * self.prefill_ep + self.decode_instances * self.decode_ep
+
+    def layout(self) -> str:
+        if self.mode == "unified":
+            return f"unified {self.decode_instances} x EP{self.decode_ep}"
+        return (
+            f"P {self.prefill_instances} x EP{self.prefill_ep} : D {self.decode_instances} x "
+            f"EP{self.decode_ep}"
+        )
+
+
+@lru_cache(maxsize=4096)
+def _balance(experts: int, ep: int, redundant: int) -> float:
+    return synthetic_balancedness(experts, ep, redundant, eplb=True)
+
+
+def ep_choices(shape: ModelShape, gpu: GPU, gpus: int) -> list[tuple[int, int]]:
+    """(EP size, redundant experts) pairs an instance of at most ``gpus`` GPUs can take:
+    powers of two and whole nodes; redundancy 0 where the experts divide, else the fewest
+    slots that make them divide, and 32 (the seed's) where it divides."""
+    sizes = {1 << i for i in range(12) if 1 << i <= gpus}
+    sizes |= {gpu.gpus_per_node * k for k in range(1, gpus // gpu.gpus_per_node + 1)}
+    out = []
+    for ep in sorted(sizes):
+        if ep == 1:
+            out.append((1, 0))
+            continue
+        fill = (-shape.num_experts) % ep
+        for redundant in sorted({fill, fill + ep * math.ceil(max(0, 32 - fill) / ep)}):
+            if redundant <= shape.num_experts:
+                out.append((ep, redundant))
+    return out
+
+
+def _par(shape: ModelShape, ep: int, redundant: int, tbo: bool) -> Parallel:
+    return Parallel(ep=ep, redundant=redundant, balancedness=_balance(shape.num_experts, ep, redundant), tbo=tbo)
+
+
+def _mtp_tokens(acceptance: float) -> float:
+    return 1.0 + acceptance
+
+
+def decode_rank(shape: ModelShape, gpu: GPU, par: Parallel, target: Target, mtp: bool, max_batch: int):
+    """(batch, requests/s, ITL ms, KV tokens, binding) of the best decode rank, or None."""
+    kv = kv_capacity_tokens(shape, gpu, par)
+    if kv <= 0:
+        return None
+    context = target.input_len + target.output_len / 2
+    fit = int(kv // (target.input_len + target.output_len))
+    best = None
+    for b in BATCHES:
+        if b > max_batch:
+            break
+        if b > fit:
+            return best and (*best[:4], "KV capacity")
+        rows = 2.0 if mtp else 1.0
+        step = decode_step(shape, gpu, par, b, context, rows).total_ms
+        step += gpu.kernels.host_ms_per_request * b
+        if mtp:
+            step *= 1.0 + 1.0 / shape.num_layers  # the draft: one more layer's step
+        tokens = _mtp_tokens(target.mtp_acceptance) if mtp else 1.0
+        itl = step / tokens
+        if step > target.itl_p90_ms:  # a step with no accepted draft is one token a step
+            return best and (*best[:4], "ITL p90")
+        best = (b, b * tokens / (step / 1e3) / target.output_len, itl, kv, "max batch")
+    return best
+
+
+def prefill_rank(shape: ModelShape, gpu: GPU, par: Parallel, target: Target, chunk: int, budget_ms: float):
+    """(requests/s, TTFT p50, p90, binding) of a prefill rank whose TTFT p90 stays within
+    ``budget_ms`` (the target less the handoff and the first decode step), or None."""
+    per_step = min(chunk, target.input_len)
+    steps = math.ceil(target.input_len / chunk)
+    service = sum(
+        prefill_step(shape, gpu, par, chunk, per_step, cached=i * chunk).total_ms for i in range(steps)
+    ) * per_step / chunk  # a prompt's share of its forwards
+    forward = prefill_step(shape, gpu, par, chunk, per_step).total_ms
+    latency = steps * forward  # its own forwards, start to end
+    if latency > budget_ms:
+        return None
+    # M/D/1 waiting time, an exponential tail for p90: W = rho·S / (2 (1 - rho))
+    room = budget_ms - latency
+    rho = min(MAX_UTILISATION, 2 * room / (LN10 * forward + 2 * room))
+    binding = "TTFT p90" if rho < MAX_UTILISATION else "prefill capacity"
+    wait = rho * forward / (2 * (1 - rho))
+    rate = rho / (service / 1e3)
+    return rate, latency + wait * LN2, latency + wait * LN10, binding
+
+
+def _handoff_ms(shape: ModelShape, target: Target, gpu: GPU, total: int) -> float:
+    rate = MOONCAKE_NVLINK_INTRA if total <= gpu.gpus_per_node else MOONCAKE_RDMA_PER_GPU
+    return target.input_len * shape.kv_bytes_per_token / rate * 1e3 + HANDOFF_CONTROL_MS
+
+
+def search(
+    shape: ModelShape, gpu: GPU, gpus: int, target: Target, modes: tuple[str, ...] = ("pd", "unified"),
+    max_batch: int = 512,
+) -> list[Plan]:  # fmt: skip
+    """Every deployment of at most ``gpus`` GPUs that meets the targets, best first."""
+    plans: list[Plan] = []
+    mtps = (False, True) if target.mtp_acceptance > 0 and shape.mtp_layers else (False,)
+    choices = ep_choices(shape, gpu, gpus)
+    if "unified" in modes:
+        plans += _unified(shape, gpu, gpus, target, choices, max_batch)
+    if "pd" in modes and gpus >= 2:
+        plans += _pd(shape, gpu, gpus, target, choices, mtps, max_batch)
+    plans.sort(key=lambda p: -p.out_tok_s_gpu)
+    return plans
+
+
+def _pd(shape, gpu, gpus, target, choices, mtps, max_batch) -> list[Plan]:
+    out = []
+    handoff = _handoff_ms(shape, target, gpu, gpus)
+    decodes = []
+    for ep, red in choices:
+        for tbo in (False, True):
+            par = _par(shape, ep, red, tbo)
+            for mtp in mtps:
+                d = decode_rank(shape, gpu, par, target, mtp, max_batch)
+                if d:
+                    decodes.append((ep, red, tbo, mtp, d))
+    prefills = []
+    for ep, red in choices:
+        for tbo in (False, True):
+            par = _par(shape, ep, red, tbo)
+            for chunk in CHUNKS:
+                p = prefill_rank(shape, gpu, par, target, chunk, target.ttft_p90_ms - handoff)
+                if p:
+                    prefills.append((ep, red, tbo, chunk, p))
+    # the best few of each side, then every split of the GPUs between them
+    decodes.sort(key=lambda d: -d[4][1])
+    prefills.sort(key=lambda p: -p[4][0])
+    for dep, dred, dtbo, mtp, (b, d_rate, itl, kv, d_bind) in decodes[:6]:
+        for pep, pred, ptbo, chunk, (p_rate, t50, t90, p_bind) in prefills[:6]:
+            for np_ in range(1, gpus // pep + 1):
+                nd = (gpus - np_ * pep) // dep
+                if nd < 1:
+                    break
+                rate_p, rate_d = np_ * pep * p_rate, nd * dep * d_rate
+                rate = min(rate_p, rate_d)
+                used = np_ * pep + nd * dep
+                bind = f"prefill: {p_bind}" if rate_p < rate_d else f"decode: {d_bind}"
+                step = itl * (_mtp_tokens(target.mtp_acceptance) if mtp else 1.0)
+                if t90 + handoff + step > target.ttft_p90_ms:
+                    continue
+                out.append(Plan(
+                    "pd", np_, pep, nd, dep, pred, dred, ptbo, dtbo, chunk, b, mtp,
+                    rate * target.output_len / used, rate * target.input_len / used,
+                    t50 + handoff + step, t90 + handoff + step, itl, step, kv, bind,
+                ))  # fmt: skip
+    return out
+
+
+def _unified(shape, gpu, gpus, target, choices, max_batch) -> list[Plan]:
+    """Chunked prefill in the decode steps: a rank at batch b has a chunk in a share
+    q = b · in / (out · chunk) of its steps, a step carrying a chunk on any rank takes
+    t_d + t_chunk, and prompts queue for the chunk budget as for a prefill rank. Per EP
+    layout, TBO and chunk the largest batch that meets the targets; the binding constraint
+    is what stopped the next batch size."""
+    out = []
+    for ep, red in choices:
+        if gpus % ep:
+            continue
+        for tbo in (False, True):
+            par = _par(shape, ep, red, tbo)
+            kv = kv_capacity_tokens(shape, gpu, par)
+            if kv <= 0:
+                continue
+            fit = int(kv // (target.input_len + target.output_len))
+            for chunk in CHUNKS:
+                best, bind = None, "max batch"
+                for b in BATCHES:
+                    if b > max_batch:
+                        break
+                    if b > fit:
+                        bind = "KV capacity"
+                        break
+                    row, why = _unified_rank(shape, gpu, par, target, chunk, b)
+                    if why:
+                        bind = why
+                        break
+                    best = row
+                if best:
+                    r, t50, t90, i50, i90, b = best
+                    out.append(Plan(
+                        "unified", 0, 0, gpus // ep, ep, 0, red, tbo, tbo, chunk, b, False,
+                        r * target.output_len, r * target.input_len, t50, t90, i50, i90, kv, bind,
+                    ))  # fmt: skip
+    return out
+
+
+def _unified_rank(shape, gpu, par, target, chunk, b):
+    """((requests/s, TTFT p50, p90, ITL p50, p90, batch), None) or (None, the target missed)."""
+    context = target.input_len + target.output_len / 2
+    per_step = min(chunk, target.input_len)
+    t_chunk = prefill_step(shape, gpu, par, chunk, per_step).total_ms
+    t_d = decode_step(shape, gpu, par, b, context).total_ms + gpu.kernels.host_ms_per_request * b
+    # q: share of a rank's steps that carry one of its chunks; the ranks step in lockstep
+    # (the all-to-all), so a step waits for a chunk on any of the ep ranks: p = 1 - (1 - q)^ep
+    q = b * target.input_len / (target.output_len * chunk)
+    if q >= MAX_UTILISATION:
+        return None, "TTFT p90"
+    p = 1.0 - (1.0 - q) ** par.ep
+    t_step = t_d + p * t_chunk
+    r = b / (target.output_len * t_step) * 1e3
+    itl90 = t_d + t_chunk if p > 0.1 else t_d
+    itl50 = t_d + t_chunk if p > 0.5 else t_d
+    n_steps = math.ceil(target.input_len / chunk)
+    wait = q * t_step / (2 * (1 - q))
+    ttft90 = n_steps * (t_chunk + t_d) + wait * LN10
+    if itl90 > target.itl_p90_ms:
+        return None, "ITL p90"
+    if ttft90 > target.ttft_p90_ms:
+        return None, "TTFT p90"
+    return (r, n_steps * (t_chunk + t_d) + wait * LN2, ttft90, itl50, itl90, b), None
