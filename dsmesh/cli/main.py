@@ -15,6 +15,7 @@ from dsmesh.cli import (
     gateway,
     generate,
     kv_broker,
+    plan,
     prefill,
     tiny,
     unified,
@@ -34,6 +35,7 @@ COMMANDS: tuple[Registrar, ...] = (
     tiny.register,
     bench.register,
     up.register,
+    plan.register,
 )
 
 

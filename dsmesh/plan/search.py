@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Callable
 from functools import lru_cache
 
 from dsmesh.plan.balance import synthetic_balancedness
@@ -78,8 +79,12 @@ class Plan:
         )
 
 
+Balance = Callable[[int, int, int], float]  # (experts, ep, redundant) -> balancedness
+
+
 @lru_cache(maxsize=4096)
-def _balance(experts: int, ep: int, redundant: int) -> float:
+def synthetic_balance(experts: int, ep: int, redundant: int) -> float:
+    """EPLB's placement of the synthetic load (dsmesh.plan.balance)."""
     return synthetic_balancedness(experts, ep, redundant, eplb=True)
 
 
@@ -101,8 +106,8 @@ def ep_choices(shape: ModelShape, gpu: GPU, gpus: int) -> list[tuple[int, int]]:
     return out
 
 
-def _par(shape: ModelShape, ep: int, redundant: int, tbo: bool) -> Parallel:
-    return Parallel(ep=ep, redundant=redundant, balancedness=_balance(shape.num_experts, ep, redundant), tbo=tbo)
+def _par(shape: ModelShape, ep: int, redundant: int, tbo: bool, balance: Balance) -> Parallel:
+    return Parallel(ep, redundant, balance(shape.num_experts, ep, redundant), tbo)
 
 
 def _mtp_tokens(acceptance: float) -> float:
@@ -163,27 +168,29 @@ def _handoff_ms(shape: ModelShape, target: Target, gpu: GPU, total: int) -> floa
 
 def search(
     shape: ModelShape, gpu: GPU, gpus: int, target: Target, modes: tuple[str, ...] = ("pd", "unified"),
-    max_batch: int = 512,
+    max_batch: int = 512, balance: Balance = synthetic_balance, max_unified_ep: int = 1,
 ) -> list[Plan]:  # fmt: skip
-    """Every deployment of at most ``gpus`` GPUs that meets the targets, best first."""
+    """Every deployment of at most ``gpus`` GPUs that meets the targets, best first.
+    Unified instances stay at EP ``max_unified_ep`` (``dsmesh up`` runs them as one process)."""
     plans: list[Plan] = []
     mtps = (False, True) if target.mtp_acceptance > 0 and shape.mtp_layers else (False,)
     choices = ep_choices(shape, gpu, gpus)
     if "unified" in modes:
-        plans += _unified(shape, gpu, gpus, target, choices, max_batch)
+        unified = [(ep, red) for ep, red in choices if ep <= max_unified_ep]
+        plans += _unified(shape, gpu, gpus, target, unified, max_batch, balance)
     if "pd" in modes and gpus >= 2:
-        plans += _pd(shape, gpu, gpus, target, choices, mtps, max_batch)
+        plans += _pd(shape, gpu, gpus, target, choices, mtps, max_batch, balance)
     plans.sort(key=lambda p: -p.out_tok_s_gpu)
     return plans
 
 
-def _pd(shape, gpu, gpus, target, choices, mtps, max_batch) -> list[Plan]:
+def _pd(shape, gpu, gpus, target, choices, mtps, max_batch, balance) -> list[Plan]:
     out = []
     handoff = _handoff_ms(shape, target, gpu, gpus)
     decodes = []
     for ep, red in choices:
         for tbo in (False, True):
-            par = _par(shape, ep, red, tbo)
+            par = _par(shape, ep, red, tbo, balance)
             for mtp in mtps:
                 d = decode_rank(shape, gpu, par, target, mtp, max_batch)
                 if d:
@@ -191,7 +198,7 @@ def _pd(shape, gpu, gpus, target, choices, mtps, max_batch) -> list[Plan]:
     prefills = []
     for ep, red in choices:
         for tbo in (False, True):
-            par = _par(shape, ep, red, tbo)
+            par = _par(shape, ep, red, tbo, balance)
             for chunk in CHUNKS:
                 p = prefill_rank(shape, gpu, par, target, chunk, target.ttft_p90_ms - handoff)
                 if p:
@@ -220,7 +227,7 @@ def _pd(shape, gpu, gpus, target, choices, mtps, max_batch) -> list[Plan]:
     return out
 
 
-def _unified(shape, gpu, gpus, target, choices, max_batch) -> list[Plan]:
+def _unified(shape, gpu, gpus, target, choices, max_batch, balance) -> list[Plan]:
     """Chunked prefill in the decode steps: a rank at batch b has a chunk in a share
     q = b · in / (out · chunk) of its steps, a step carrying a chunk on any rank takes
     t_d + t_chunk, and prompts queue for the chunk budget as for a prefill rank. Per EP
@@ -231,7 +238,7 @@ def _unified(shape, gpu, gpus, target, choices, max_batch) -> list[Plan]:
         if gpus % ep:
             continue
         for tbo in (False, True):
-            par = _par(shape, ep, red, tbo)
+            par = _par(shape, ep, red, tbo, balance)
             kv = kv_capacity_tokens(shape, gpu, par)
             if kv <= 0:
                 continue
