@@ -44,7 +44,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "percentiles and binding constraint, and the dsmesh up command (or Kubernetes "
         "overlay) that runs the best. Runs on the CPU in seconds; nothing is measured.",
     )
-    p.add_argument("--model", default="v3", help="preset (v3, r1, v2, v2-lite), checkpoint folder or config.json (default v3)")
+    p.add_argument(
+        "--model",
+        default="v3",
+        help="preset (v3, r1, v2, v2-lite), checkpoint folder or config.json (default v3)",
+    )
     p.add_argument("--gpu", choices=GPU_NAMES, default="h100", help="GPU type (default h100)")
     p.add_argument(
         "--gpu-spec", metavar="HBM,BF16,FP8,GIB,NVLINK,RDMA,PER_NODE",
@@ -52,20 +56,83 @@ def register(sub: argparse._SubParsersAction) -> None:
         "per GPU, GPUs per NVLink domain (the H200's kernel efficiencies apply)",
     )  # fmt: skip
     p.add_argument("--gpus", type=int, default=8, metavar="N", help="GPUs to deploy on (default 8)")
-    p.add_argument("--input-len", type=_length, default=(2000, 2000), metavar="N|LO:HI", help="prompt tokens (default 2000)")
-    p.add_argument("--output-len", type=_length, default=(1000, 1000), metavar="N|LO:HI", help="output tokens (default 1000)")
-    p.add_argument("--ttft-p90", type=_positive, default=5000.0, metavar="MS", help="TTFT p90 target, ms (default 5000)")
-    p.add_argument("--itl-p90", type=_positive, default=100.0, metavar="MS", help="ITL p90 target, ms (default 100)")
-    p.add_argument("--mode", choices=("both", "pd", "unified"), default="both", help="deployments to search")
-    p.add_argument("--max-batch", type=int, default=512, metavar="N", help="largest running batch per GPU to try")
-    p.add_argument("--mtp-acceptance", type=float, default=0.0, metavar="A", help="MTP draft acceptance (0-1) to also try MTP; 0: off")
-    p.add_argument("--eplb-load", type=Path, metavar="FILE", help="expert load file (docs/EPLB.md) for the balancedness, instead of the synthetic load")
+    p.add_argument(
+        "--input-len",
+        type=_length,
+        default=(2000, 2000),
+        metavar="N|LO:HI",
+        help="prompt tokens (default 2000)",
+    )
+    p.add_argument(
+        "--output-len",
+        type=_length,
+        default=(1000, 1000),
+        metavar="N|LO:HI",
+        help="output tokens (default 1000)",
+    )
+    p.add_argument(
+        "--ttft-p90",
+        type=_positive,
+        default=5000.0,
+        metavar="MS",
+        help="TTFT p90 target, ms (default 5000)",
+    )
+    p.add_argument(
+        "--itl-p90",
+        type=_positive,
+        default=100.0,
+        metavar="MS",
+        help="ITL p90 target, ms (default 100)",
+    )
+    p.add_argument(
+        "--mode", choices=("both", "pd", "unified"), default="both", help="deployments to search"
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=512,
+        metavar="N",
+        help="largest running batch per GPU to try",
+    )
+    p.add_argument(
+        "--mtp-acceptance",
+        type=float,
+        default=0.0,
+        metavar="A",
+        help="MTP draft acceptance (0-1) to also try MTP; 0: off",
+    )
+    p.add_argument(
+        "--eplb-load",
+        type=Path,
+        metavar="FILE",
+        help="expert load file (docs/EPLB.md) for the balancedness, instead of the synthetic load",
+    )
     p.add_argument("--top", type=int, default=5, metavar="K", help="plans to print (default 5)")
-    p.add_argument("--k8s-overlay", type=Path, metavar="DIR", help="write a kustomize overlay running the best PD plan here")
-    p.add_argument("--model-path", default="/models/DeepSeek-V3", help="the model's path in the overlay")
-    p.add_argument("--plot", type=Path, metavar="OUT.png", help="plot throughput against ITL p90 (needs matplotlib)")
-    p.add_argument("--validate", action="store_true", help="print the model against recorded runs and exit")
-    p.add_argument("--questions", action="store_true", help="print the model's answers to the seed's questions and exit")
+    p.add_argument(
+        "--k8s-overlay",
+        type=Path,
+        metavar="DIR",
+        help="write a kustomize overlay running the best PD plan here",
+    )
+    p.add_argument(
+        "--model-path", metavar="PATH",
+        help="the checkpoint's path in the printed command and overlay (default: --model when "
+        "it is a folder, else /models/DeepSeek-V3, -R1, -V2 or -V2-Lite)",
+    )  # fmt: skip
+    p.add_argument(
+        "--plot",
+        type=Path,
+        metavar="OUT.png",
+        help="plot throughput against ITL p90 (needs matplotlib)",
+    )
+    p.add_argument(
+        "--validate", action="store_true", help="print the model against recorded runs and exit"
+    )
+    p.add_argument(
+        "--questions",
+        action="store_true",
+        help="print the model's answers to the seed's questions and exit",
+    )
     p.set_defaults(func=run)
 
 

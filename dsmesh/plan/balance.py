@@ -58,7 +58,9 @@ def eplb_rank_load(load: list[float], ep: int, redundant: int) -> list[float]:
         _, e = heapq.heappop(heap)
         replicas[e] += 1
         heapq.heappush(heap, (-load[e] / replicas[e], e))
-    items = sorted((load[e] / replicas[e] for e in range(experts) for _ in range(replicas[e])), reverse=True)
+    items = sorted(
+        (load[e] / replicas[e] for e in range(experts) for _ in range(replicas[e])), reverse=True
+    )
     per_rank = (experts + redundant) // ep
     ranks = [(0.0, r) for r in range(ep)]  # a heap of (load, rank) with free slots
     free = [per_rank] * ep

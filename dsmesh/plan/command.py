@@ -9,7 +9,15 @@ from dsmesh.plan.balance import placement_balancedness, trace_load
 from dsmesh.plan.hardware import GPUS, spec_gpu
 from dsmesh.plan.report import k8s_overlay, plans_table, plot, up_command, write_overlay
 from dsmesh.plan.search import Target, search, synthetic_balance
-from dsmesh.plan.shapes import resolve_shape
+from dsmesh.plan.shapes import PRESETS, resolve_shape
+
+# where a preset's checkpoint lives in the commands and overlays printed (--model-path)
+PRESET_PATHS = {
+    "v3": "/models/DeepSeek-V3",
+    "r1": "/models/DeepSeek-R1",
+    "v2": "/models/DeepSeek-V2",
+    "v2-lite": "/models/DeepSeek-V2-Lite",
+}
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -24,6 +32,9 @@ def run_plan(args: argparse.Namespace) -> int:
         print(questions_report())
         return 0
     shape = resolve_shape(args.model)
+    model_path = args.model_path or (
+        PRESET_PATHS[args.model.lower()] if args.model.lower() in PRESETS else args.model
+    )
     if args.gpu == "spec":
         if not args.gpu_spec:
             raise ValueError("--gpu spec needs --gpu-spec")
@@ -45,7 +56,8 @@ def run_plan(args: argparse.Namespace) -> int:
         load = trace_load(args.eplb_load)
         if len(load[0]) != shape.num_experts:
             raise ValueError(
-                f"--eplb-load: {len(load[0])} experts in the file, the model has {shape.num_experts}"
+                f"--eplb-load: {len(load[0])} experts in the file, the model has "
+                f"{shape.num_experts}"
             )
 
         @lru_cache(maxsize=1024)
@@ -74,7 +86,7 @@ def run_plan(args: argparse.Namespace) -> int:
     print(plans_table(plans[: args.top]))
     print()
     best = plans[0]
-    command = up_command(best, args.model, gpu)
+    command = up_command(best, model_path, gpu)
     if command:
         print(f"run the best: {command}")
     else:
@@ -86,7 +98,7 @@ def run_plan(args: argparse.Namespace) -> int:
         pd = next((p for p in plans if p.mode == "pd"), None)
         if pd is None:
             raise ValueError("--k8s-overlay: no PD plan meets the targets")
-        write_overlay(k8s_overlay(pd, args.model_path, gpu), args.k8s_overlay)
+        write_overlay(k8s_overlay(pd, model_path, gpu), args.k8s_overlay)
         print(f"wrote a kustomize overlay for {pd.layout()} to {args.k8s_overlay}")
     if args.plot:
         plot(plans, args.plot, f"{shape.name}, {args.gpus} x {gpu.name}")

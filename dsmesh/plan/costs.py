@@ -99,7 +99,9 @@ def routed_ms(shape: ModelShape, gpu: GPU, par: Parallel, rows: float) -> float:
     touched = slots * (1.0 - math.exp(-per_expert))  # experts that receive any row
     mem = touched * shape.expert_params * shape.expert_bytes
     mem_s = mem / (gpu.hbm_bytes_s * gpu.kernels.copy_eff)
-    return 1e3 * (mem_s + 2.0 * shape.expert_params * rows / _gemm_rate(shape.expert_bytes, gpu, True))
+    return 1e3 * (
+        mem_s + 2.0 * shape.expert_params * rows / _gemm_rate(shape.expert_bytes, gpu, True)
+    )
 
 
 def remote_nodes(shape: ModelShape, nodes: int) -> float:
@@ -132,13 +134,17 @@ def decode_comm_ms(shape: ModelShape, gpu: GPU, par: Parallel, tokens: float, sk
     if par.ep <= gpu.gpus_per_node:  # one NVLink domain
         link = gpu.nvlink_bytes_s * DEEPEP_NORMAL_NVLINK / (160 * GB)
         return 2 * 0.02 + 1e3 * nbytes / link
-    dispatch, combine = deepep_low_latency_us(par.ep, tokens * skew, shape.hidden, shape.experts_per_token)
+    dispatch, combine = deepep_low_latency_us(
+        par.ep, tokens * skew, shape.hidden, shape.experts_per_token
+    )
     rdma_scale = 50 * GB / gpu.rdma_bytes_s  # the published figures ran on 400 Gb/s NICs
     fixed = 2 * 20.0
     return ((dispatch + combine - fixed) * rdma_scale + fixed) / 1e3
 
 
-def prefill_comm_ms(shape: ModelShape, gpu: GPU, par: Parallel, tokens: float, skew: float) -> float:
+def prefill_comm_ms(
+    shape: ModelShape, gpu: GPU, par: Parallel, tokens: float, skew: float
+) -> float:
     """DeepEP's normal kernels (or NCCL) for one MoE layer of ``tokens`` per rank: across
     nodes each token crosses RDMA once per remote node it needs, within a node NVLink."""
     if par.ep <= 1 or tokens <= 0:
@@ -156,7 +162,12 @@ def _overlap(compute: float, comm: float, par: Parallel) -> float:
 
 
 def decode_step(
-    shape: ModelShape, gpu: GPU, par: Parallel, batch: float, context: float, rows_per_seq: float = 1.0
+    shape: ModelShape,
+    gpu: GPU,
+    par: Parallel,
+    batch: float,
+    context: float,
+    rows_per_seq: float = 1.0,
 ) -> StepCost:
     """A captured decode step of ``batch`` sequences at ``context`` cached tokens each on one
     rank; ``rows_per_seq`` > 1 verifies MTP drafts (each sequence brings that many rows)."""
@@ -177,7 +188,9 @@ def decode_step(
     )
     attn = matmul_ms(shape.attn_params, rows, shape.weight_bytes, gpu) + mla
     dense = matmul_ms(shape.dense_ffn_params, rows, shape.weight_bytes, gpu)
-    shared = matmul_ms(shape.num_shared_experts * shape.expert_params, rows, shape.weight_bytes, gpu)
+    shared = matmul_ms(
+        shape.num_shared_experts * shape.expert_params, rows, shape.weight_bytes, gpu
+    )
     routed_rows = rows * shape.experts_per_token * skew
     moe = shared + routed_ms(shape, gpu, par, routed_rows)
     comm = decode_comm_ms(shape, gpu, par, rows, skew)
@@ -199,7 +212,12 @@ def decode_step(
 
 
 def prefill_step(
-    shape: ModelShape, gpu: GPU, par: Parallel, tokens: float, prompt_len: float, cached: float = 0.0
+    shape: ModelShape,
+    gpu: GPU,
+    par: Parallel,
+    tokens: float,
+    prompt_len: float,
+    cached: float = 0.0,
 ) -> StepCost:
     """One prefill forward of ``tokens`` new tokens on one rank, in chunks of ``prompt_len``
     new tokens each after ``cached`` tokens of the same prompt."""
@@ -213,8 +231,11 @@ def prefill_step(
         tokens * shape.experts_per_token
     )
     chunk = min(prompt_len, t)
-    mla = 1e3 * (t / chunk) * shape.prefill_attn_flops(chunk, cached) / (
-        gpu.bf16_flops * k.mla_prefill_eff
+    mla = (
+        1e3
+        * (t / chunk)
+        * shape.prefill_attn_flops(chunk, cached)
+        / (gpu.bf16_flops * k.mla_prefill_eff)
     )
     attn = matmul_ms(shape.attn_params, t, shape.weight_bytes, gpu) + mla
     dense = matmul_ms(shape.dense_ffn_params, t, shape.weight_bytes, gpu)
@@ -228,7 +249,7 @@ def prefill_step(
     moe_layer = _overlap(moe_compute, moe_comm, par) if par.tbo else moe_compute + moe_comm
     head = matmul_ms(shape.vocab * shape.hidden, tokens / chunk, shape.weight_bytes, gpu)
     cost.attention_ms = shape.num_layers * halves * attn
-    cost.moe_ms = (n_dense * halves * dense + n_moe * halves * moe)
+    cost.moe_ms = n_dense * halves * dense + n_moe * halves * moe
     cost.comm_ms = n_moe * moe_comm
     cost.total_ms = n_dense * halves * (attn + dense) * other + n_moe * moe_layer + head + k.step_ms
     cost.other_ms = cost.total_ms - cost.attention_ms - cost.moe_ms - cost.comm_ms
@@ -244,7 +265,9 @@ def weight_bytes_per_gpu(shape: ModelShape, par: Parallel) -> float:
     return shape.weight_bytes_total() - routed + routed * slots / shape.num_experts
 
 
-def kv_capacity_tokens(shape: ModelShape, gpu: GPU, par: Parallel, mem_fraction: float = 0.85) -> int:
+def kv_capacity_tokens(
+    shape: ModelShape, gpu: GPU, par: Parallel, mem_fraction: float = 0.85
+) -> int:
     """KV tokens one rank's pool holds: ``mem_fraction`` of its memory less its weights
     (the engine's sizing, dsmesh/engine/kv/budget.py); 0 when the weights do not fit."""
     free = gpu.memory_gib * 2**30 * mem_fraction - weight_bytes_per_gpu(shape, par)

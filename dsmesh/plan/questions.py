@@ -32,7 +32,9 @@ def decode_by_ep(gpu: GPU = H100, sizes: tuple[int, ...] = (8, 16, 32, 48, 72, 9
         par = seed_parallel(ep, redundant=redundant)
         kv = kv_capacity_tokens(V3, gpu, par)
         batch = min(SEED_DECODE_BATCH, kv // (SEED_CONTEXT + 1))
-        tok = decode_per_node(gpu, V3, par, batch, SEED_CONTEXT) / gpu.gpus_per_node if batch else 0.0
+        tok = (
+            decode_per_node(gpu, V3, par, batch, SEED_CONTEXT) / gpu.gpus_per_node if batch else 0.0
+        )
         rows.append(EPRow(ep, weight_bytes_per_gpu(V3, par) / 2**30, kv, batch, tok))
     return rows
 
@@ -67,12 +69,24 @@ def tp_decode_ms(shape: ModelShape, gpu: GPU, tp: int, batch: int, context: floa
     over the slowest link (RDMA once the group spans nodes)."""
     k = gpu.kernels
     kv = batch * context * shape.kv_dim * shape.kv_bytes / (gpu.hbm_bytes_s * k.mla_decode_mem_eff)
-    attn_flops = batch * shape.decode_attn_flops(context) / tp / (gpu.bf16_flops * k.mla_decode_flop_eff)
-    attn = 1e3 * max(kv, attn_flops) + matmul_ms(shape.attn_params / tp, batch, shape.weight_bytes, gpu)
+    attn_flops = (
+        batch * shape.decode_attn_flops(context) / tp / (gpu.bf16_flops * k.mla_decode_flop_eff)
+    )
+    attn = 1e3 * max(kv, attn_flops) + matmul_ms(
+        shape.attn_params / tp, batch, shape.weight_bytes, gpu
+    )
     expert_bytes = (
-        shape.num_experts * shape.expert_bytes + shape.num_shared_experts * shape.weight_bytes
-    ) * shape.expert_params / tp  # every expert's 1/tp slice is read
-    expert_flops = 2.0 * batch * (shape.experts_per_token + shape.num_shared_experts) * shape.expert_params / tp
+        (shape.num_experts * shape.expert_bytes + shape.num_shared_experts * shape.weight_bytes)
+        * shape.expert_params
+        / tp
+    )  # every expert's 1/tp slice is read
+    expert_flops = (
+        2.0
+        * batch
+        * (shape.experts_per_token + shape.num_shared_experts)
+        * shape.expert_params
+        / tp
+    )
     moe = 1e3 * (
         expert_bytes / (gpu.hbm_bytes_s * k.copy_eff) + expert_flops / (gpu.fp8_flops * k.gemm_eff)
     )
@@ -105,3 +119,31 @@ def tp16_against_ep(gpu: GPU = H100) -> dict[str, float]:
         "ratio_all_gpus": ep_all / tp_tok_s,
     }
 
+
+def questions_report() -> str:
+    """The answers as markdown tables."""
+    lines = ["Decode, V3 on H100, 2000-token contexts, TBO, EPLB (32+ redundant experts):", ""]
+    lines += [
+        "| EP | weights GiB/GPU | KV tokens/GPU | sequences/GPU | out tok/s/GPU |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for r in decode_by_ep():
+        lines.append(
+            f"| {r.ep} | {r.weights_gib:.1f} | {r.kv_tokens:,} | {r.batch} | {r.tok_s_gpu:,.0f} |"
+        )
+    lines += ["", "Prefill, V3 on H100, 2K prompts, 16,384 tokens per GPU, TBO, EPLB:", ""]
+    lines += ["| EP | weights GiB/GPU | KV tokens/GPU | in tok/s/GPU |", "|---:|---:|---:|---:|"]
+    for r in prefill_by_ep():
+        lines.append(f"| {r.ep} | {r.weights_gib:.1f} | {r.kv_tokens:,} | {r.tok_s_gpu:,.0f} |")
+    lines += ["", "GB200 (NVL72) over H100, per GPU, the seed's deployment:", ""]
+    lines += [f"- {k}: {v:.2f}x" for k, v in gb200_ratio().items()]
+    tp = tp16_against_ep()
+    lines += [
+        "",
+        f"TP16 x 6 on H100: {tp['tp16_batch']:.0f} sequences per instance fit, a step takes "
+        f"{tp['tp16_step_ms']:.1f} ms, {tp['tp16_out_tok_s_gpu']:,.0f} out tok/s per GPU; PD + EP "
+        f"decode {tp['ep_decode_tok_s_gpu']:,.0f} per decode GPU: "
+        f"{tp['ratio_decode_gpus']:.1f}x per "
+        f"decode GPU, {tp['ratio_all_gpus']:.1f}x counting the 32 prefill GPUs",
+    ]
+    return "\n".join(lines)

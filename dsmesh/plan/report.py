@@ -9,17 +9,20 @@ from pathlib import Path
 from dsmesh.plan.hardware import GPU
 from dsmesh.plan.search import Plan
 
+LIMITS = "/spec/leaderWorkerTemplate/workerTemplate/spec/containers/0/resources/limits"
+
 
 def plans_table(plans: list[Plan]) -> str:
     head = (
-        "| # | layout | TBO P/D | chunk | batch/GPU | MTP | out tok/s/GPU | in tok/s/GPU "
+        "| # | layout | GPUs | TBO P/D | chunk | batch/GPU | MTP | out tok/s/GPU | in tok/s/GPU "
         "| TTFT p50 / p90 ms | ITL p50 / p90 ms | KV tokens/GPU | binding |"
     )
-    lines = [head, "|---|---|---|---:|---:|---|---:|---:|---|---|---:|---|"]
+    lines = [head, "|---|---|---:|---|---:|---:|---|---:|---:|---|---|---:|---|"]
     for i, p in enumerate(plans, 1):
         tbo = f"{'on' if p.prefill_tbo else 'off'}/{'on' if p.decode_tbo else 'off'}"
         lines.append(
-            f"| {i} | {p.layout()} | {tbo} | {p.chunk} | {p.batch} | {'on' if p.mtp else 'off'} "
+            f"| {i} | {p.layout()} | {p.gpus} | {tbo} | {p.chunk} | {p.batch} "
+            f"| {'on' if p.mtp else 'off'} "
             f"| {p.out_tok_s_gpu:,.0f} | {p.in_tok_s_gpu:,.0f} | {p.ttft_p50_ms:,.0f} / "
             f"{p.ttft_p90_ms:,.0f} | {p.itl_p50_ms:.1f} / {p.itl_p90_ms:.1f} | "
             f"{p.kv_tokens_gpu:,} | {p.binding} |"
@@ -81,14 +84,15 @@ def k8s_overlay(plan: Plan, model_path: str, gpu: GPU) -> dict[str, str]:
             f'  NUM_REDUNDANT_EXPERTS: "{redundant}"\n{extra}'
         )
         patches.append(
-            f"  - target: {{group: leaderworkerset.x-k8s.io, kind: LeaderWorkerSet, name: {role}}}\n"
+            "  - target: {group: leaderworkerset.x-k8s.io, kind: LeaderWorkerSet, "
+            f"name: {role}}}\n"
             "    patch: |-\n"
             "      - op: replace\n        path: /spec/replicas\n"
             f"        value: {count}\n"
             "      - op: replace\n        path: /spec/leaderWorkerTemplate/size\n"
             f"        value: {nodes}\n"
             "      - op: replace\n"
-            "        path: /spec/leaderWorkerTemplate/workerTemplate/spec/containers/0/resources/limits\n"
+            f"        path: {LIMITS}\n"
             f'        value:\n          nvidia.com/gpu: "{gpus_per_pod}"\n'
         )
     tbo = "on" if plan.prefill_tbo or plan.decode_tbo else "off"
@@ -122,7 +126,7 @@ def plot(plans: list[Plan], path: Path, title: str) -> None:
     for mode, marker in (("pd", "o"), ("unified", "s")):
         pts = [(p.itl_p90_ms, p.out_tok_s_gpu) for p in plans if p.mode == mode]
         if pts:
-            ax.scatter(*zip(*pts), marker=marker, s=14, label=mode, alpha=0.7)
+            ax.scatter(*zip(*pts, strict=True), marker=marker, s=14, label=mode, alpha=0.7)
     ax.set_xlabel("ITL p90 (ms)")
     ax.set_ylabel("output tok/s per GPU")
     ax.set_title(title)

@@ -10,8 +10,8 @@ M/D/1 queue whose utilisation the TTFT target caps; the split balances their req
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
 
 from dsmesh.plan.balance import synthetic_balancedness
@@ -71,11 +71,16 @@ class Plan:
         return self.prefill_instances * self.prefill_ep + self.decode_instances * self.decode_ep
 
     def layout(self) -> str:
+        """``P 2 x EP16+32 : D 1 x EP56+24``: instances x EP size + redundant experts."""
+
+        def group(n: int, ep: int, red: int) -> str:
+            return f"{n} x EP{ep}" + (f"+{red}" if red else "")
+
         if self.mode == "unified":
-            return f"unified {self.decode_instances} x EP{self.decode_ep}"
+            return "unified " + group(self.decode_instances, self.decode_ep, self.decode_redundant)
         return (
-            f"P {self.prefill_instances} x EP{self.prefill_ep} : D {self.decode_instances} x "
-            f"EP{self.decode_ep}"
+            f"P {group(self.prefill_instances, self.prefill_ep, self.prefill_redundant)} : "
+            f"D {group(self.decode_instances, self.decode_ep, self.decode_redundant)}"
         )
 
 
@@ -114,7 +119,9 @@ def _mtp_tokens(acceptance: float) -> float:
     return 1.0 + acceptance
 
 
-def decode_rank(shape: ModelShape, gpu: GPU, par: Parallel, target: Target, mtp: bool, max_batch: int):
+def decode_rank(
+    shape: ModelShape, gpu: GPU, par: Parallel, target: Target, mtp: bool, max_batch: int
+):
     """(batch, requests/s, ITL ms, KV tokens, binding) of the best decode rank, or None."""
     kv = kv_capacity_tokens(shape, gpu, par)
     if kv <= 0:
@@ -140,14 +147,21 @@ def decode_rank(shape: ModelShape, gpu: GPU, par: Parallel, target: Target, mtp:
     return best
 
 
-def prefill_rank(shape: ModelShape, gpu: GPU, par: Parallel, target: Target, chunk: int, budget_ms: float):
+def prefill_rank(
+    shape: ModelShape, gpu: GPU, par: Parallel, target: Target, chunk: int, budget_ms: float
+):
     """(requests/s, TTFT p50, p90, binding) of a prefill rank whose TTFT p90 stays within
     ``budget_ms`` (the target less the handoff and the first decode step), or None."""
     per_step = min(chunk, target.input_len)
     steps = math.ceil(target.input_len / chunk)
-    service = sum(
-        prefill_step(shape, gpu, par, chunk, per_step, cached=i * chunk).total_ms for i in range(steps)
-    ) * per_step / chunk  # a prompt's share of its forwards
+    service = (
+        sum(
+            prefill_step(shape, gpu, par, chunk, per_step, cached=i * chunk).total_ms
+            for i in range(steps)
+        )
+        * per_step
+        / chunk
+    )  # a prompt's share of its forwards
     forward = prefill_step(shape, gpu, par, chunk, per_step).total_ms
     latency = steps * forward  # its own forwards, start to end
     if latency > budget_ms:
@@ -167,7 +181,8 @@ def _handoff_ms(shape: ModelShape, target: Target, gpu: GPU, total: int) -> floa
 
 
 def search(
-    shape: ModelShape, gpu: GPU, gpus: int, target: Target, modes: tuple[str, ...] = ("pd", "unified"),
+    shape: ModelShape, gpu: GPU, gpus: int, target: Target,
+    modes: tuple[str, ...] = ("pd", "unified"),
     max_batch: int = 512, balance: Balance = synthetic_balance, max_unified_ep: int = 1,
 ) -> list[Plan]:  # fmt: skip
     """Every deployment of at most ``gpus`` GPUs that meets the targets, best first.

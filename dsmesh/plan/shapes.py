@@ -49,7 +49,11 @@ class ModelShape:
     def attn_params(self) -> int:
         """q (through its LoRA when present), kv_a, kv_b and o projections of one layer."""
         qk = self.num_heads * (self.qk_nope_dim + self.qk_rope_dim)
-        q = self.hidden * self.q_lora_rank + self.q_lora_rank * qk if self.q_lora_rank else self.hidden * qk
+        q = (
+            self.hidden * self.q_lora_rank + self.q_lora_rank * qk
+            if self.q_lora_rank
+            else self.hidden * qk
+        )
         kv_a = self.hidden * (self.kv_lora_rank + self.qk_rope_dim)
         kv_b = self.kv_lora_rank * self.num_heads * (self.qk_nope_dim + self.v_head_dim)
         o = self.num_heads * self.v_head_dim * self.hidden

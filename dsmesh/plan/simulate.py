@@ -95,6 +95,10 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
 
 
+def _pairs(times: list[float]) -> list[tuple[float, float]]:
+    return list(zip(times, times[1:], strict=False))
+
+
 def _requests(w: Workload) -> list[_Req]:
     rng = random.Random(w.seed)
     t = 0.0
@@ -178,7 +182,9 @@ class Simulator:
         if not tokens:
             return 0.0
         cached = sum(c * n for n, c in chunks) / tokens
-        step = prefill_step(self.shape, self.gpu, par, tokens, tokens / len(chunks), cached).total_ms
+        step = prefill_step(
+            self.shape, self.gpu, par, tokens, tokens / len(chunks), cached
+        ).total_ms
         if not eager:
             return step
         # an eager forward beside the decode graph: the host launches while the GPU works, so
@@ -238,12 +244,14 @@ class Simulator:
             output_tok_s=sum(len(r.token_times) for r in reqs) / dur,
             input_tok_s=sum(r.prompt_len for r in reqs) / dur,
             ttft_ms=[1e3 * (r.first_token - r.arrival) for r in reqs],
-            itl_ms=[1e3 * (b - a) for r in reqs for a, b in zip(r.token_times, r.token_times[1:])],
+            itl_ms=[1e3 * (b - a) for r in reqs for a, b in _pairs(r.token_times)],
             duration_s=dur, retractions=eng.retractions, peak_kv_tokens=eng.peak_kv,
             kv_capacity=self.capacity,
         )  # fmt: skip
 
-    def _prefill_engine_step(self, pre: _Engine, dec: _Engine, now: float) -> list[tuple[float, _Req]]:
+    def _prefill_engine_step(
+        self, pre: _Engine, dec: _Engine, now: float
+    ) -> list[tuple[float, _Req]]:
         """One prefill forward; the finished prompts' KV leaves for decode."""
         pre.admit(1)
         chunks = self._take_chunks(pre)
