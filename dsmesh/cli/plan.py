@@ -85,6 +85,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="ITL p90 target, ms (default 100)",
     )
     p.add_argument(
+        "--rate", type=_positive, metavar="REQ/S",
+        help="also print how many copies of each plan serve this arrival rate",
+    )  # fmt: skip
+    p.add_argument(
         "--mode", choices=("both", "pd", "unified"), default="both", help="deployments to search"
     )
     p.add_argument(

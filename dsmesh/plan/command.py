@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from functools import lru_cache
 
 from dsmesh.plan.balance import placement_balancedness, trace_load
@@ -84,6 +85,10 @@ def run_plan(args: argparse.Namespace) -> int:
         return 1
     print()
     print(plans_table(plans[: args.top]))
+    if args.rate:
+        for i, p in enumerate(plans[: args.top], 1):
+            copies = math.ceil(args.rate / p.rate)
+            print(f"#{i}: {copies} x {p.gpus} GPUs serve {args.rate:g} req/s")
     print()
     best = plans[0]
     command = up_command(best, model_path, gpu)

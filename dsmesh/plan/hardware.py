@@ -56,6 +56,7 @@ class GPU:
     nvlink_bytes_s: float  # per direction, per GPU
     rdma_bytes_s: float  # NIC line rate per GPU
     gpus_per_node: int  # NVLink domain size
+    gpus_per_host: int = 8  # GPUs one machine (one `dsmesh up`) holds
     kernels: Kernels = Kernels()
 
     def describe(self) -> str:
@@ -70,7 +71,7 @@ class GPU:
 H200 = GPU("h200", 4.8e12, 989 * TFLOP, 1979 * TFLOP, 140.4, 450 * GB, 50 * GB, 8)
 H100 = GPU("h100", 3.35e12, 989 * TFLOP, 1979 * TFLOP, 79.1, 450 * GB, 50 * GB, 8)
 # one Blackwell GPU of a GB200 NVL72 rack: the whole rack is one NVLink domain; CX8 800 Gb/s
-GB200 = GPU("gb200", 8.0e12, 2500 * TFLOP, 5000 * TFLOP, 184.0, 900 * GB, 100 * GB, 72)
+GB200 = GPU("gb200", 8.0e12, 2500 * TFLOP, 5000 * TFLOP, 184.0, 900 * GB, 100 * GB, 72, 4)
 # the H800 DeepSeek's own figures come from: H100 compute, NVLink cut to 200 GB/s a direction
 H800 = GPU("h800", 3.35e12, 989 * TFLOP, 1979 * TFLOP, 79.1, 200 * GB, 50 * GB, 8)
 
@@ -92,8 +93,9 @@ def spec_gpu(spec: str) -> GPU:
         raise ValueError(f"--gpu-spec: {exc}") from exc
     if min(hbm, bf16, fp8, mem, nvl, rdma, per_node) <= 0:
         raise ValueError(f"--gpu-spec: every figure must be positive (got {spec!r})")
+    host = min(8, int(per_node))
     return GPU(
-        "spec", hbm * 1e12, bf16 * TFLOP, fp8 * TFLOP, mem, nvl * GB, rdma * GB, int(per_node)
+        "spec", hbm * 1e12, bf16 * TFLOP, fp8 * TFLOP, mem, nvl * GB, rdma * GB, int(per_node), host
     )
 
 

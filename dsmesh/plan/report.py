@@ -14,14 +14,14 @@ LIMITS = "/spec/leaderWorkerTemplate/workerTemplate/spec/containers/0/resources/
 
 def plans_table(plans: list[Plan]) -> str:
     head = (
-        "| # | layout | GPUs | TBO P/D | chunk | batch/GPU | MTP | out tok/s/GPU | in tok/s/GPU "
-        "| TTFT p50 / p90 ms | ITL p50 / p90 ms | KV tokens/GPU | binding |"
+        "| # | layout | GPUs | req/s | TBO P/D | chunk | batch/GPU | MTP | out tok/s/GPU "
+        "| in tok/s/GPU | TTFT p50 / p90 ms | ITL p50 / p90 ms | KV tokens/GPU | binding |"
     )
-    lines = [head, "|---|---|---:|---|---:|---:|---|---:|---:|---|---|---:|---|"]
+    lines = [head, "|---|---|---:|---:|---|---:|---:|---|---:|---:|---|---|---:|---|"]
     for i, p in enumerate(plans, 1):
         tbo = f"{'on' if p.prefill_tbo else 'off'}/{'on' if p.decode_tbo else 'off'}"
         lines.append(
-            f"| {i} | {p.layout()} | {p.gpus} | {tbo} | {p.chunk} | {p.batch} "
+            f"| {i} | {p.layout()} | {p.gpus} | {p.rate:,.1f} | {tbo} | {p.chunk} | {p.batch} "
             f"| {'on' if p.mtp else 'off'} "
             f"| {p.out_tok_s_gpu:,.0f} | {p.in_tok_s_gpu:,.0f} | {p.ttft_p50_ms:,.0f} / "
             f"{p.ttft_p90_ms:,.0f} | {p.itl_p50_ms:.1f} / {p.itl_p90_ms:.1f} | "
@@ -32,9 +32,9 @@ def plans_table(plans: list[Plan]) -> str:
 
 def up_command(plan: Plan, model: str, gpu: GPU) -> str | None:
     """The ``dsmesh up`` command that runs ``plan`` on one host, or None when it cannot:
-    more GPUs than one node, or prefill and decode at different EP sizes (``up`` takes one
+    more GPUs than one host, or prefill and decode at different EP sizes (``up`` takes one
     ``--ep-size``), or an expert-parallel unified instance."""
-    if plan.gpus > gpu.gpus_per_node:
+    if plan.gpus > gpu.gpus_per_host:
         return None
     words = ["dsmesh", "up", "--model", model]
     if plan.mode == "unified":
@@ -63,7 +63,7 @@ def k8s_overlay(plan: Plan, model_path: str, gpu: GPU) -> dict[str, str]:
     deploy/k8s/overlays/NAME, as the seed's overlay)."""
     if plan.mode != "pd":
         raise ValueError("a Kubernetes overlay runs prefill and decode groups: pick a pd plan")
-    per_node = gpu.gpus_per_node
+    per_node = gpu.gpus_per_host  # a LeaderWorkerSet pod is one host
     roles = (
         ("prefill", plan.prefill_instances, plan.prefill_ep, plan.prefill_redundant),
         ("decode", plan.decode_instances, plan.decode_ep, plan.decode_redundant),

@@ -65,6 +65,12 @@ class Plan:
     itl_p90_ms: float
     kv_tokens_gpu: int
     binding: str
+    output_len: float
+
+    @property
+    def rate(self) -> float:
+        """Requests per second the whole deployment serves within the targets."""
+        return self.out_tok_s_gpu * self.gpus / self.output_len
 
     @property
     def gpus(self) -> int:
@@ -185,7 +191,8 @@ def search(
     modes: tuple[str, ...] = ("pd", "unified"),
     max_batch: int = 512, balance: Balance = synthetic_balance, max_unified_ep: int = 1,
 ) -> list[Plan]:  # fmt: skip
-    """Every deployment of at most ``gpus`` GPUs that meets the targets, best first.
+    """Every deployment of at most ``gpus`` GPUs that meets the targets, the most requests
+    per second first.
     Unified instances stay at EP ``max_unified_ep`` (``dsmesh up`` runs them as one process)."""
     plans: list[Plan] = []
     mtps = (False, True) if target.mtp_acceptance > 0 and shape.mtp_layers else (False,)
@@ -195,7 +202,8 @@ def search(
         plans += _unified(shape, gpu, gpus, target, unified, max_batch, balance)
     if "pd" in modes and gpus >= 2:
         plans += _pd(shape, gpu, gpus, target, choices, mtps, max_batch, balance)
-    plans.sort(key=lambda p: -p.out_tok_s_gpu)
+    # the most output from the GPUs given; among equals, the fewest GPUs
+    plans.sort(key=lambda p: (-round(p.rate, 6), p.gpus, -p.out_tok_s_gpu))
     return plans
 
 
@@ -215,14 +223,18 @@ def _pd(shape, gpu, gpus, target, choices, mtps, max_batch, balance) -> list[Pla
         for tbo in (False, True):
             par = _par(shape, ep, red, tbo, balance)
             for chunk in CHUNKS:
-                p = prefill_rank(shape, gpu, par, target, chunk, target.ttft_p90_ms - handoff)
+                if kv_capacity_tokens(shape, gpu, par) < chunk:
+                    continue  # the weights leave no room for the chunk's KV
+                # the TTFT left once the KV is handed off and decode has stepped once
+                budget = target.ttft_p90_ms - handoff - target.itl_p90_ms
+                p = prefill_rank(shape, gpu, par, target, chunk, budget)
                 if p:
                     prefills.append((ep, red, tbo, chunk, p))
-    # the best few of each side, then every split of the GPUs between them
-    decodes.sort(key=lambda d: -d[4][1])
-    prefills.sort(key=lambda p: -p[4][0])
-    for dep, dred, dtbo, mtp, (b, d_rate, itl, kv, d_bind) in decodes[:6]:
-        for pep, pred, ptbo, chunk, (p_rate, t50, t90, p_bind) in prefills[:6]:
+    # the best two of each side per EP size, then every split of the GPUs between them
+    decodes = _best_per_ep(decodes, lambda d: d[4][1])
+    prefills = _best_per_ep(prefills, lambda p: p[4][0])
+    for dep, dred, dtbo, mtp, (b, d_rate, itl, kv, d_bind) in decodes:
+        for pep, pred, ptbo, chunk, (p_rate, t50, t90, p_bind) in prefills:
             for np_ in range(1, gpus // pep + 1):
                 nd = (gpus - np_ * pep) // dep
                 if nd < 1:
@@ -238,8 +250,18 @@ def _pd(shape, gpu, gpus, target, choices, mtps, max_batch, balance) -> list[Pla
                     "pd", np_, pep, nd, dep, pred, dred, ptbo, dtbo, chunk, b, mtp,
                     rate * target.output_len / used, rate * target.input_len / used,
                     t50 + handoff + step, t90 + handoff + step, itl, step, kv, bind,
+                    target.output_len,
                 ))  # fmt: skip
     return out
+
+
+def _best_per_ep(items: list, score: Callable) -> list:
+    out: dict[int, list] = {}
+    for item in sorted(items, key=lambda x: -score(x)):
+        out.setdefault(item[0], [])
+        if len(out[item[0]]) < 2:
+            out[item[0]].append(item)
+    return [x for group in out.values() for x in group]
 
 
 def _unified(shape, gpu, gpus, target, choices, max_batch, balance) -> list[Plan]:
@@ -276,6 +298,7 @@ def _unified(shape, gpu, gpus, target, choices, max_batch, balance) -> list[Plan
                     out.append(Plan(
                         "unified", 0, 0, gpus // ep, ep, 0, red, tbo, tbo, chunk, b, False,
                         r * target.output_len, r * target.input_len, t50, t90, i50, i90, kv, bind,
+                        target.output_len,
                     ))  # fmt: skip
     return out
 
