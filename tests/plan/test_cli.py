@@ -103,3 +103,30 @@ def test_help_does_not_import_the_model() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_the_overlay_renders_over_the_base(tmp_path: Path) -> None:
+    """The overlay `dsmesh plan` writes builds over deploy/k8s/base (the repository's
+    kustomize renderer) into EP groups whose sizes are nodes x GPUs per pod, whose experts
+    divide, and whose containers parse as dsmesh commands."""
+    from dsmesh.cli.main import build_parser
+    from tests.deploy.manifests import dsmesh_containers, render
+
+    (tmp_path / "k8s" / "overlays").mkdir(parents=True)
+    (tmp_path / "k8s" / "base").symlink_to(ROOT / "deploy" / "k8s" / "base")
+    overlay = tmp_path / "k8s" / "overlays" / "planned"
+    out = plan("--gpus", "96", "--k8s-overlay", str(overlay))
+    assert out.returncode == 0, out.stderr
+    objects = render(overlay)
+    lws = {o["metadata"]["name"]: o for o in objects if o["kind"] == "LeaderWorkerSet"}
+    roles = set()
+    for c in dsmesh_containers(objects):
+        if not c.where.startswith("LeaderWorkerSet/"):
+            continue
+        args = build_parser().parse_args(c.argv)
+        group = lws[c.where.split("/", 1)[1]]["spec"]
+        gpus = int(c.spec["resources"]["limits"]["nvidia.com/gpu"])
+        assert args.ep_size == group["leaderWorkerTemplate"]["size"] * gpus, c.where
+        assert (256 + args.num_redundant_experts) % args.ep_size == 0, c.where
+        roles.add(c.argv[0])
+    assert roles == {"prefill", "decode"}
