@@ -91,6 +91,11 @@ def run_plan(args: argparse.Namespace) -> int:
             print(f"#{i}: {copies} x {p.gpus} GPUs serve {args.rate:g} req/s")
     print()
     best = plans[0]
+    node = gpu.gpus_per_host
+    print(
+        f"the best per {node}-GPU host: {best.out_tok_s_gpu * node:,.0f} output and "
+        f"{best.in_tok_s_gpu * node:,.0f} input tok/s"
+    )
     command = up_command(best, model_path, gpu)
     if command:
         print(f"run the best: {command}")
