@@ -9,7 +9,7 @@ lockstep across the ranks, so the slowest rank (the one the placement loads most
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dsmesh.plan.hardware import (
     DEEPEP_NORMAL_NVLINK,
@@ -57,7 +57,6 @@ class StepCost:
     moe_ms: float = 0.0  # routed and shared experts, dense FFNs
     comm_ms: float = 0.0  # all-to-all dispatch and combine
     other_ms: float = 0.0  # per-layer small kernels, LM head, the step's fixed cost
-    parts: dict[str, float] = field(default_factory=dict)
 
     @property
     def bound(self) -> str:

@@ -10,7 +10,7 @@ assumption is the first thing to re-measure on a new GPU (``python -m dsmesh.ben
 from __future__ import annotations
 
 from bisect import bisect_left
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 GB = 1e9
 TFLOP = 1e12
@@ -97,10 +97,6 @@ def spec_gpu(spec: str) -> GPU:
     return GPU(
         "spec", hbm * 1e12, bf16 * TFLOP, fp8 * TFLOP, mem, nvl * GB, rdma * GB, int(per_node), host
     )
-
-
-def with_kernels(gpu: GPU, **changes: float) -> GPU:
-    return replace(gpu, kernels=replace(gpu.kernels, **changes))
 
 
 # DeepEP V1 on H800 + CX7 400 Gb/s (docs/legacy.md of deepseek-ai/DeepEP): low-latency

@@ -127,10 +127,12 @@ class _Engine:
     def kv_used(self) -> int:
         return sum(r.prefilled + r.generated for r in self.running)
 
-    def admit(self, needs: int) -> None:
-        """Waiting requests join while slots and pages (their prompt's) allow."""
+    def admit(self, handed_off: bool) -> None:
+        """Waiting requests join while slots and pages allow: a handed-off request's prompt,
+        or a new one's prompt and its first token."""
         while self.waiting and len(self.running) < self.setup.max_running:
-            if self.kv_used() + needs_of(self.waiting[0], needs) > self.kv_capacity:
+            needs = self.waiting[0].input_len + (0 if handed_off else 1)
+            if self.kv_used() + needs > self.kv_capacity:
                 break
             self.running.append(self.waiting.popleft())
 
@@ -144,10 +146,6 @@ class _Engine:
             self.waiting.appendleft(victim)
             self.retractions += 1
         self.peak_kv = max(self.peak_kv, self.kv_used())
-
-
-def needs_of(r: _Req, mode: int) -> int:
-    return r.input_len if mode else r.input_len + 1
 
 
 class Simulator:
@@ -253,7 +251,7 @@ class Simulator:
         self, pre: _Engine, dec: _Engine, now: float
     ) -> list[tuple[float, _Req]]:
         """One prefill forward; the finished prompts' KV leaves for decode."""
-        pre.admit(1)
+        pre.admit(True)
         chunks = self._take_chunks(pre)
         ms = self._prefill_ms([(n, r.prefilled) for r, n in chunks], self.ppar, eager=False)
         if self.shared and dec.running:
@@ -271,7 +269,7 @@ class Simulator:
 
     def _decode_engine_step(self, eng: _Engine, pre: _Engine, now: float) -> int:
         """One step of a decode (or unified) engine; returns the requests it finished."""
-        eng.admit(1 if self.kind == "pd" else 0)
+        eng.admit(self.kind == "pd")
         eng.retract_for_growth()
         chunks = self._take_chunks(eng) if self.kind == "unified" else []
         decoding = [r for r in eng.running if r.prefilled >= r.input_len]
