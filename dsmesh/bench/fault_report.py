@@ -145,9 +145,34 @@ def run_figures(records: Sequence[RequestRecord], summary: BenchSummary) -> dict
         "duration_s": summary.duration_s,
         "output_tok_s": summary.output_throughput,
         "delivered_tok_s": delivered_rate(records, summary.duration_s),
+        # when the last failed request ended, in run time (None: none failed)
+        "last_failure_s": max((r.send_s + r.e2e_s for r in records if not r.success), default=None),
+        "failures": failures(records),
         "ttft_ms": {"p50": summary.ttft_ms.p50, "p99": summary.ttft_ms.p99},
         "e2e_ms": {"p50": summary.e2e_ms.p50, "p99": summary.e2e_ms.p99},
     }
+
+
+def first_served_after(records: Sequence[RequestRecord], kill_s: float) -> float | None:
+    """From ``kill_s`` to the first token of the first request sent at or after it that
+    succeeded (run time); None if none did."""
+    served = [
+        r.send_s + r.ttft_s
+        for r in records
+        if r.success and r.ttft_s is not None and r.send_s >= kill_s
+    ]
+    return min(served) - kill_s if served else None
+
+
+def failures(records: Sequence[RequestRecord]) -> dict[str, int]:
+    """Failed requests by the start of their error (the status and who answered, e.g.
+    ``UNAVAILABLE: decode``), most frequent first."""
+    counts: dict[str, int] = {}
+    for r in records:
+        if not r.success:
+            key = ":".join(r.error.split(":")[:2]).strip() or r.outcome
+            counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def ratio(a: float, b: float) -> float:
@@ -208,6 +233,16 @@ def format_table(result: dict[str, Any]) -> str:
         ),
         f"lowest window after the kill: {_num(rec['lowest_fraction'] * 100, '{:.0f}%')}"
         " of undisturbed",
+        "a request sent after the kill served (first token): "
+        + _num(result["serving_again_s"], "{:.2f} s after the kill")
+        + (" (a probe after the run)" if result["serving_again_probe"] else ""),
+        "failed: "
+        + (", ".join(f"{n} {k}" for k, n in f["failures"].items()) or "none")
+        + (
+            f"; the last ended {f['last_failure_s'] - kill['at_s']:.2f} s after the kill"
+            if f["last_failure_s"] is not None
+            else ""
+        ),
         f"p99 E2E {_num(result['ratios']['e2e_ms_p99'], '{:.2f}x')} undisturbed"
         f" (1.5x + the restart: {_num(result['e2e_p99_bound_ms'], '{:.0f} ms')}"
         + (

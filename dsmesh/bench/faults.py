@@ -55,6 +55,7 @@ from dsmesh.bench.backends import Backend, BenchError
 from dsmesh.bench.fault_report import (
     Recovery,
     comparison,
+    first_served_after,
     format_table,
     parse_supervisor_line,
     recovery,
@@ -66,10 +67,12 @@ from dsmesh.bench.mesh_process import Mesh, free_port_run, mesh_up
 from dsmesh.bench.serving import (
     BenchConfig,
     BenchRun,
+    RequestRecord,
     format_errors,
     make_backend,
     run_benchmark,
     sample_random_requests,
+    send_request,
     summarize,
 )
 
@@ -304,9 +307,10 @@ class Kill:
 
 async def _runs(
     config: FaultBenchConfig, mesh: Mesh, kill: Kill, gateway_metrics: str
-) -> tuple[BenchRun, BenchRun, dict[str, float]]:
+) -> tuple[BenchRun, BenchRun, dict[str, float], RequestRecord | None]:
     """The undisturbed run, then the faulted one with ``kill`` sent ``kill_at_s`` into it;
-    also the gateway's counters just before the faulted run."""
+    also the gateway's counters just before the faulted run, and the probe that found the
+    mesh serving again when no request of the run did after the kill."""
     lengths = ((config.input_len, config.input_len), (config.output_len, config.output_len))
     ids = (3, config.max_token_id)
     undisturbed = sample_random_requests(config.num_requests, *lengths, ids, config.seed)
@@ -340,14 +344,35 @@ async def _runs(
         second = await run_benchmark(dataclasses.replace(bench, warmup=0), faulted, backend=backend)
         timer.cancel()
         _progress("faulted", second)
+        if kill.at_s is None:
+            raise FaultBenchError(
+                f"the faulted run ended ({second.duration_s:.2f} s) before --kill-at "
+                f"{config.kill_at_s:g} s: give more --num-requests or an earlier --kill-at"
+            )
+        probe = None
+        if first_served_after(second.records, kill.at_s) is None:
+            probe = await _probe(config, backend, kill, (*lengths, ids))
     finally:
         await backend.close()
-    if kill.at_s is None:
-        raise FaultBenchError(
-            f"the faulted run ended ({second.duration_s:.2f} s) before --kill-at "
-            f"{config.kill_at_s:g} s: give more --num-requests or an earlier --kill-at"
-        )
-    return first, second, before
+    return first, second, before, probe
+
+
+async def _probe(
+    config: FaultBenchConfig, backend: Backend, kill: Kill, shape: tuple[Any, ...]
+) -> RequestRecord | None:
+    """After a faulted run in which no request sent after the kill succeeded: one request of
+    the run's shape at a time until one succeeds, for up to ``start_timeout_s``; its record
+    (times on the faulted run's clock), or None."""
+    deadline = time.monotonic() + config.start_timeout_s
+    seed = config.seed + 2
+    while time.monotonic() < deadline:
+        (request,) = sample_random_requests(1, *shape, seed)
+        rec = await send_request(backend, request, -1, kill.start, config.request_timeout_s)
+        if rec.success:
+            return rec
+        seed += 1  # a fresh prompt each time: no prefix cache
+        await asyncio.sleep(0.1)
+    return None
 
 
 def _progress(name: str, run: BenchRun) -> None:
@@ -408,7 +433,9 @@ def measure(config: FaultBenchConfig) -> dict[str, Any]:
                 f"(it runs {', '.join(sorted(pids))})"
             )
         kill = Kill(config.kill, pids[config.kill])
-        undisturbed, faulted, before = asyncio.run(_runs(config, mesh, kill, mesh.metrics_url))
+        undisturbed, faulted, before, probe = asyncio.run(
+            _runs(config, mesh, kill, mesh.metrics_url)
+        )
         after_run = time.monotonic()
         restarted = watch.wait_for("restart", kill.service, kill.monotonic, config.start_timeout_s)
         exited = watch.wait_for("exit", kill.service, kill.monotonic, 0.0)
@@ -427,6 +454,9 @@ def measure(config: FaultBenchConfig) -> dict[str, Any]:
         config.recovered_fraction,
     )
     restart_s = restarted[0] - kill.monotonic if restarted else None
+    serving_again_s = first_served_after(faulted.records, kill.at_s or 0.0)
+    if probe is not None:
+        serving_again_s = first_served_after([probe], kill.at_s or 0.0)
     has_counter = MIGRATED in after or MIGRATED in before
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -449,6 +479,8 @@ def measure(config: FaultBenchConfig) -> dict[str, Any]:
             "first_start_s": watch.first_start_s(kill.service),
         },
         "recovery": dataclasses.asdict(rec),
+        "serving_again_s": serving_again_s,
+        "serving_again_probe": probe is not None,
         # output tok/s in consecutive windows of each run, for a plot of the dip
         "timeline_tok_s": {
             "undisturbed": timeline(undisturbed.records, undisturbed.duration_s, config.window_s),

@@ -17,6 +17,8 @@ from dsmesh.bench import faults
 from dsmesh.bench.fault_report import (
     SupervisorLine,
     delivered_tokens,
+    failures,
+    first_served_after,
     parse_supervisor_line,
     recovery,
     timeline,
@@ -75,6 +77,11 @@ def test_decode_killed_under_load_on_cpu(
     assert r["e2e_p99_bound_ms"] == pytest.approx(
         1.5 * u["e2e_ms"]["p99"] + kill["restart_s"] * 1e3
     )
+
+    # with one decode, a request sent after the kill is served only once decode is back
+    assert r["serving_again_s"] > 0
+    assert sum(f["failures"].values()) == f["failed"]
+    assert (f["last_failure_s"] is None) == (f["failed"] == 0)
 
     rec = r["recovery"]
     assert rec["reference_tok_s"] == pytest.approx(u["output_tokens"] / u["duration_s"])
@@ -173,20 +180,22 @@ def test_supervisor_lines_are_read_as_dsmesh_up_prints_them() -> None:
     assert parse_supervisor_line("           decode-0     http://127.0.0.1:1/metrics") is None
 
 
-def record(times: list[float], success: bool = True) -> RequestRecord:
-    """A request whose messages, one token each, arrived at ``times``."""
+def record(
+    times: list[float], success: bool = True, send_s: float = 0.0, error: str = "UNAVAILABLE"
+) -> RequestRecord:
+    """A request sent at ``send_s`` whose messages, one token each, arrived at ``times``."""
     return RequestRecord(
         index=0,
         max_new_tokens=len(times),
         prompt_tokens=1,
         output_tokens=len(times),
         success=success,
-        error="" if success else "UNAVAILABLE",
+        error="" if success else error,
         finish_reason="length" if success else "",
         request_id="",
-        send_s=0.0,
-        ttft_s=times[0] if times else None,
-        e2e_s=times[-1] if times else 0.0,
+        send_s=send_s,
+        ttft_s=times[0] - send_s if times else None,
+        e2e_s=(times[-1] if times else send_s) - send_s,
         itl_s=(),
         chunk_times_s=tuple(times),
         chunk_tokens=(1,) * len(times),
@@ -222,3 +231,21 @@ def test_timeline_and_delivered_tokens() -> None:
     times, totals = delivered_tokens(records)
     assert len(times) == 150 and totals[-1] == 150 and times == sorted(times)
     assert timeline(records, 3.5, 1.0) == [100.0, 0.0, 0.0, 100.0]  # the last: 50 in 0.5 s
+
+
+def test_serving_again_and_failures() -> None:
+    """The first request sent after the kill that succeeded, and failures by cause."""
+    records = [
+        record([0.5, 2.5], send_s=0.1),  # sent before the kill: not a sign of serving
+        record([], success=False, send_s=2.1, error="UNAVAILABLE: decode: Socket closed"),
+        record([4.5, 4.6], send_s=3.0),  # its first token 2.5 s after the kill
+        record([3.9], send_s=3.5),  # served sooner, though sent later
+        record([], success=False, send_s=2.2, error="UNAVAILABLE: decode: Stream removed"),
+        record([], success=False, send_s=2.3, error="DEADLINE_EXCEEDED: Deadline Exceeded"),
+    ]
+    assert first_served_after(records, kill_s=2.0) == pytest.approx(1.9)
+    assert first_served_after(records, kill_s=3.6) is None
+    assert failures(records) == {
+        "UNAVAILABLE: decode": 2,
+        "DEADLINE_EXCEEDED: Deadline Exceeded": 1,
+    }
