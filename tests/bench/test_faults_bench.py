@@ -63,17 +63,22 @@ def test_decode_killed_under_load_on_cpu(
         assert r["migrated"] == 0
     for name in ("ttft_ms", "e2e_ms"):
         for q in ("p50", "p99"):
-            assert r["ratios"][f"{name}_{q}"] == pytest.approx(f[name][q] / u[name][q])
+            if f["ok"]:
+                assert r["ratios"][f"{name}_{q}"] == pytest.approx(f[name][q] / u[name][q])
+            else:  # no latency without a request that succeeded: null, not a number
+                assert r["ratios"][f"{name}_{q}"] is None and f[name][q] is None
         assert u[name]["p50"] <= u[name]["p99"]
 
     kill = r["kill"]
     assert kill["service"] == "decode-0"
-    assert kill["at_s"] >= KILL_AT
+    assert kill["at_s"] >= KILL_AT - 1e-3  # the event loop's timer, against perf_counter
     assert kill["restart_s"] > 0
     assert kill["restart_delay_s"] == RestartPolicy().backoff_initial_s
     assert kill["restart_healthy"] is True
     assert kill["new_pid"] not in (None, kill["pid"])
     assert kill["first_start_s"] > 0
+    bound_met = f["e2e_ms"]["p99"] <= r["e2e_p99_bound_ms"] if f["ok"] else None
+    assert r["e2e_p99_within_bound"] == bound_met
     assert r["e2e_p99_bound_ms"] == pytest.approx(
         1.5 * u["e2e_ms"]["p99"] + kill["restart_s"] * 1e3
     )
