@@ -1,5 +1,4 @@
-"""The fault benchmark: a process of the mesh SIGKILLed under load, against the same load
-undisturbed, in one command.
+"""The fault benchmark: a mesh process SIGKILLed under load, against the same load undisturbed.
 
     python -m dsmesh.bench.faults --out DIR [--model DIR] [--target pd|unified]
         [--device cpu|cuda] [--up-args "FLAGS"] [--concurrency C] [--num-requests N]
@@ -54,6 +53,7 @@ from typing import Any
 from dsmesh.bench.backends import Backend, BenchError
 from dsmesh.bench.fault_report import (
     Recovery,
+    SupervisorLine,
     comparison,
     first_served_after,
     format_table,
@@ -187,7 +187,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--target", choices=TARGETS, default=d.target, help="(default: %(default)s)")
     ap.add_argument("--device", default=None, help="dsmesh up --device (default: its own)")
     ap.add_argument(
-        "--up-args", default="", help='more dsmesh up flags, one quoted string ("--dtype ...")'
+        "--up-args",
+        default="",
+        help="more dsmesh up flags, one quoted string (a single flag: --up-args=--eplb)",
     )
     ap.add_argument("--backend", choices=BACKENDS, default=d.backend, help="(default: %(default)s)")
     for flag, default, text in (
@@ -254,7 +256,7 @@ class SupervisorWatch:
 
     def __init__(self) -> None:
         self._lock = threading.Condition()
-        self.events: list[tuple[float, Any]] = []
+        self.events: list[tuple[float, SupervisorLine]] = []
 
     def feed(self, line: str) -> None:
         event = parse_supervisor_line(line)
@@ -275,7 +277,9 @@ class SupervisorWatch:
                 None,
             )
 
-    def wait_for(self, kind: str, service: str, after: float, timeout_s: float):
+    def wait_for(
+        self, kind: str, service: str, after: float, timeout_s: float
+    ) -> tuple[float, SupervisorLine] | None:
         """The first ``(time, event)`` of ``kind`` for ``service`` read after ``after``
         (monotonic), waiting up to ``timeout_s``; None if none came."""
         deadline = time.monotonic() + timeout_s
