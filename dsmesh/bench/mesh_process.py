@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,9 +53,15 @@ class Mesh:
 
 @contextlib.contextmanager
 def mesh_up(
-    model: str, up_args: list[str], log_dir: Path, start_timeout_s: float
+    model: str | None,
+    up_args: list[str],
+    log_dir: Path,
+    start_timeout_s: float,
+    on_line: Callable[[str], None] | None = None,
 ) -> Iterator[Mesh]:
-    """``dsmesh up`` on free ports until the block ends (SIGINT, then SIGKILL)."""
+    """``dsmesh up`` on free ports until the block ends (SIGINT, then SIGKILL). ``model``
+    None: the tiny default model. ``on_line`` sees each line of its output as it arrives
+    (on the reading thread), e.g. to time the supervisor's restarts."""
     http, grpc_port = free_port(), free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     command = [
@@ -65,8 +71,7 @@ def mesh_up(
         "--log-level",
         "info",  # the engines' periodic step summaries go to their logs
         "up",
-        "--model",
-        model,
+        *(["--model", model] if model is not None else []),
         "--http-port",
         str(http),
         "--grpc-port",
@@ -87,6 +92,8 @@ def mesh_up(
         for line in process.stdout:
             sink.write(line)
             sink.flush()
+            if on_line is not None:
+                on_line(line)
             if "dsmesh mesh ready" in line:
                 print(f"  {line.strip()} (log {log})", flush=True)
                 break
@@ -94,7 +101,7 @@ def mesh_up(
                 raise RuntimeError(f"dsmesh up not ready in {start_timeout_s:.0f}s; see {log}")
         else:
             raise RuntimeError(f"dsmesh up exited ({process.wait()}) before ready; see {log}")
-        drain = _drain_in_background(process, sink)
+        drain = _drain_in_background(process, sink, on_line)
         yield Mesh(process, f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http}/metrics", log)
     finally:
         if process.poll() is None:
@@ -109,7 +116,9 @@ def mesh_up(
         sink.close()
 
 
-def _drain_in_background(process: subprocess.Popen[str], sink: Any):
+def _drain_in_background(
+    process: subprocess.Popen[str], sink: Any, on_line: Callable[[str], None] | None
+):
     import threading
 
     def run() -> None:
@@ -117,6 +126,8 @@ def _drain_in_background(process: subprocess.Popen[str], sink: Any):
         for line in process.stdout:
             sink.write(line)
             sink.flush()
+            if on_line is not None:
+                on_line(line)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
