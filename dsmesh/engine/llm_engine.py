@@ -351,6 +351,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def capture_deferred_graph(self) -> bool:
+        """Between steps: capture one decode graph queued for after ready, if one is due
+        (dsmesh/engine/runner/graph_schedule.py: any while no request is in the engine, else
+        one that steps keep needing). Never while a step launched ahead reads the graph
+        buffers, nor in an expert-parallel group (whose ranks capture all before ready)."""
+        if self.lockstep is not None or self.launch_ahead.inflight is not None:
+            return False
+        return self.runner.capture_deferred_graph(idle=not self.has_unfinished())
+
     # ---- stepping -------------------------------------------------------------------------
 
     def step(self, idle_forward: bool = False) -> list[StepOutput]:

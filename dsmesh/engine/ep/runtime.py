@@ -239,6 +239,8 @@ def build_ep_engine(config: EngineConfig, ep: EPConfig, rank: int) -> LLMEngine:
     )
     if device.type == "cuda":
         config = dataclasses.replace(config, device=str(device))
+    # every graph before ready: the ranks must replay the same graphs in the same steps
+    config = dataclasses.replace(config, cuda_graph_ready_batches=0)
     draft = None
     if config.speculative == "mtp" and cfg.num_nextn_predict_layers > 0:
         draft = build_ep_draft(config, ep, rank, dispatcher)

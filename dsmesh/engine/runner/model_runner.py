@@ -24,7 +24,13 @@ from dsmesh.engine.kv.budget import (
     KVBudget,
     kv_pool_tokens,
 )
-from dsmesh.engine.kv.pool import MLAKVPool, kv_bytes_per_token, kv_cache_dtype, pages_for
+from dsmesh.engine.kv.pool import (
+    MLAKVPool,
+    OutOfPagesError,
+    kv_bytes_per_token,
+    kv_cache_dtype,
+    pages_for,
+)
 from dsmesh.engine.model.config import ModelConfig
 from dsmesh.engine.model.deepseek import DeepseekForCausalLM
 from dsmesh.engine.model.forward_batch import ForwardBatch, SequenceChunk
@@ -223,24 +229,58 @@ class ModelRunner:
 
     def _warm_up_graphs(self) -> None:
         """Capture the common decode graphs before serving (EngineConfig.cuda_graph_warmup_
-        tokens); a capture failure turns graphs off here rather than mid-request."""
+        tokens; those of the cuda_graph_ready_batches smallest batch buckets, the others
+        queued for :meth:`capture_deferred_graph`); a capture failure turns graphs off here
+        rather than mid-request."""
         runner = self.graph_runner
         if runner is None or self.config.cuda_graph_warmup_tokens <= 0:
             return
         start = time.perf_counter()
         try:
-            captured = runner.warm_up(self.config.cuda_graph_warmup_tokens)
+            captured = runner.warm_up(
+                self.config.cuda_graph_warmup_tokens, self.config.cuda_graph_ready_batches
+            )
         except GraphCaptureError:
             log.exception("CUDA graphs off for this engine; decode runs eagerly")
             self.graph_runner = None
             return
         log.info(
-            "captured %d decode graphs (batches up to %d, contexts up to %d tokens) in %.1f s",
+            "captured %d decode graphs (batches up to %d, contexts up to %d tokens) in %.1f s; "
+            "%d queued for after ready",
             captured,
             runner.max_batch,
             self.config.cuda_graph_warmup_tokens,
             time.perf_counter() - start,
+            len(runner.deferred or ()),
         )
+
+    def capture_deferred_graph(self, idle: bool) -> bool:
+        """Capture one decode graph queued for after ready, if one is due (``idle``: no
+        request is in the engine; dsmesh/engine/runner/graph_schedule.py), into a page taken
+        from the pool for it and given back. False when none was captured."""
+        runner = self.graph_runner
+        if runner is None or not runner.deferred:
+            return False
+        try:
+            scratch = self.kv_pool.allocator.allocate(1)
+        except OutOfPagesError:
+            return False
+        try:
+            start = time.perf_counter()
+            key = runner.capture_deferred(scratch[0], idle)
+        except GraphCaptureError:
+            self.drop_graphs()
+            return False
+        finally:
+            self.kv_pool.allocator.free(scratch)
+        if key is not None:
+            log.info(
+                "captured decode graph %s after ready in %.2f s (%d still queued)",
+                key,
+                time.perf_counter() - start,
+                len(runner.deferred or ()),
+            )
+        return key is not None
 
     def drop_graphs(self) -> None:
         """A graph capture failed mid-run: decode runs eagerly from now on. Call it from the
