@@ -46,6 +46,7 @@ from dsmesh.engine.runner.kernel_summary import describe_kernels
 from dsmesh.engine.sampling.prompt_logprobs import positions_to_score, score_tokens
 from dsmesh.engine.sampling.token_logprobs import TokenLogprobs
 from dsmesh.engine.sched.scheduler import ScheduledChunk
+from dsmesh.engine.startup import StartupClock
 
 log = logging.getLogger(__name__)
 
@@ -76,23 +77,31 @@ class ModelRunner:
     at each forward, so a benchmark may swap them between steps)."""
 
     def __init__(
-        self, config: EngineConfig, model: DeepseekForCausalLM, device: torch.device
+        self,
+        config: EngineConfig,
+        model: DeepseekForCausalLM,
+        device: torch.device,
+        startup: StartupClock | None = None,
     ) -> None:
+        """``startup``: the process's start-up clock, given the phases ``kv_pool``,
+        ``kernels`` and ``graphs``."""
         self.config = config
         self.device = device
         self.model = model
         self.model_config: ModelConfig = model.config
+        clock = startup if startup is not None else StartupClock()
         mla = self.model_config.mla
         cache_dtype = kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype)
-        self.kv_pool = MLAKVPool(
-            self.num_kv_layers,
-            self._kv_pool_pages(cache_dtype),
-            config.page_size,
-            mla.kv_cache_dim,
-            cache_dtype,
-            self.device,
-            kv_lora_rank=mla.kv_lora_rank,
-        )
+        with clock.phase("kv_pool"):
+            self.kv_pool = MLAKVPool(
+                self.num_kv_layers,
+                self._kv_pool_pages(cache_dtype),
+                config.page_size,
+                mla.kv_cache_dim,
+                cache_dtype,
+                self.device,
+                kv_lora_rank=mla.kv_lora_rank,
+            )
         pool_gib = self.kv_pool.buffer.numel() * self.kv_pool.buffer.element_size() / GIB
         log.info(
             "KV pool: %d tokens (%d pages of %d), %.2f GiB of %s on %s",
@@ -103,9 +112,11 @@ class ModelRunner:
             cache_dtype,
             self.device,
         )
-        self.set_kernels()
-        self.graph_runner = self._make_graph_runner()
-        self._warm_up_graphs()
+        with clock.phase("kernels"):
+            self.set_kernels()
+        with clock.phase("graphs"):
+            self.graph_runner = self._make_graph_runner()
+            self._warm_up_graphs()
         self.num_split_steps = 0  # mixed steps run as a decode graph + an eager forward
         # expert parallelism (join_group): a page of its own that idle graph steps write
         self.in_group = False
