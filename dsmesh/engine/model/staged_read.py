@@ -133,7 +133,7 @@ class _Staging:
         if self.device.type == "cuda":
             dst.copy_(host, non_blocking=True)
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))
             self.events[i] = event
         else:
             dst.copy_(host)

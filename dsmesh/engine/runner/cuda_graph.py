@@ -161,22 +161,18 @@ class CudaGraphRunner(DecodeGraphRunner):
         self.deferred = DeferredCaptures([k for k in later if k not in self.graphs])
         return len(self.graphs) - before
 
-    def capture_deferred(self, scratch_page: int, idle: bool) -> Key | None:
-        """Capture the graph :attr:`deferred` names for now (``idle``: the engine has no
-        request), its rows writing their KV into ``scratch_page`` only (a page no request
-        holds); returns its key, or None when none is due. Raises GraphCaptureError."""
-        key = None if self.deferred is None else self.deferred.next(idle)
-        if key is None:
-            return None
+    def capture_deferred(self, key: Key, scratch_page: int) -> None:
+        """Capture ``key``, a graph :attr:`deferred` queued (``deferred.next`` says which is
+        due), its rows writing their KV into ``scratch_page`` only (a page no request
+        holds). Raises GraphCaptureError."""
+        assert self.deferred is not None
         b, p = key
         table, seq_lens = self.inputs.load(
             [0] * b, [p * self.page_size - 1] * b, [[scratch_page] * p] * b
         )[2:]
         self.model.decode_backend.prepare_replay(table, seq_lens)
         self._capture(key)
-        assert self.deferred is not None
         self.deferred.captured(key)
-        return key
 
     def forward(self, b: int, p: int) -> torch.Tensor:
         """``model.forward`` over the first ``b`` rows of the buffers -> logits [b, vocab]."""

@@ -270,28 +270,29 @@ class ModelRunner:
         request is in the engine; dsmesh/engine/runner/graph_schedule.py), into a page taken
         from the pool for it and given back. False when none was captured."""
         runner = self.graph_runner
-        if runner is None or not runner.deferred:
+        key = None if runner is None or runner.deferred is None else runner.deferred.next(idle)
+        if key is None:
             return False
+        assert runner is not None
         try:
             scratch = self.kv_pool.allocator.allocate(1)
         except OutOfPagesError:
             return False
+        start = time.perf_counter()
         try:
-            start = time.perf_counter()
-            key = runner.capture_deferred(scratch[0], idle)
+            runner.capture_deferred(key, scratch[0])
         except GraphCaptureError:
             self.drop_graphs()
             return False
         finally:
             self.kv_pool.allocator.free(scratch)
-        if key is not None:
-            log.info(
-                "captured decode graph %s after ready in %.2f s (%d still queued)",
-                key,
-                time.perf_counter() - start,
-                len(runner.deferred or ()),
-            )
-        return key is not None
+        log.info(
+            "captured decode graph %s after ready in %.2f s (%d still queued)",
+            key,
+            time.perf_counter() - start,
+            len(runner.deferred or ()),
+        )
+        return True
 
     def drop_graphs(self) -> None:
         """A graph capture failed mid-run: decode runs eagerly from now on. Call it from the
