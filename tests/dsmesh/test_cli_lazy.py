@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -98,3 +99,33 @@ def test_unknown_command_is_refused_naming_the_choices(capsys: pytest.CaptureFix
         main(["no-such-command"])
     assert exit.value.code == 2
     assert "invalid choice: 'no-such-command'" in capsys.readouterr().err
+
+
+def test_a_serving_broker_and_gateway_hold_no_torch(tmp_path) -> None:
+    """The real processes, once serving: no torch library is mapped into them."""
+    from dsmesh.engine.model.tiny_model import default_model_dir
+    from dsmesh.runtime.launcher import dsmesh_command, start_service
+
+    model = default_model_dir()
+    broker = start_service(
+        "kv-broker", dsmesh_command("kv-broker", "--port", "0"), log_dir=tmp_path
+    )
+    try:
+        gateway = start_service(
+            "gateway",
+            dsmesh_command(
+                "gateway",
+                *("--broker", broker.address, "--model", str(model)),
+                *("--grpc-port", "0", "--http-port", "0"),
+            ),
+            log_dir=tmp_path,
+        )
+        try:
+            for proc in (broker, gateway):
+                maps = Path(f"/proc/{proc.process.pid}/maps").read_text()
+                assert "libtorch" not in maps, proc.name
+                assert "libc" in maps  # the check reads a real process's mappings
+        finally:
+            gateway.stop()
+    finally:
+        broker.stop()
