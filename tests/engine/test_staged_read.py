@@ -40,14 +40,15 @@ def _bytes_equal(got: torch.Tensor, want: torch.Tensor) -> bool:
     return got.contiguous().view(torch.uint8).equal(want.contiguous().view(torch.uint8))
 
 
+@pytest.mark.parametrize("readers", [1, 3])
 @pytest.mark.parametrize("chunk_bytes", [1, 64, 1000, 5000, 1 << 20])
-def test_every_tensor_equals_safetensors_load(files, chunk_bytes: int) -> None:
+def test_every_tensor_equals_safetensors_load(files, chunk_bytes: int, readers: int) -> None:
     want = {}
     for path in files:
         want.update({f"{path.stem}/{k}": v for k, v in load_file(str(path)).items()})
     got = {}
     for path in files:
-        for name, tensor in read_staged([path], "cpu", chunk_bytes=chunk_bytes):
+        for name, tensor in read_staged([path], "cpu", chunk_bytes=chunk_bytes, readers=readers):
             assert tensor.device.type == "cpu"
             got[f"{path.stem}/{name}"] = tensor
     assert sorted(got) == sorted(want)
@@ -97,6 +98,47 @@ def test_a_truncated_file_is_refused_naming_it(tmp_path) -> None:
     path.write_bytes(data[:-100])
     with pytest.raises(ValueError, match="cut.safetensors: file ends at byte"):
         list(read_staged([path], "cpu"))
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+@pytest.mark.parametrize("case", ["v3", "v3-fp8-experts", "v3-ep-rank-1-of-2"])
+def test_weights_loaded_staged_equal_the_memory_mapped_load(
+    case: str, v3_ckpt, tmp_path_factory
+) -> None:
+    """The loader's staged path (what CUDA takes) against its memory-map path, on the CPU:
+    every parameter and buffer byte for byte, with FP8 experts (read through the memory
+    map, the rest staged) and with an expert-parallel rank's share of the experts."""
+    from dsmesh.bench.checkpoint import write_random_checkpoint
+    from dsmesh.engine.ep.placement import round_robin_placement
+    from dsmesh.engine.model.build import build_model
+    from dsmesh.engine.model.config import load_config
+    from dsmesh.engine.model.weights import load_weights
+
+    path = v3_ckpt.path
+    if case == "v3-fp8-experts":
+        path = write_random_checkpoint("tiny-v3", tmp_path_factory.mktemp("fp8"), device="cpu")
+    cfg = load_config(path)
+    kwargs = {}
+    if case == "v3-ep-rank-1-of-2":
+        n = cfg.moe.n_routed_experts
+        kwargs = {"expert_location": round_robin_placement(len(cfg.moe_layer_ids), n, 2, 2)}
+        kwargs["ep_rank"] = 1
+    keep_fp8 = case == "v3-fp8-experts"
+    models = []
+    for staged in (False, True):
+        model = build_model(cfg, torch.float32, "cpu", **kwargs)
+        load_weights(model, path, keep_fp8=keep_fp8, staged=staged)
+        models.append(model)
+    mapped, staged = (_state(m) for m in models)
+    assert sorted(mapped) == sorted(staged)
+    for name, tensor in mapped.items():
+        assert _bytes_equal(staged[name], tensor), name
+    assert sorted(models[0].fp8_weights) == sorted(models[1].fp8_weights)
+    if keep_fp8:
+        assert models[1].fp8_weights  # the FP8 experts took the memory-map path
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

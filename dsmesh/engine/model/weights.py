@@ -74,12 +74,15 @@ def _open_all(files: list[Path]) -> dict[str, object]:
 
 
 def load_weights(
-    model: DeepseekForCausalLM, checkpoint_dir: str | Path, keep_fp8: bool = False
+    model: DeepseekForCausalLM,
+    checkpoint_dir: str | Path,
+    keep_fp8: bool = False,
+    staged: bool | None = None,
 ) -> None:
-    """Fill ``model`` (already on its device and dtype) from the checkpoint. On CUDA the
-    tensors that go to the device as they are stored (not FP8) are read once, file by
-    file, through pinned buffers (dsmesh/engine/model/staged_read.py); the others, and
-    every tensor on CPU, through safetensors' memory map."""
+    """Fill ``model`` (already on its device and dtype) from the checkpoint. With ``staged``
+    (None: on CUDA) the tensors that go to the device as they are stored (not FP8) are read
+    once, file by file, through reused buffers, pinned on CUDA
+    (dsmesh/engine/model/staged_read.py); the others through safetensors' memory map."""
     cfg = model.config
     files = checkpoint_files(checkpoint_dir)
     names = _open_all(files)
@@ -151,7 +154,7 @@ def load_weights(
     to_read = [name for name in names if not skips(name)]
     staged: set[str] = set()
     device = model.model.embed_tokens.weight.device
-    if device.type == "cuda":  # pinned, double-buffered, asynchronous (staged_read.py)
+    if staged if staged is not None else device.type == "cuda":
         stageable = {name for name in to_read if _stageable(names, name, expert_slots(name))}
         for name, tensor in read_staged(files, device, stageable):
             place(name, tensor)
