@@ -156,11 +156,19 @@ def test_cuda_staging_equals_safetensors_load(files, chunk_bytes: int) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.gpu
-def test_a_model_loaded_staged_on_cuda_equals_the_memory_mapped_load(v2_greedy_ckpt) -> None:
-    from dsmesh.engine.model.build import load_model
+def test_weights_loaded_staged_on_cuda_equal_the_memory_mapped_load(v2_greedy_ckpt) -> None:
+    """The loader on CUDA, through pinned buffers (its default there) and through the
+    memory map: every parameter and buffer byte for byte."""
+    from dsmesh.engine.model.build import build_model
+    from dsmesh.engine.model.config import load_config
+    from dsmesh.engine.model.weights import load_weights
 
-    on_cpu = load_model(v2_greedy_ckpt.path, torch.bfloat16, "cpu")
-    on_cuda = load_model(v2_greedy_ckpt.path, torch.bfloat16, "cuda")
-    cpu_state = on_cpu.state_dict()
-    for name, tensor in on_cuda.state_dict().items():
-        assert _bytes_equal(tensor.cpu(), cpu_state[name]), name
+    cfg = load_config(v2_greedy_ckpt.path)
+    states = []
+    for staged in (None, False):  # None: CUDA's default, staged
+        model = build_model(cfg, torch.bfloat16, "cuda")
+        load_weights(model, v2_greedy_ckpt.path, staged=staged)
+        states.append({k: v.cpu() for k, v in _state(model).items()})
+    assert sorted(states[0]) == sorted(states[1])
+    for name, tensor in states[1].items():
+        assert _bytes_equal(states[0][name], tensor), name
