@@ -58,14 +58,12 @@ def parse_output_len(text: str) -> tuple[int, int] | None:
     return None if text == "context" else parse_range(text)
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def configure(p: argparse.ArgumentParser) -> None:
     d = BenchConfig()
-    p = sub.add_parser(
-        "bench",
-        help="serving benchmark against a running gateway: TTFT, ITL, E2E and throughput",
-        description="Send prompts to a gateway as a Poisson process and report latencies "
+    p.description = (
+        "Send prompts to a gateway as a Poisson process and report latencies "
         "and throughput (in the spirit of sglang.bench_serving). Exit status 1 when any "
-        "request failed or the server cannot be reached.",
+        "request failed or the server cannot be reached."
     )
     g = p.add_argument_group("target")
     g.add_argument("--backend", choices=BACKENDS, default=d.backend, help="(default: %(default)s)")

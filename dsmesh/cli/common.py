@@ -9,20 +9,13 @@ import argparse
 from collections.abc import Sequence
 from typing import TypeVar
 
+from dsmesh.cli.server_flags import advertise_host_from, server_config_from
 from dsmesh.engine.ep.runtime import EP_GROUP, EPConfig
 from dsmesh.engine.options import EngineConfig
 from dsmesh.instance.attach import ENGINE_GROUP, PDInstanceConfig, TransferConfig
 from dsmesh.options.fields import add_options, from_args, given_flags, option_group
-from dsmesh.runtime.address import (
-    LOOPBACK,
-    advertise_host,
-    ep_master_addr,
-    host_port,
-    interface_of,
-    unbracket,
-)
+from dsmesh.runtime.address import LOOPBACK, ep_master_addr, host_port, interface_of, unbracket
 from dsmesh.runtime.process_flags import add_gil_switch_arg
-from dsmesh.runtime.security import TLSConfig
 
 # the EP flags of ``dsmesh generate``, which runs one host's group and reports to no eplb_svc
 OFFLINE_EP_OPTIONS = ("ep_size", "num_redundant_experts", "dispatch")
@@ -111,23 +104,6 @@ def transfer_config_from(args: argparse.Namespace, advertised: str) -> TransferC
     return from_args(TransferConfig, args, hostname=unbracket(args.transfer_hostname) or advertised)
 
 
-def tls_config_from(args: argparse.Namespace) -> TLSConfig:
-    return TLSConfig.from_env_and_args(args)
-
-
-def advertise_host_from(args: argparse.Namespace) -> str:
-    """The host this process's peers dial (``--advertise-host``, else from ``--host``)."""
-    return advertise_host(args.host, args.advertise_host)
-
-
-def server_config_from(cls: type[Config], args: argparse.Namespace, **fixed) -> Config:
-    """A server's config (a :class:`~dsmesh.runtime.server_options.ServerOptions`) from
-    its parsed flags, with the advertised host resolved and TLS from flags and environment."""
-    return from_args(
-        cls, args, advertise_host=advertise_host_from(args), tls=tls_config_from(args), **fixed
-    )
-
-
 def instance_config_from(
     cls: type[Config], args: argparse.Namespace, deepep_mode: str = "normal"
 ) -> Config:
@@ -139,18 +115,6 @@ def instance_config_from(
         fixed["transfer"] = transfer_config_from(args, advertised)
         fixed["ep"] = ep_config_from(args, deepep_mode, advertised)
     return server_config_from(cls, args, **fixed)
-
-
-def run_server(label: str, serve, config) -> int:
-    """Serve ``config`` until SIGTERM/SIGINT, printing ``<label> listening on HOST:PORT``
-    once ready (what ``dsmesh up`` and the launchers wait for)."""
-    from dsmesh.runtime.grpc_server import run_until_signal
-
-    def ready(port: int) -> None:
-        print(f"{label} listening on {host_port(config.advertise_host, port)}", flush=True)
-
-    run_until_signal(lambda stop: serve(config, stop, ready))
-    return 0
 
 
 def run_instance(role: str, serve, config) -> int:

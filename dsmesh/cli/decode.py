@@ -8,12 +8,10 @@ from dsmesh.cli.common import add_instance_args, instance_config_from, run_insta
 from dsmesh.decode_svc.service import DecodeConfig
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "decode",
-        help="run a decode instance (page pre-allocation, continuous batching, streaming)",
-        description="Decode instance: admits a request only if KV pages are free, reserves "
-        "them, waits for prefill to write the prompt's KV, then decodes and streams tokens.",
+def configure(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Decode instance: admits a request only if KV pages are free, reserves "
+        "them, waits for prefill to write the prompt's KV, then decodes and streams tokens."
     )
     add_instance_args(p, DecodeConfig)
     p.set_defaults(func=run)

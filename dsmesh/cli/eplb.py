@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import argparse
 
-from dsmesh.cli.common import run_server, server_config_from, tls_config_from
+from dsmesh.cli.server_flags import run_server, server_config_from, tls_config_from
 from dsmesh.eplb_svc.config import EPLBConfig
 from dsmesh.options import parse as argtypes
 from dsmesh.options.fields import add_options
 from dsmesh.runtime.security import SecurityOptions
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "eplb",
-        help="expert-parallel load balancer: service, load dump, placement simulator",
-        description="EPLB (docs/EPLB.md): 'serve' runs dsmesh.v1.EPLB, 'dump' writes an "
-        "instance's recorded expert load, 'simulate' predicts the balancedness of placements.",
+def configure(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "EPLB (docs/EPLB.md): 'serve' runs dsmesh.v1.EPLB, 'dump' writes an "
+        "instance's recorded expert load, 'simulate' predicts the balancedness of placements."
     )
     tools = p.add_subparsers(dest="eplb_command", metavar="TOOL", required=True)
 

@@ -31,11 +31,7 @@ def parse_input_ids(text: str) -> list[int]:
     return ids
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "generate",
-        help="generate text offline (no services): all prompts run as one continuous batch",
-    )
+def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", dest="inputs", action=_OrderedInput, help="prompt text (repeatable)")
     p.add_argument(
         "--input-ids", dest="inputs", action=_OrderedInput, help='token ids "1,2,3" (repeatable)'

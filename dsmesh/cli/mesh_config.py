@@ -47,9 +47,12 @@ class RestartPolicy:
     crash_loop_window_s: float = 60.0
 
     def next_delay(self, previous_s: float, ran_for_s: float) -> float:
-        """Delay before the next start: doubles after each quick death, resets after a
-        stable run."""
-        if previous_s <= 0 or ran_for_s >= self.stable_after_s:
+        """Delay before the next start: none after a stable run (a crash of a process that
+        served is restarted at once: its clients wait for it), then ``backoff_initial_s``,
+        doubling after each quick death."""
+        if ran_for_s >= self.stable_after_s:
+            return 0.0
+        if previous_s <= 0:
             return self.backoff_initial_s
         return min(previous_s * 2, self.backoff_max_s)
 

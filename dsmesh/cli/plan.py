@@ -34,15 +34,13 @@ def _positive(text: str) -> float:
     return value
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "plan",
-        help="predict deployments with the performance model and pick the best",
-        description="Search deployments of --gpus GPUs (unified or PD, prefill:decode split, "
+def configure(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Search deployments of --gpus GPUs (unified or PD, prefill:decode split, "
         "EP sizes, redundant experts, chunk and batch sizes, TBO, MTP) with the performance "
         "model of docs/PLAN.md; print the best few with their throughput per GPU, latency "
         "percentiles and binding constraint, and the dsmesh up command (or Kubernetes "
-        "overlay) that runs the best. Runs on the CPU in seconds; nothing is measured.",
+        "overlay) that runs the best. Runs on the CPU in seconds; nothing is measured."
     )
     p.add_argument(
         "--model",

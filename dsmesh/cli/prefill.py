@@ -8,12 +8,10 @@ from dsmesh.cli.common import add_instance_args, instance_config_from, run_insta
 from dsmesh.prefill_svc.service import PrefillConfig
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "prefill",
-        help="run a prefill instance (chunked prefill, KV pushed into decode's pages)",
-        description="Prefill instance: runs prompts in chunks and writes each chunk's KV "
-        "straight into the pages a decode instance reserved, through the transfer engine.",
+def configure(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Prefill instance: runs prompts in chunks and writes each chunk's KV "
+        "straight into the pages a decode instance reserved, through the transfer engine."
     )
     add_instance_args(p, PrefillConfig)
     p.set_defaults(func=run)

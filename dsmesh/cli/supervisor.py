@@ -179,6 +179,7 @@ class Slot:
         self._args = list(spec.args)
         self._stop = threading.Event()
         self._started_at = 0.0
+        self._exited_at = 0.0  # when the last exit was seen
         self._crash_loops = CrashLoopDetector(config.restart)
         self._thread = threading.Thread(target=self._run, name=f"keep-{spec.name}", daemon=True)
 
@@ -276,7 +277,8 @@ class Slot:
                 self._halt()
                 return
             assert self.process is not None
-            ran_for = time.monotonic() - self._started_at
+            self._exited_at = time.monotonic()
+            ran_for = self._exited_at - self._started_at
             delay = self.config.restart.next_delay(delay, ran_for)
             if ran_for >= self.config.restart.stable_after_s:
                 self._crash_loops.reset()
@@ -311,9 +313,10 @@ class Slot:
             return False
         assert self.process is not None
         state = "healthy" if self._wait_healthy() else "NOT healthy yet"
+        # from the exit seen to healthy: what a restart costs (docs/RELIABILITY.md, Restart time)
         self.console.warn(
             f"{self.spec.name} restarted at {self.address} (pid {self.process.process.pid}), "
-            f"{state}"
+            f"{state} {time.monotonic() - self._exited_at:.1f}s after it exited"
         )
         return True
 

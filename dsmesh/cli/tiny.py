@@ -7,13 +7,9 @@ import argparse
 ARCHES = ("v3", "v2-lite")
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "make-tiny-model",
-        help="write a tiny random DeepSeek-shaped checkpoint (config, safetensors, tokenizer)",
-    )
+def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="output folder")
-    # Literal copy of dsmesh.engine.model.tiny_model.TINY_ARCHES so `dsmesh --help` need not import
+    # Literal copy of dsmesh.engine.model.tiny_model.TINY_ARCHES so parsing the flags needs no
     # torch; tests/dsmesh/test_cli_generate.py checks that they agree.
     p.add_argument("--arch", choices=ARCHES, default="v3")
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")

@@ -8,14 +8,12 @@ from dsmesh.cli.common import add_instance_args, instance_config_from, run_insta
 from dsmesh.unified_svc.service import UnifiedConfig
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "unified",
-        help="run a unified instance (prefill and decode in one engine, no KV handoff)",
-        description="Unified instance: takes whole requests from the gateway, prefills them "
+def configure(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Unified instance: takes whole requests from the gateway, prefills them "
         "in chunks mixed into the decode batches and streams the tokens; the single-GPU mode, "
         "and the baseline PD disaggregation must beat. Attaches to kv_broker for discovery "
-        "and liveness only.",
+        "and liveness only."
     )
     add_instance_args(p, UnifiedConfig)
     p.set_defaults(func=run)

@@ -12,8 +12,9 @@ import argparse
 import os
 from typing import NamedTuple
 
-from dsmesh.cli.common import add_engine_args, engine_flags_given, tls_config_from
+from dsmesh.cli.common import add_engine_args, engine_flags_given
 from dsmesh.cli.mesh_config import MeshConfig
+from dsmesh.cli.server_flags import tls_config_from
 from dsmesh.decode_svc.service import DecodeConfig
 from dsmesh.engine.ep.runtime import EP_GROUP, EPConfig
 from dsmesh.engine.kv.budget import DEFAULT_MEM_FRACTION
@@ -56,14 +57,12 @@ ROLES = (
 )
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "up",
-        help="run a whole mesh locally (broker, prefill, decode, gateway), supervised",
-        description="Start kv_broker, the prefill, decode and unified instances and the "
+def configure(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Start kv_broker, the prefill, decode and unified instances and the "
         "gateway as separate processes, wait until all are healthy, print where to reach the "
         "mesh, restart any that dies (with backoff) and stop them all on Ctrl-C or SIGTERM. "
-        "On GPUs each instance gets its own GPUs and its share of their memory (docs/DEPLOY.md).",
+        "On GPUs each instance gets its own GPUs and its share of their memory (docs/DEPLOY.md)."
     )
     add_options(p, MeshConfig)
     add_role_options(p)

@@ -100,6 +100,7 @@ async def _serve(
             ready,
             refused=("Decode", "GetLoad"),
             background=servicer.drain,
+            startup=parts.engine.startup,
         )
     finally:
         parts.worker.stop()

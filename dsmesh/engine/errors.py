@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dsmesh.engine.kv.pool import pages_for
+# Torch-free: the gateway imports this module (it never imports torch, so that it starts fast),
+# hence the page arithmetic of dsmesh/engine/kv/pool.py's pages_for is spelled out below.
 
 
 class InvalidRequestError(ValueError):
@@ -48,7 +49,7 @@ def check_fits_pool(
     always reclaim every page by retracting the newer ones. Returns the tokens it may reach
     (prompt + new tokens, at most the context); InvalidRequestError naming ``input_ids`` or
     ``sampling.max_new_tokens`` when it could never fit."""
-    first = pages_for(num_prompt + 1, page_size)
+    first = -(-(num_prompt + 1) // page_size)
     if first > num_pages:
         raise InvalidRequestError(
             "input_ids",
@@ -56,7 +57,7 @@ def check_fits_pool(
             f"pages but the pool has only {num_pages}",
         )
     total = min(num_prompt + new_tokens, max_context)
-    need = pages_for(total, page_size)
+    need = -(-total // page_size)
     if need > num_pages:
         raise InvalidRequestError(
             "sampling.max_new_tokens",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,7 @@ from dsmesh.engine.sched.load_report import EngineLoad, engine_load
 from dsmesh.engine.sched.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from dsmesh.engine.speculative.verifier import SpecStats
 from dsmesh.engine.speculative.worker import make_speculator
+from dsmesh.engine.startup import StartupClock
 
 __all__ = ["EngineConfig", "GenerationResult", "LLMEngine", "StepOutput"]
 
@@ -86,8 +88,12 @@ class LLMEngine:
         config: EngineConfig,
         model: DeepseekForCausalLM | None = None,
         draft: MTPDraft | None = None,
+        startup: StartupClock | None = None,
     ) -> None:
+        """``startup``: the clock of this process's start-up, which the engine's phases are
+        added to (a caller that loaded ``model`` itself timed its ``weights``)."""
         config.validate()
+        self.startup = startup if startup is not None else StartupClock()
         device = config.resolved_device()
         if not config.is_resolved:  # derived defaults (dsmesh/engine/derived.py)
             mc = model.config if model is not None else load_config(resolve_model_dir(config.model))
@@ -95,14 +101,15 @@ class LLMEngine:
         if model is None:
             model_dir = resolve_model_dir(config.model)
             check_weights_fit(config, load_config(model_dir), device)
-            model = load_model(
-                model_dir,
-                config.resolved_dtype(),
-                device,
-                keep_fp8=bool(config.fp8_experts),
-                fp8_only=True,
-            )
-        self.runner = ModelRunner(config, model, device)
+            with self.startup.phase("weights"):
+                model = load_model(
+                    model_dir,
+                    config.resolved_dtype(),
+                    device,
+                    keep_fp8=bool(config.fp8_experts),
+                    fp8_only=True,
+                )
+        self.runner = ModelRunner(config, model, device, self.startup)
         self.scheduler = Scheduler(scheduler_config(config), self.kv_pool.allocator)
         mc = self.model_config
         self.requests: dict[str, Request] = {}
@@ -125,7 +132,8 @@ class LLMEngine:
             self.scheduler, sampler, self.grammar_masks, mc.eos_token_ids, self.requests
         )
         self.launch_ahead = LaunchAhead(self.runner, self.scheduler, self.grammar_masks)
-        self.speculator = make_speculator(config, self.runner, self.scheduler, sampler, draft)
+        with self.startup.phase("speculative") if config.speculative else nullcontext():
+            self.speculator = make_speculator(config, self.runner, self.scheduler, sampler, draft)
         self.lockstep: GroupLockstep | None = None  # expert parallelism: see join_group
 
     def _checkpoint_dir(self) -> Path:
@@ -350,6 +358,15 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def capture_deferred_graph(self) -> bool:
+        """Between steps: capture one decode graph queued for after ready, if one is due
+        (dsmesh/engine/runner/graph_schedule.py: any while no request is in the engine, else
+        one that steps keep needing). Never while a step launched ahead reads the graph
+        buffers, nor in an expert-parallel group (whose ranks capture all before ready)."""
+        if self.lockstep is not None or self.launch_ahead.inflight is not None:
+            return False
+        return self.runner.capture_deferred_graph(idle=not self.has_unfinished())
 
     # ---- stepping -------------------------------------------------------------------------
 

@@ -118,6 +118,14 @@ class EngineConfig:
         "all on first use",
         parse=argtypes.count,
     )
+    cuda_graph_ready_batches: int = option(
+        4,
+        "decode graphs of the N smallest batch buckets are captured before the instance is "
+        "ready, the larger ones after it, one per idle gap of the engine (until then their "
+        "steps run uncaptured); 0 = all before ready (expert-parallel groups always)",
+        parse=argtypes.count,
+        metavar="N",
+    )
     cuda_graph_min_tokens: int = option(
         1024,
         "contexts up to this many tokens share one page table in the captured graphs",

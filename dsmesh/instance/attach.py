@@ -19,6 +19,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 from dsmesh.clients.broker import BrokerLink
 from dsmesh.engine.ep.runtime import EP_GROUP, EPConfig
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+from dsmesh.engine.startup import StartupClock, process_age_s
 from dsmesh.instance.ep_group import RankSpec
 from dsmesh.instance.layout import layout_of
 from dsmesh.instance.worker import EngineWorker
@@ -133,6 +134,15 @@ class InstanceParts:
             self.group_hook.close()  # type: ignore[attr-defined]
 
 
+def started_clock() -> StartupClock:
+    """A start-up clock for an engine about to be built, holding ``imports``: the seconds
+    from the process's start until now (interpreter, imports, and an expert-parallel
+    group's rendezvous)."""
+    clock = StartupClock()
+    clock.add("imports", process_age_s())
+    return clock
+
+
 def new_instance_id(role: str) -> str:
     host = socket.gethostname().split(".")[0]
     return f"{role}-{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -147,14 +157,17 @@ async def build_instance(
     already joined): it loads only its experts and steps in lockstep with the other ranks.
     """
     hook = link = None
+    startup = started_clock()
     if ep_rank is None:
-        engine = await asyncio.to_thread(LLMEngine, engine_config)
+        engine = await asyncio.to_thread(LLMEngine, engine_config, startup=startup)
         worker = EngineWorker(engine)
     else:
         from dsmesh.engine.ep.runtime import GroupVote, build_ep_engine
         from dsmesh.instance.ep_group import fatal_exit
 
-        engine = await asyncio.to_thread(build_ep_engine, engine_config, ep_rank.ep, ep_rank.rank)
+        engine = await asyncio.to_thread(
+            build_ep_engine, engine_config, ep_rank.ep, ep_rank.rank, startup
+        )
         if ep_rank.eplb_address:
             hook, link = _eplb_parts(engine, engine_config, ep_rank)
         worker = EngineWorker(
@@ -171,13 +184,14 @@ async def build_instance(
         rdma_devices(),
         transfer.device_name,
     )
-    transport = make_transport(
-        transfer.backend,
-        hostname=transfer.hostname,
-        protocol=protocol,
-        device_name=transfer.device_name,
-    )
-    pool = transport.register_pool(engine.kv_pool)
+    with startup.phase("transfer"):
+        transport = make_transport(
+            transfer.backend,
+            hostname=transfer.hostname,
+            protocol=protocol,
+            device_name=transfer.device_name,
+        )
+        pool = transport.register_pool(engine.kv_pool)
     buffer = engine.kv_pool.buffer
     log.info(
         "KV pool (%d pages, %.2f GB on %s) moves by %s at %s",
@@ -266,10 +280,12 @@ async def serve_attached(
     ready: Callable[[str, int], None] | None,
     refused: Sequence[str],
     background: Callable[[], Awaitable[None]],
+    startup: StartupClock | None = None,
 ) -> None:
     """An instance's life once its servicer is built (dsmesh.runtime.lifecycle): start its
-    server, attach to kv_broker, health that follows the link, announce the port, serve
-    until ``stop``. Then drain: health goes NOT_SERVING, the ``refused`` methods (those that
+    server, attach to kv_broker, health that follows the link, announce the port (and log
+    ``startup``'s phases, with ``server``: what followed the engine's), serve until
+    ``stop``. Then drain: health goes NOT_SERVING, the ``refused`` methods (those that
     bring new work) get UNAVAILABLE, the calls in flight get ``config.drain_timeout_s``,
     ``background`` waits for the servicer's background work, the server stops and the link
     closes; the caller stops its engine and transport after."""
@@ -296,6 +312,15 @@ async def serve_attached(
         instance.grpc_address,
     )
     freeze_startup_heap()  # engine, graphs and server built: out of the collector's way
+    if startup is not None:
+        startup.add("server", max(0.0, process_age_s() - startup.total))
+        log.info(
+            "%s %s ready %.1f s after its start: %s",
+            role,
+            instance.instance_id,
+            startup.total,
+            startup.summary(),
+        )
     if ready is not None:
         ready(instance.instance_id, server.port)
     try:

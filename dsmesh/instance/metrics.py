@@ -68,6 +68,15 @@ class _EngineGauges(Collector):
             )
             family.add_metric([self.role], self.in_line())
             yield family
+        family = GaugeMetricFamily(
+            "dsmesh_startup_seconds",
+            "seconds of each phase of this process's start-up (imports, weights, kv_pool, "
+            "kernels, graphs, transfer, server; docs/RELIABILITY.md, Restart time)",
+            labels=["role", "phase"],
+        )
+        for phase, seconds in self.engine.startup.phases.items():
+            family.add_metric([self.role, phase], seconds)
+        yield family
 
 
 class _CacheCounters(Collector):

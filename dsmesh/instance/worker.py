@@ -199,6 +199,8 @@ class EngineWorker:
         while not self._stop.is_set():
             self._run_commands()
             if not self.engine.has_unfinished():
+                if self._capture_graph():
+                    continue  # one graph per idle gap, then the commands again
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
@@ -211,6 +213,16 @@ class EngineWorker:
                 continue
             self._deliver(outputs)
             self._count(start, outputs)
+            self._capture_graph()
+
+    def _capture_graph(self) -> bool:
+        """A decode graph queued for after ready, captured if one is due (LLMEngine.
+        capture_deferred_graph); a failure is logged and decode goes on uncaptured."""
+        try:
+            return self.engine.capture_deferred_graph()
+        except Exception:
+            log.exception("capturing a decode graph after ready failed")
+            return False
 
     def _main_group(self) -> None:
         assert self.group_vote is not None

@@ -104,6 +104,7 @@ async def _serve(
             ready,
             refused=("Prefill", "GetLoad"),
             background=servicer.drain,
+            startup=parts.engine.startup,
         )
     finally:
         parts.worker.stop()

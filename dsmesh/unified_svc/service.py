@@ -19,6 +19,7 @@ from dsmesh.instance.attach import (
     InstanceConfig,
     new_instance_id,
     serve_attached,
+    started_clock,
 )
 from dsmesh.instance.metrics import start_metrics
 from dsmesh.instance.worker import EngineWorker
@@ -55,7 +56,9 @@ async def _serve(
 ) -> None:
     set_channel_defaults(config.tls, config.max_message_bytes)  # before the broker channel
     engine_config = dataclasses.replace(config.engine, role="unified")
-    engine = await asyncio.to_thread(LLMEngine, engine_config)  # loads off the event loop
+    engine = await asyncio.to_thread(  # loads off the event loop
+        LLMEngine, engine_config, startup=started_clock()
+    )
     worker = EngineWorker(engine)
     worker.start()
     instance_id = config.instance_id or new_instance_id("unified")
@@ -75,6 +78,7 @@ async def _serve(
             ready,
             refused=("Decode", "GetLoad"),
             background=servicer.drain,
+            startup=engine.startup,
         )
     finally:
         worker.stop()

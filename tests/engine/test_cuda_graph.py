@@ -625,7 +625,13 @@ def test_graphs_are_captured_at_start_up(v2_greedy_ckpt: HFCheckpoint) -> None:
     lazy = _engine(v2_greedy_ckpt, "cuda", cuda_graph_warmup_tokens=0)
     assert lazy.graph_runner is not None and lazy.graph_runner.graphs == {}
     expected = _scenario(lazy, vocab)
-    engine = _engine(v2_greedy_ckpt, "cuda", cuda_graph_min_tokens=64, cuda_graph_warmup_tokens=256)
+    engine = _engine(
+        v2_greedy_ckpt,
+        "cuda",
+        cuda_graph_min_tokens=64,
+        cuda_graph_warmup_tokens=256,
+        cuda_graph_ready_batches=0,  # every batch bucket before ready
+    )
     runner = engine.graph_runner
     assert runner is not None and runner.min_page_bucket == 8  # 64 tokens of page size 8
     # batch buckets 1..max x page buckets 8, 16, 32 (256 tokens)

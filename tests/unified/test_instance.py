@@ -284,6 +284,24 @@ def test_attached_to_kv_broker_as_unified_and_serving(small_mesh) -> None:
     assert health.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_startup_phases_are_on_its_metrics(small_mesh) -> None:
+    """dsmesh_startup_seconds: each phase of the process's start-up, in seconds (a unified
+    instance has no transfer engine, so no ``transfer`` phase)."""
+    url = f"http://127.0.0.1:{small_mesh.unified_metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    prefix = 'dsmesh_startup_seconds{phase="'
+    phases = {}
+    for line in lines:
+        if line.startswith(prefix):
+            labels, value = line.rsplit(" ", 1)
+            assert labels.endswith('",role="unified"}'), labels
+            phases[labels[len(prefix) : labels.index('"', len(prefix))]] = float(value)
+    assert list(phases) == ["imports", "weights", "kv_pool", "kernels", "graphs", "server"]
+    assert all(seconds >= 0 for seconds in phases.values())
+    assert phases["imports"] > 0 and phases["weights"] > 0  # torch alone takes a while
+
+
 def test_load_counts_the_pages_of_requests_waiting_in_the_engine() -> None:
     scheduler = Scheduler(SchedulerConfig(page_size=PAGE), PageAllocator(100))
 

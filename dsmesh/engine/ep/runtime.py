@@ -28,6 +28,7 @@ from dsmesh.engine.model.config import load_config
 from dsmesh.engine.model.moe_dispatch import MoEDispatcher
 from dsmesh.engine.model.mtp import MTPDraft, build_mtp, mtp_moe_layers
 from dsmesh.engine.model.mtp_weights import load_mtp_weights
+from dsmesh.engine.startup import StartupClock
 from dsmesh.options.fields import option
 
 log = logging.getLogger(__name__)
@@ -208,8 +209,11 @@ def make_dispatcher(
     return AllToAllDispatcher(num_local)
 
 
-def build_ep_engine(config: EngineConfig, ep: EPConfig, rank: int) -> LLMEngine:
-    """This rank's engine: its experts only, all-to-all dispatch, its own KV pool."""
+def build_ep_engine(
+    config: EngineConfig, ep: EPConfig, rank: int, startup: StartupClock | None = None
+) -> LLMEngine:
+    """This rank's engine: its experts only, all-to-all dispatch, its own KV pool.
+    ``startup``: the process's start-up clock, which the build's phases are added to."""
     model_dir = resolve_model_dir(config.model)
     cfg = load_config(model_dir)
     placement = round_robin_placement(
@@ -228,21 +232,25 @@ def build_ep_engine(config: EngineConfig, ep: EPConfig, rank: int) -> LLMEngine:
         device,
         config.max_running_requests * rows_per_request,
     )
-    model = load_model(
-        model_dir,
-        config.resolved_dtype(),
-        device,
-        keep_fp8=config.fp8_experts,
-        expert_location=placement,
-        dispatcher=dispatcher,
-        ep_rank=rank,
-    )
+    startup = startup if startup is not None else StartupClock()
+    with startup.phase("weights"):
+        model = load_model(
+            model_dir,
+            config.resolved_dtype(),
+            device,
+            keep_fp8=config.fp8_experts,
+            expert_location=placement,
+            dispatcher=dispatcher,
+            ep_rank=rank,
+        )
     if device.type == "cuda":
         config = dataclasses.replace(config, device=str(device))
+    # every graph before ready: the ranks must replay the same graphs in the same steps
+    config = dataclasses.replace(config, cuda_graph_ready_batches=0)
     draft = None
     if config.speculative == "mtp" and cfg.num_nextn_predict_layers > 0:
         draft = build_ep_draft(config, ep, rank, dispatcher)
-    engine = LLMEngine(config, model=model, draft=draft)
+    engine = LLMEngine(config, model=model, draft=draft, startup=startup)
     engine.join_group(GroupVote(num_flags=5))
     return engine
 

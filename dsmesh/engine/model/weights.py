@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from dsmesh.engine.model.deepseek import DeepseekForCausalLM
 from dsmesh.engine.model.moe import RoutedExperts
+from dsmesh.engine.model.staged_read import read_staged
 from dsmesh.kernels.fp8 import dequantize_fp8_block
 
 _EXPERT_RE = re.compile(
@@ -73,11 +74,18 @@ def _open_all(files: list[Path]) -> dict[str, object]:
 
 
 def load_weights(
-    model: DeepseekForCausalLM, checkpoint_dir: str | Path, keep_fp8: bool = False
+    model: DeepseekForCausalLM,
+    checkpoint_dir: str | Path,
+    keep_fp8: bool = False,
+    staged: bool | None = None,
 ) -> None:
-    """Fill ``model`` (already on its device and dtype) from the checkpoint."""
+    """Fill ``model`` (already on its device and dtype) from the checkpoint. With ``staged``
+    (None: on CUDA) the tensors that go to the device as they are stored (not FP8) are read
+    once, file by file, through reused buffers, pinned on CUDA
+    (dsmesh/engine/model/staged_read.py); the others through safetensors' memory map."""
     cfg = model.config
-    names = _open_all(checkpoint_files(checkpoint_dir))
+    files = checkpoint_files(checkpoint_dir)
+    names = _open_all(files)
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
     block = cfg.quant.weight_block_size if cfg.quant else (128, 128)
@@ -103,33 +111,57 @@ def load_weights(
         for proj in ("gate_proj", "up_proj", "down_proj")
     }
     seen: set[str] = set()
-    for name in names:
+
+    def skips(name: str) -> bool:
+        """Whether ``name`` is never read here (a scale, a rotary table, an MTP layer)."""
         if name.endswith(_SCALE_SUFFIX):
             _check_scale_partner(names, name)
-            continue
+            return True
         if name.endswith("rotary_emb.inv_freq"):
-            continue
+            return True
         m = _LAYER_RE.match(name)
         if m and int(m.group(1)) >= cfg.num_hidden_layers:
-            continue  # MTP (next-n prediction) layer: not used for serving
+            return True  # MTP (next-n prediction) layer: not used for serving
         if name not in expected and name not in expected_experts:
             raise WeightError(f"unexpected tensor {name!r} in checkpoint (not in this model)")
         seen.add(name)
+        return False
+
+    def expert_slots(name: str) -> tuple[RoutedExperts, str, list[int]] | None:
         em = _EXPERT_RE.match(name)
-        if em:
-            layer, logical = int(em.group(1)), int(em.group(2))
-            targets = slots.get((layer, logical), [])
+        if em is None:
+            return None
+        layer, logical = int(em.group(1)), int(em.group(2))
+        experts = model.model.layers[layer].mlp.experts
+        return experts, em.group(3), slots.get((layer, logical), [])
+
+    def place(name: str, staged: torch.Tensor | None) -> None:
+        """Read tensor ``name`` (``staged``: already on the device) into the model."""
+        expert = expert_slots(name)
+        if expert is not None:
+            experts, proj, targets = expert
             if not targets:
-                continue  # not placed on this rank
-            experts = model.model.layers[layer].mlp.experts
+                return  # not placed on this rank
             if not experts.has_dense:  # held in FP8 only: never dequantised
                 _keep_fp8_only(names, name, model)
-                continue
-            tensor = _read(names, name, block, model, keep_fp8)
-            _copy_expert(experts, em.group(3), targets, tensor, name)
-            continue
-        tensor = _read(names, name, block, model, keep_fp8)
+                return
+            tensor = _read(names, name, block, model, keep_fp8, staged)
+            _copy_expert(experts, proj, targets, tensor, name)
+            return
+        tensor = _read(names, name, block, model, keep_fp8, staged)
         _copy(params[name], tensor, name)
+
+    to_read = [name for name in names if not skips(name)]
+    staged: set[str] = set()
+    device = model.model.embed_tokens.weight.device
+    if staged if staged is not None else device.type == "cuda":
+        stageable = {name for name in to_read if _stageable(names, name, expert_slots(name))}
+        for name, tensor in read_staged(files, device, stageable):
+            place(name, tensor)
+            staged.add(name)
+    for name in to_read:
+        if name not in staged:
+            place(name, None)
 
     missing = sorted((expected | expected_experts) - seen)
     if missing:
@@ -163,13 +195,28 @@ def _keep_fp8_only(names: dict[str, object], name: str, model: DeepseekForCausal
     model.fp8_weights[name] = Fp8Weight(tensor, scale.to(torch.float32), block)
 
 
+def _stageable(
+    names: dict[str, object], name: str, expert: tuple[RoutedExperts, str, list[int]] | None
+) -> bool:
+    """Whether ``name`` goes to the device as stored: not FP8 (dequantised, or kept on the
+    host for the FP8 path) and, for a routed expert, placed on this rank in a dense copy."""
+    if names[name].get_slice(name).get_dtype() == "F8_E4M3":  # type: ignore[attr-defined]
+        return False
+    return expert is None or (bool(expert[2]) and expert[0].has_dense)
+
+
 def _read(
     names: dict[str, object],
     name: str,
     block: tuple[int, int],
     model: DeepseekForCausalLM,
     keep_fp8: bool,
+    staged: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """Tensor ``name`` as the model takes it: ``staged`` (already on the device) when given,
+    else read from the memory map; FP8 dequantised with its scales."""
+    if staged is not None:
+        return staged
     tensor = names[name].get_tensor(name)  # type: ignore[attr-defined]
     if tensor.dtype != torch.float8_e4m3fn:
         return tensor

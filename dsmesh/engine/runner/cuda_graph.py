@@ -15,9 +15,11 @@ a speculative step (positions ``p .. p + K`` of one request, the same pages), wh
 the graphs also keep the final hidden states the MTP draft needs (:meth:`run_with_hidden`).
 Before every run the decode backend gets the step's host page table
 (``MLADecodeBackend.prepare_replay``: FlashInfer plans there). Graphs are captured when a
-bucket is first needed (or by :meth:`CudaGraphRunner.warm_up`), with that step's inputs in
-the buffers. Without CUDA, or with ``use_graphs=False``, the same forward runs uncaptured,
-which is how CPU tests check it.
+bucket is first needed, with that step's inputs in the buffers, or ahead of it: by
+:meth:`CudaGraphRunner.warm_up` before the instance is ready, and by
+:meth:`CudaGraphRunner.capture_deferred` after (dsmesh/engine/runner/graph_schedule.py); a
+bucket queued for after ready runs uncaptured until then. Without CUDA, or with
+``use_graphs=False``, the same forward runs uncaptured, which is how CPU tests check it.
 
 With ``tbo`` the captured forward is the model's two-batch overlap (``hidden_states(...,
 tbo=True)``) over the bucket's rows, split at half the bucket: the split is fixed by the
@@ -43,6 +45,7 @@ from dsmesh.engine.runner.decode_graphs import (
     GraphCaptureError,
     Outputs,
 )
+from dsmesh.engine.runner.graph_schedule import DeferredCaptures, Key, capture_plan
 
 __all__ = ["CudaGraphRunner", "GraphCaptureError", "graph_support_problem"]
 
@@ -140,19 +143,36 @@ class CudaGraphRunner(DecodeGraphRunner):
         logits, hidden = self._replay((b, p))
         return logits[:n], hidden[:n]
 
-    def warm_up(self, max_tokens: int) -> int:
-        """Capture every (batch, page) bucket up to ``max_tokens`` of context now rather than
-        on first use (a capture stalls the running batch). Call it before any request
-        exists: it writes KV into the pool's first pages. Returns the graphs captured."""
+    def warm_up(self, max_tokens: int, ready_batches: int = 0) -> int:
+        """Capture the (batch, page) buckets of contexts up to ``max_tokens`` now rather than
+        on first use (a capture stalls the running batch): those of the ``ready_batches``
+        smallest batch buckets (0: all), and queue the others in :attr:`deferred` for
+        :meth:`capture_deferred` (dsmesh/engine/runner/graph_schedule.py). Call it before any
+        request exists: it writes KV into the pool's first pages. Returns the graphs
+        captured."""
         if not self.use_graphs or max_tokens <= 0:
             return 0
         before = len(self.graphs)
-        for p in self._page_buckets(max_tokens):
-            for b in self.buckets:
-                self.run([0] * b, [p * self.page_size - 1] * b, [range(p)] * b)
+        now, later = capture_plan(self.buckets, self._page_buckets(max_tokens), ready_batches)
+        for b, p in now:
+            self.run([0] * b, [p * self.page_size - 1] * b, [range(p)] * b)
         torch.cuda.synchronize(self.device)
         self.keys_used.clear()
+        self.deferred = DeferredCaptures([k for k in later if k not in self.graphs])
         return len(self.graphs) - before
+
+    def capture_deferred(self, key: Key, scratch_page: int) -> None:
+        """Capture ``key``, a graph :attr:`deferred` queued (``deferred.next`` says which is
+        due), its rows writing their KV into ``scratch_page`` only (a page no request
+        holds). Raises GraphCaptureError."""
+        assert self.deferred is not None
+        b, p = key
+        table, seq_lens = self.inputs.load(
+            [0] * b, [p * self.page_size - 1] * b, [[scratch_page] * p] * b
+        )[2:]
+        self.model.decode_backend.prepare_replay(table, seq_lens)
+        self._capture(key)
+        self.deferred.captured(key)
 
     def forward(self, b: int, p: int) -> torch.Tensor:
         """``model.forward`` over the first ``b`` rows of the buffers -> logits [b, vocab]."""

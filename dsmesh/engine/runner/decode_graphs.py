@@ -22,6 +22,7 @@ import torch
 from dsmesh.engine.model.forward_batch import ForwardBatch
 from dsmesh.engine.model.mla_decode_backend import MLADecodeBackend
 from dsmesh.engine.runner.graph_buckets import batch_buckets, bucket_for, page_bucket
+from dsmesh.engine.runner.graph_schedule import DeferredCaptures
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +187,9 @@ class DecodeGraphRunner(ABC):
         self.num_replays = 0
         self.num_eager = 0
         self.keys_used: set[tuple[int, int]] = set()  # (batch bucket, page bucket) run so far
+        # graphs queued for after ready (dsmesh/engine/runner/graph_schedule.py); their
+        # steps run uncaptured until captured
+        self.deferred: DeferredCaptures | None = None
 
     @property
     @abstractmethod
@@ -217,6 +221,7 @@ class DecodeGraphRunner(ABC):
     def reset(self) -> None:
         """Drop every captured graph (after the module's kernels were switched)."""
         self.graphs.clear()
+        self.deferred = None  # every graph is captured on first use again
         if self.use_graphs:  # a fresh pool: capturing into one whose graphs died can fail
             self.pool = torch.cuda.graph_pool_handle()
 
@@ -224,6 +229,10 @@ class DecodeGraphRunner(ABC):
         self.keys_used.add((key[0], key[1]))
         if not self.use_graphs:
             self.num_eager += 1
+            return self._forward(key)
+        if self.deferred is not None and self.deferred.runs_uncaptured(key):
+            self.num_eager += 1
+            self.decode_backend.prepare_capture(key[0])  # as before a capture's warm-up runs
             return self._forward(key)
         if key not in self.graphs:
             self._capture(key)

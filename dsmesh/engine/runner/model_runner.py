@@ -24,7 +24,13 @@ from dsmesh.engine.kv.budget import (
     KVBudget,
     kv_pool_tokens,
 )
-from dsmesh.engine.kv.pool import MLAKVPool, kv_bytes_per_token, kv_cache_dtype, pages_for
+from dsmesh.engine.kv.pool import (
+    MLAKVPool,
+    OutOfPagesError,
+    kv_bytes_per_token,
+    kv_cache_dtype,
+    pages_for,
+)
 from dsmesh.engine.model.config import ModelConfig
 from dsmesh.engine.model.deepseek import DeepseekForCausalLM
 from dsmesh.engine.model.forward_batch import ForwardBatch, SequenceChunk
@@ -40,6 +46,7 @@ from dsmesh.engine.runner.kernel_summary import describe_kernels
 from dsmesh.engine.sampling.prompt_logprobs import positions_to_score, score_tokens
 from dsmesh.engine.sampling.token_logprobs import TokenLogprobs
 from dsmesh.engine.sched.scheduler import ScheduledChunk
+from dsmesh.engine.startup import StartupClock
 
 log = logging.getLogger(__name__)
 
@@ -70,23 +77,31 @@ class ModelRunner:
     at each forward, so a benchmark may swap them between steps)."""
 
     def __init__(
-        self, config: EngineConfig, model: DeepseekForCausalLM, device: torch.device
+        self,
+        config: EngineConfig,
+        model: DeepseekForCausalLM,
+        device: torch.device,
+        startup: StartupClock | None = None,
     ) -> None:
+        """``startup``: the process's start-up clock, given the phases ``kv_pool``,
+        ``kernels`` and ``graphs``."""
         self.config = config
         self.device = device
         self.model = model
         self.model_config: ModelConfig = model.config
+        clock = startup if startup is not None else StartupClock()
         mla = self.model_config.mla
         cache_dtype = kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype)
-        self.kv_pool = MLAKVPool(
-            self.num_kv_layers,
-            self._kv_pool_pages(cache_dtype),
-            config.page_size,
-            mla.kv_cache_dim,
-            cache_dtype,
-            self.device,
-            kv_lora_rank=mla.kv_lora_rank,
-        )
+        with clock.phase("kv_pool"):
+            self.kv_pool = MLAKVPool(
+                self.num_kv_layers,
+                self._kv_pool_pages(cache_dtype),
+                config.page_size,
+                mla.kv_cache_dim,
+                cache_dtype,
+                self.device,
+                kv_lora_rank=mla.kv_lora_rank,
+            )
         pool_gib = self.kv_pool.buffer.numel() * self.kv_pool.buffer.element_size() / GIB
         log.info(
             "KV pool: %d tokens (%d pages of %d), %.2f GiB of %s on %s",
@@ -97,9 +112,11 @@ class ModelRunner:
             cache_dtype,
             self.device,
         )
-        self.set_kernels()
-        self.graph_runner = self._make_graph_runner()
-        self._warm_up_graphs()
+        with clock.phase("kernels"):
+            self.set_kernels()
+        with clock.phase("graphs"):
+            self.graph_runner = self._make_graph_runner()
+            self._warm_up_graphs()
         self.num_split_steps = 0  # mixed steps run as a decode graph + an eager forward
         # expert parallelism (join_group): a page of its own that idle graph steps write
         self.in_group = False
@@ -223,24 +240,59 @@ class ModelRunner:
 
     def _warm_up_graphs(self) -> None:
         """Capture the common decode graphs before serving (EngineConfig.cuda_graph_warmup_
-        tokens); a capture failure turns graphs off here rather than mid-request."""
+        tokens; those of the cuda_graph_ready_batches smallest batch buckets, the others
+        queued for :meth:`capture_deferred_graph`); a capture failure turns graphs off here
+        rather than mid-request."""
         runner = self.graph_runner
         if runner is None or self.config.cuda_graph_warmup_tokens <= 0:
             return
         start = time.perf_counter()
         try:
-            captured = runner.warm_up(self.config.cuda_graph_warmup_tokens)
+            captured = runner.warm_up(
+                self.config.cuda_graph_warmup_tokens, self.config.cuda_graph_ready_batches
+            )
         except GraphCaptureError:
             log.exception("CUDA graphs off for this engine; decode runs eagerly")
             self.graph_runner = None
             return
         log.info(
-            "captured %d decode graphs (batches up to %d, contexts up to %d tokens) in %.1f s",
+            "captured %d decode graphs (batches up to %d, contexts up to %d tokens) in %.1f s; "
+            "%d queued for after ready",
             captured,
             runner.max_batch,
             self.config.cuda_graph_warmup_tokens,
             time.perf_counter() - start,
+            len(runner.deferred or ()),
         )
+
+    def capture_deferred_graph(self, idle: bool) -> bool:
+        """Capture one decode graph queued for after ready, if one is due (``idle``: no
+        request is in the engine; dsmesh/engine/runner/graph_schedule.py), into a page taken
+        from the pool for it and given back. False when none was captured."""
+        runner = self.graph_runner
+        key = None if runner is None or runner.deferred is None else runner.deferred.next(idle)
+        if key is None:
+            return False
+        assert runner is not None
+        try:
+            scratch = self.kv_pool.allocator.allocate(1)
+        except OutOfPagesError:
+            return False
+        start = time.perf_counter()
+        try:
+            runner.capture_deferred(key, scratch[0])
+        except GraphCaptureError:
+            self.drop_graphs()
+            return False
+        finally:
+            self.kv_pool.allocator.free(scratch)
+        log.info(
+            "captured decode graph %s after ready in %.2f s (%d still queued)",
+            key,
+            time.perf_counter() - start,
+            len(runner.deferred or ()),
+        )
+        return True
 
     def drop_graphs(self) -> None:
         """A graph capture failed mid-run: decode runs eagerly from now on. Call it from the

@@ -37,12 +37,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from dsmesh.engine.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     import llguidance
+    import torch
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark", "ebnf")
 # JSON as Python's json.dumps writes it: no free whitespace, so a model cannot pad forever.
@@ -247,6 +247,8 @@ class GrammarMasks:
         self._eos_token_ids = eos_token_ids
         self._device = device
         self._vocab: GrammarVocab | None = None
+        import torch  # here, not at the top: the gateway imports the specs and never torch
+
         self._bitmask = torch.empty(0, bitmask_words(vocab_size), dtype=torch.int32)
 
     def vocab(self) -> GrammarVocab:
@@ -279,6 +281,8 @@ class GrammarMasks:
         from it is done before the next step fills it (each step waits for its tokens)."""
         n = len(matchers)
         if self._bitmask.shape[0] < n:
+            import torch
+
             pin = self._device.type == "cuda"
             shape = (n, self._bitmask.shape[1])
             self._bitmask = torch.empty(shape, dtype=torch.int32, pin_memory=pin)
