@@ -28,14 +28,17 @@ def build_app(
     api_keys: Sequence[str] = (),
     drain: Drain | None = None,
     reasoning_parser: str = "",
+    unknown_fields: str = "error",
 ) -> web.Application:
     """``api_keys`` non-empty: every route but /health and /metrics needs
     ``Authorization: Bearer <key>`` (401 otherwise). A body over ``max_body_bytes`` is 413.
     ``drain`` (shared with the gRPC port) counts requests in flight; once it drains, new
     requests get 503 and /health answers 503 ``draining``. ``reasoning_parser``: "" (off) or
-    a dsmesh/gateway/reasoning.py parser for chat completions' ``reasoning_content``."""
+    a dsmesh/gateway/reasoning.py parser for chat completions' ``reasoning_content``.
+    ``unknown_fields``: what an OpenAI request field the gateway does not know gets, ``error``
+    (400 naming it) or ``ignore`` (dsmesh/gateway/openai_fields.py)."""
     drain = drain if drain is not None else Drain()
-    openai_routes = OpenAIRoutes(core, model_name, reasoning_parser).routes()
+    openai_routes = OpenAIRoutes(core, model_name, reasoning_parser, unknown_fields).routes()
     middlewares = [admit(drain), body_limit(max_body_bytes), unrouted]
     if api_keys:
         middlewares.insert(0, require_api_key(tuple(api_keys)))  # before reading

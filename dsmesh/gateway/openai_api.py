@@ -34,6 +34,12 @@ from dsmesh.gateway.choices import choice_inputs, generate_choices
 from dsmesh.gateway.core import GatewayError, GenerationCore, GenerationInput
 from dsmesh.gateway.openai_choice import Choice, choices_usage, chunks
 from dsmesh.gateway.openai_echo import EchoedPrompt
+from dsmesh.gateway.openai_fields import (
+    CHAT_FIELDS,
+    COMPLETIONS_FIELDS,
+    check_chat_capabilities,
+    check_fields,
+)
 from dsmesh.gateway.openai_params import (
     OpenAIError,
     bad_param,
@@ -67,6 +73,7 @@ OPENAI_PATHS = frozenset(
         "/tokenizer_info",
     }
 )
+MAX_BATCH_PROMPTS = 1024  # prompts in one /v1/completions batch
 MODEL_PREFIX = "/v1/models/"  # /v1/models/{id}; an id may hold slashes (org/name)
 
 
@@ -96,16 +103,23 @@ def _from_gateway(
 
 class OpenAIRoutes:
     def __init__(
-        self, core: GenerationCore, model_name: str | Sequence[str], reasoning_parser: str = ""
+        self,
+        core: GenerationCore,
+        model_name: str | Sequence[str],
+        reasoning_parser: str = "",
+        unknown_fields: str = "error",
     ) -> None:
         """``model_name``: the served model's names (``--served-model-name``, repeated or a
-        comma list); a request may use any, /v1/models lists them all."""
+        comma list); a request may use any, /v1/models lists them all. ``unknown_fields``:
+        ``error`` (OpenAI's 400 naming the field) or ``ignore`` (vLLM's way;
+        dsmesh/gateway/openai_fields.py)."""
         self.core = core
         self.model_names = served_model_names(model_name)
         if not self.model_names:
             raise ValueError("the gateway needs a served model name")
         self.model_name = self.model_names[0]
         self.reasoning_parser = reasoning_parser  # "" (off) or a dsmesh/gateway/reasoning.py parser
+        self.unknown_fields = unknown_fields
         self.created = int(time.time())
 
     def routes(self) -> list[web.RouteDef]:
@@ -161,37 +175,51 @@ class OpenAIRoutes:
     # ---- /v1/completions ------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        """One prompt or a batch (strings or token-id lists): each prompt's ``n`` choices,
+        numbered prompt by prompt (choice ``p * n + j``), as OpenAI and vLLM number them."""
         try:
             body = await self._body(request)
-            text, ids = _prompt(body.get("prompt"))
-            if ids is None:
-                ids = self.core.tokenizer.encode(text)
+            check_fields(body, COMPLETIONS_FIELDS, self.unknown_fields, "/v1/completions")
+            prompts = _prompts(body.get("prompt"))
+            special = _flag(body, "add_special_tokens", True)
             n = num_choices(body)
             usage = include_usage(body)
-            check_context_length(body, len(ids), self.core.model_config.max_position_embeddings)
-            params = sampling_from_openai(body, self.core.room_to_generate(len(ids)))
             only = prompt_only(body, chat=False)
-            inp = self.core.prepare("", None, ids, params, prompt_only=only)
+            inputs: list[GenerationInput] = []
+            echoes: list[EchoedPrompt | None] = []
+            context = self.core.model_config.max_position_embeddings
+            for text, ids in prompts:
+                if ids is None:
+                    ids = self.core.tokenizer.encode(text, add_special_tokens=special)
+                check_context_length(body, len(ids), context)
+                params = sampling_from_openai(body, self.core.room_to_generate(len(ids)))
+                inp = self.core.prepare("", None, ids, params, prompt_only=only)
+                inputs += choice_inputs(inp, n)
+                echoes += [self._echoed(body, text, inp)] * n
         except OpenAIError as exc:
             return exc.response()
         except GatewayError as exc:
             return _from_gateway(exc).response()
-        echoed = None
-        if echo(body, chat=False):  # the prompt as sent, or its ids as text
-            shown = (
-                text
-                if text is not None
-                else self.core.tokenizer.decode(ids, skip_special_tokens=True)
-            )
-            echoed = EchoedPrompt(shown, inp.prompt_ids)
-        inputs = choice_inputs(inp, n)
-        return await self._respond(request, body, inputs, False, usage, echoed=echoed)
+        per = n if len(prompts) > 1 else 0
+        return await self._respond(request, body, inputs, False, usage, echoes=echoes, per=per)
+
+    def _echoed(
+        self, body: dict[str, Any], text: str | None, inp: GenerationInput
+    ) -> EchoedPrompt | None:
+        """With ``echo``: the prompt as sent, or its ids as text (special tokens skipped)."""
+        if not echo(body, chat=False):
+            return None
+        tok = self.core.tokenizer
+        shown = text if text is not None else tok.decode(inp.prompt_ids, skip_special_tokens=True)
+        return EchoedPrompt(shown, inp.prompt_ids)
 
     # ---- /v1/chat/completions -------------------------------------------------------------
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await self._body(request)
+            check_fields(body, CHAT_FIELDS, self.unknown_fields, "/v1/chat/completions")
+            check_chat_capabilities(body, bool(self.reasoning_parser))
             messages = _messages(body.get("messages"))
             tools = tool_request(body)  # dsmesh/gateway/openai_tools.py
             n = num_choices(body)
@@ -340,7 +368,8 @@ class OpenAIRoutes:
         chat: bool,
         include_usage: bool = False,
         tools: ToolRequest | None = None,
-        echoed: EchoedPrompt | None = None,
+        echoes: Sequence[EchoedPrompt | None] = (),
+        per: int = 0,
     ) -> web.StreamResponse:
         """Run every choice; one JSON object, or SSE chunks when the body says ``stream``
         (with ``include_usage``, a last chunk of the usage and no choices). ``tools``: chat's,
@@ -356,14 +385,15 @@ class OpenAIRoutes:
             Choice(self.core.tokenizer, inp.params.logprobs is not None, parser, parse_tools)
             for inp in inputs
         ]
-        if echoed is not None:  # completions' echo: the prompt before each choice
-            for choice in choices:
+        for choice, echoed in zip(choices, echoes, strict=False):
+            if echoed is not None:  # completions' echo: the prompt before each choice
                 choice.start_echo(echoed)
-        deltas = generate_choices(self.core, inputs, context_from_headers(request.headers))
+        trace = context_from_headers(request.headers)
+        deltas = generate_choices(self.core, inputs, trace, per_prompt=per)
         if body.get("stream"):
             if chat:
                 head["object"] = "chat.completion.chunk"
-            events = chunks(head, deltas, choices, chat, include_usage)
+            events = chunks(head, deltas, choices, chat, include_usage, per)
             key = sent_max_tokens_key(body, "max_completion_tokens" if chat else "max_tokens")
 
             def early_error(exc: GatewayError) -> web.Response:
@@ -378,7 +408,7 @@ class OpenAIRoutes:
             return _from_gateway(exc, chat=chat, max_tokens_key=key).response()
         out = {**head, "created": int(time.time())}
         out["choices"] = [c.whole(i, chat) for i, c in enumerate(choices)]
-        out["usage"] = choices_usage(choices)
+        out["usage"] = choices_usage(choices, per)
         return web.json_response(out)
 
 
@@ -409,29 +439,44 @@ def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def _prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
+def _prompts(prompt: Any) -> list[tuple[str | None, list[int] | None]]:
+    """Completions' ``prompt`` as OpenAI takes it: a string, a list of token ids, or a batch
+    (a list of strings, or of token-id lists); each as (text, None) or (None, ids)."""
+    if isinstance(prompt, str) or _is_ids(prompt):
+        return [_prompt("prompt", prompt)]
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_param(
+            "prompt", "must be a string, a list of token ids, or a non-empty list of either"
+        )
+    if len(prompt) > MAX_BATCH_PROMPTS:
+        raise bad_param("prompt", f"at most {MAX_BATCH_PROMPTS} prompts, got {len(prompt)}")
+    return [_prompt(f"prompt[{i}]", p) for i, p in enumerate(prompt)]
+
+
+def _is_ids(prompt: Any) -> bool:
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    )
+
+
+def _prompt(param: str, prompt: Any) -> tuple[str | None, list[int] | None]:
     if isinstance(prompt, str):
         if not prompt:
-            raise bad_param("prompt", "must not be empty")
-        return utf8_text("prompt", prompt), None
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
+            raise bad_param(param, "must not be empty")
+        return utf8_text(param, prompt), None
+    if _is_ids(prompt):
         return None, list(prompt)
-    if isinstance(prompt, list) and len(prompt) == 1:
-        return _prompt(prompt[0])
-    if isinstance(prompt, list) and not prompt:
-        raise bad_param("prompt", "must not be empty")
-    raise bad_param("prompt", "must be a string or a list of token ids (one prompt per request)")
+    raise bad_param(param, "must be a non-empty string or list of token ids")
 
 
 def _messages(messages: Any) -> list[dict[str, Any]]:
     """The conversation for the chat template: each message with every key the client sent
     (``tool_calls``, ``tool_call_id``, ``name``, ...), its content parts joined into one
     string, and a null content as "" (DeepSeek's template renders an assistant turn of tool
-    calls with empty content exactly as one with none)."""
+    calls with empty content exactly as one with none). OpenAI's ``developer`` role, newer
+    than the checkpoints' templates, reaches them as ``system``, as OpenAI treats it."""
     if not isinstance(messages, list) or not messages:
         raise bad_param("messages", "must be a non-empty list")
     out = []
@@ -459,7 +504,8 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
             isinstance(tool_calls, list) and all(isinstance(c, dict) for c in tool_calls)
         ):
             raise bad_param(f"messages[{i}].tool_calls", "must be a list of objects")
-        out.append({**m, "content": content or ""})
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({**m, "role": role, "content": content or ""})
     return out
 
 

@@ -162,9 +162,11 @@ async def chunks(
     choices: list[Choice],
     chat: bool,
     include_usage: bool,
+    per_prompt: int = 0,
 ) -> AsyncIterator[dict[str, Any]]:
     """SSE chunks: one per delta that carries something, each for one choice; with
-    ``include_usage`` a last chunk with no choices and the usage of all of them."""
+    ``include_usage`` a last chunk with no choices and the usage of all of them
+    (``per_prompt``: see :func:`choices_usage`)."""
     async for delta in deltas:
         choice = choices[delta.index]
         choice.add(delta)
@@ -176,17 +178,25 @@ async def chunks(
             out["usage"] = None
         yield out
     if include_usage and all(c.last is not None for c in choices):
-        yield {**head, "created": int(time.time()), "choices": [], "usage": choices_usage(choices)}
+        yield {
+            **head,
+            "created": int(time.time()),
+            "choices": [],
+            "usage": choices_usage(choices, per_prompt),
+        }
 
 
-def choices_usage(choices: list[Choice]) -> dict[str, Any]:
-    """The prompt counted once (choice 0's cache hits), the completions of every choice."""
+def choices_usage(choices: list[Choice], per_prompt: int = 0) -> dict[str, Any]:
+    """Each prompt counted once (its first choice's tokens and cache hits), the completions of
+    every choice. ``per_prompt``: choices per prompt of a batch (0: one prompt)."""
     ends = [c.last for c in choices if c.last is not None]
     if not ends:
         return {}
-    first = ends[0]
+    per = per_prompt or len(choices)
+    firsts = [c.last for c in choices[::per] if c.last is not None]
     completion = sum(d.completion_tokens for d in ends)
-    return _usage(first.prompt_tokens, completion, first.cached_tokens)
+    prompt = sum(d.prompt_tokens for d in firsts)
+    return _usage(prompt, completion, sum(d.cached_tokens for d in firsts))
 
 
 def _finish(reason: str) -> str:

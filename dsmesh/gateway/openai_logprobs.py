@@ -18,8 +18,8 @@ requested top tokens and the generated one (OpenAI: up to ``logprobs + 1`` entri
 holds exactly ``top_logprobs`` entries. ``text_offset`` is where each token's text starts in the
 choice's text, in characters: the tokens' bytes before it decoded as the text is (special
 tokens skipped, a character split over tokens starting at its first token), so an escaped
-byte token or a skipped BOS never shifts the later offsets. Logprobs below -9999 (an impossible token) are reported
-as -9999, which JSON can carry.
+byte token or a skipped BOS never shifts the later offsets. Logprobs below -9999 (an
+impossible token) are reported as -9999, which JSON can carry.
 """
 
 from __future__ import annotations
