@@ -310,7 +310,8 @@ def test_unknown_fields_are_400_naming_them_by_default() -> None:
             ("/v1/completions", {**COMPLETION, "messages": []}),  # chat's field
         ]
     )
-    for (status, body), name in zip(out, ["bogus_field_xyz", "bogus", "prompt", "messages"]):
+    names = ["bogus_field_xyz", "bogus", "prompt", "messages"]
+    for (status, body), name in zip(out, names, strict=True):
         assert status == 400
         assert body["error"] == {
             "message": f"Unrecognized request argument supplied: {name}",

@@ -23,8 +23,8 @@ from dsmesh.engine.tokenizer import Tokenizer
 from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import generation_pb2 as pb
 from dsmesh.v1 import generation_pb2_grpc
-from tests.gateway.outputs_mesh import CHUNK_TOKENS, OutputsMesh, running_outputs_mesh
 from tests.gateway.openai_reference import reference_text_offsets
+from tests.gateway.outputs_mesh import CHUNK_TOKENS, OutputsMesh, running_outputs_mesh
 from tests.gateway.test_gateway import post
 
 pytestmark = pytest.mark.timeout(300)
