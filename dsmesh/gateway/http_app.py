@@ -12,6 +12,7 @@ from dsmesh.gateway import api
 from dsmesh.gateway.core import GenerationCore
 from dsmesh.gateway.openai_api import OpenAIError, OpenAIRoutes, is_openai_path
 from dsmesh.gateway.rest import error_response, transcoded_routes
+from dsmesh.gateway.sglang_api import SGLangRoutes
 from dsmesh.runtime.drain import DRAINING_MESSAGE, Drain
 from dsmesh.runtime.security import bearer_matches
 from dsmesh.runtime.telemetry import context_from_headers
@@ -57,6 +58,7 @@ def build_app(
         )
     )
     app.add_routes(openai_routes)
+    app.add_routes(SGLangRoutes(core).routes())  # SGLang's native /generate
 
     async def health(request: web.Request) -> web.Response:
         reg = core.registry
