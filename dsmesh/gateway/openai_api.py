@@ -399,7 +399,12 @@ class OpenAIRoutes:
             def early_error(exc: GatewayError) -> web.Response:
                 return _from_gateway(exc, chat=chat, max_tokens_key=key).response()
 
-            return await sse(request, events, done_marker=True, early_error=early_error)
+            def late_error(exc: GatewayError) -> dict[str, Any]:
+                return _from_gateway(exc, chat=chat, max_tokens_key=key).body()
+
+            return await sse(
+                request, events, done_marker=True, early_error=early_error, late_error=late_error
+            )
         try:
             async for delta in deltas:
                 choices[delta.index].add(delta)

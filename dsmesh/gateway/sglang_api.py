@@ -115,7 +115,11 @@ class SGLangRoutes:
         if body.get("stream"):
             events = _stream(deltas, outs)
             return await sse(
-                request, events, done_marker=True, early_error=lambda e: _error(e).response()
+                request,
+                events,
+                done_marker=True,
+                early_error=lambda e: _error(e).response(),
+                late_error=lambda e: _error(e).body(),
             )
         try:
             async for delta in deltas:

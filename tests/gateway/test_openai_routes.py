@@ -6,6 +6,7 @@ on ``temperature`` and ``stop``."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import openai
@@ -369,3 +370,43 @@ def test_reasoning_effort_needs_a_reasoning_model() -> None:
 def test_batched_prompts_name_the_bad_one(prompt: Any, param: str) -> None:
     [(status, body)] = post_bodies([("/v1/completions", {**COMPLETION, "prompt": prompt})])
     assert status == 400 and body["error"]["param"] == param
+
+
+def test_a_stream_that_fails_after_its_first_chunk_ends_with_openai_error() -> None:
+    """rest.sse with the OpenAI routes' late error: the failure is OpenAI's error object as a
+    plain ``data:`` event (what the SDK raises as APIError), then ``[DONE]``."""
+    import grpc
+    from aiohttp import web
+
+    from dsmesh.gateway.core import GatewayError
+    from dsmesh.gateway.openai_api import _from_gateway
+    from dsmesh.gateway.rest import sse
+
+    async def events():
+        yield {"id": "cmpl-1", "choices": []}
+        raise GatewayError(grpc.StatusCode.UNAVAILABLE, "decode instance lost")
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await sse(
+            request, events(), done_marker=True, late_error=lambda e: _from_gateway(e).body()
+        )
+
+    async def main() -> str:
+        app = web.Application()
+        app.router.add_get("/s", handler)
+        async with TestServer(app, host="127.0.0.1") as server, ClientSession() as http:
+            resp = await http.get(server.make_url("/s"))
+            return await resp.text()
+
+    events_out = [e for e in asyncio.run(main()).split("\n\n") if e]
+    assert events_out[0] == 'data: {"id": "cmpl-1", "choices": []}'
+    assert events_out[-1] == "data: [DONE]"
+    error = json.loads(events_out[1].removeprefix("data: "))
+    assert error == {
+        "error": {
+            "message": "decode instance lost",
+            "type": "server_error",
+            "param": None,
+            "code": "service_unavailable",
+        }
+    }
