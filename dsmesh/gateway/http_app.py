@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from dsmesh.gateway import api
 from dsmesh.gateway.core import GenerationCore
 from dsmesh.gateway.openai_api import OpenAIError, OpenAIRoutes, is_openai_path
+from dsmesh.gateway.responses_api import ResponsesRoutes
 from dsmesh.gateway.rest import error_response, transcoded_routes
 from dsmesh.gateway.sglang_api import SGLangRoutes
 from dsmesh.runtime.drain import DRAINING_MESSAGE, Drain
@@ -39,7 +40,7 @@ def build_app(
     ``unknown_fields``: what an OpenAI request field the gateway does not know gets, ``error``
     (400 naming it) or ``ignore`` (dsmesh/gateway/openai_fields.py)."""
     drain = drain if drain is not None else Drain()
-    openai_routes = OpenAIRoutes(core, model_name, reasoning_parser, unknown_fields).routes()
+    openai = OpenAIRoutes(core, model_name, reasoning_parser, unknown_fields)
     middlewares = [admit(drain), body_limit(max_body_bytes), unrouted]
     if api_keys:
         middlewares.insert(0, require_api_key(tuple(api_keys)))  # before reading
@@ -57,7 +58,8 @@ def build_app(
             unary={"Abort": lambda m, r: api.abort(core, m)},
         )
     )
-    app.add_routes(openai_routes)
+    app.add_routes(openai.routes())
+    app.add_routes(ResponsesRoutes(openai).routes())  # OpenAI's Responses API
     app.add_routes(SGLangRoutes(core).routes())  # SGLang's native /generate
 
     async def health(request: web.Request) -> web.Response:

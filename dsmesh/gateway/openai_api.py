@@ -79,7 +79,11 @@ MODEL_PREFIX = "/v1/models/"  # /v1/models/{id}; an id may hold slashes (org/nam
 
 def is_openai_path(path: str) -> bool:
     """Whether ``path`` is one of these routes (its errors then come in OpenAI's shape)."""
-    return path in OPENAI_PATHS or (path.startswith(MODEL_PREFIX) and path != MODEL_PREFIX)
+    return (
+        path in OPENAI_PATHS
+        or (path.startswith(MODEL_PREFIX) and path != MODEL_PREFIX)
+        or path.startswith("/v1/responses")  # dsmesh/gateway/responses_api.py
+    )
 
 
 def _from_gateway(
@@ -219,42 +223,49 @@ class OpenAIRoutes:
         try:
             body = await self._body(request)
             check_fields(body, CHAT_FIELDS, self.unknown_fields, "/v1/chat/completions")
-            check_chat_capabilities(body, bool(self.reasoning_parser))
-            messages = _messages(body.get("messages"))
-            tools = tool_request(body)  # dsmesh/gateway/openai_tools.py
             n = num_choices(body)
             usage = include_usage(body)
-            refuse_unsupported(body, chat=True)
-            try:
-                ids = self.core.tokenizer.apply_chat_template(
-                    messages,
-                    add_generation_prompt=True,
-                    tokenize=True,
-                    tools=tools.template_tools,
-                )
-            except Exception as exc:  # template errors are the request's fault
-                raise bad_param("messages", f"cannot apply the chat template: {exc}") from exc
-            check_context_length(
-                body,
-                len(ids),
-                self.core.model_config.max_position_embeddings,
-                "max_completion_tokens",
-                "messages",
-            )
-            params = sampling_from_openai(
-                body,
-                self.core.room_to_generate(len(ids)),
-                max_tokens_key="max_completion_tokens",
-                chat=True,
-            )
-            params = apply_tool_choice(params, tools, self.core.tokenizer)
-            inp = self.core.prepare("", None, list(ids), params)
+            inp, tools = self.chat_input(body)
         except OpenAIError as exc:
             return exc.response()
         except GatewayError as exc:
             key = sent_max_tokens_key(body, "max_completion_tokens")
             return _from_gateway(exc, "messages", chat=True, max_tokens_key=key).response()
         return await self._respond(request, body, choice_inputs(inp, n), True, usage, tools)
+
+    def chat_input(self, body: dict[str, Any]) -> tuple[GenerationInput, ToolRequest]:
+        """A chat request's (one choice's) input and tools: its messages through the chat
+        template, its sampling, its tool choice's grammar. Raises OpenAIError or
+        GatewayError; the Responses API (dsmesh/gateway/responses_api.py) runs its
+        requests through here too."""
+        check_chat_capabilities(body, bool(self.reasoning_parser))
+        messages = _messages(body.get("messages"))
+        tools = tool_request(body)  # dsmesh/gateway/openai_tools.py
+        refuse_unsupported(body, chat=True)
+        try:
+            ids = self.core.tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=True,
+                tokenize=True,
+                tools=tools.template_tools,
+            )
+        except Exception as exc:  # template errors are the request's fault
+            raise bad_param("messages", f"cannot apply the chat template: {exc}") from exc
+        check_context_length(
+            body,
+            len(ids),
+            self.core.model_config.max_position_embeddings,
+            "max_completion_tokens",
+            "messages",
+        )
+        params = sampling_from_openai(
+            body,
+            self.core.room_to_generate(len(ids)),
+            max_tokens_key="max_completion_tokens",
+            chat=True,
+        )
+        params = apply_tool_choice(params, tools, self.core.tokenizer)
+        return self.core.prepare("", None, list(ids), params), tools
 
     # ---- /v1/tokenize, /v1/detokenize (vLLM's and SGLang's) ---------------------------------
 
