@@ -251,7 +251,7 @@ class _Run:
             items.append(self.reasoning_item(reasoning, "completed"))
         calls = self.choice.tool_parser.calls if self.choice.tool_parser else []
         text = "".join(self.choice.parts)
-        if text or not calls:
+        if text or not (calls or reasoning):  # at least one item, a message at worst empty
             items.append(self.message_item(text, "completed"))
         for i, call in enumerate(calls):
             items.append(self.call_item(i, call.name, call.arguments, "completed"))

@@ -190,3 +190,50 @@ def test_bad_input_is_400_naming_the_field(gw, client, extra, param, code) -> No
             client.responses.create(model=gw.model_name, input="Hi", extra_body={"bogus": 1})
         )
     assert info.value.param == param and info.value.code == code
+
+
+# ---- reasoning items: the default model behind a gateway with --reasoning-parser ----------
+
+
+@pytest.fixture(scope="module")
+def r1_client(tmp_path_factory: pytest.TempPathFactory):
+    from dsmesh.engine.model.tiny_model import default_model_dir
+    from tests.gateway.mesh_processes import one_unified, running_gateway_mesh
+
+    cache = tmp_path_factory.mktemp("r1-cache")
+    model = default_model_dir(cache_dir=cache, tokenizer="deepseek-v3")
+    logs = tmp_path_factory.mktemp("r1-logs")
+    instances = one_unified(model, "--max-total-tokens", "4096")
+    parser = ("--reasoning-parser", "deepseek-r1")
+    with running_gateway_mesh(None, logs, instances, parser, model=model) as (_, port, _):
+        url = f"http://127.0.0.1:{port}/v1"
+        yield openai.OpenAI(base_url=url, api_key="unused", max_retries=0), model.name
+
+
+# R1's template opens <think> in the prompt, so output with no </think> is all reasoning
+# (dsmesh/gateway/reasoning.py); a grammar makes random weights write four letters and end
+THINKING = {"guided_regex": "[a-z]{4}"}
+
+
+def test_reasoning_items(r1_client) -> None:
+    client, model = r1_client
+    kw = dict(model=model, input="2+2?", max_output_tokens=30, reasoning={"effort": "low"})
+    resp = client.responses.create(**kw, extra_body=THINKING)
+    assert [item.type for item in resp.output] == ["reasoning"]  # no answer after it
+    [thought] = resp.output[0].content
+    assert thought.type == "reasoning_text" and len(thought.text) == 4
+    assert resp.output_text == "" and resp.status == "completed"
+    assert resp.reasoning.effort == "low"
+    reasoning_tokens = resp.usage.output_tokens_details.reasoning_tokens
+    assert 1 <= reasoning_tokens <= resp.usage.output_tokens
+    with client.responses.stream(**kw, extra_body=THINKING) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    thinking = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert thinking == final.output[0].content[0].text
+    assert len(thinking) == 4 and final.output_text == ""
+    done = [e.item.type for e in events if e.type == "response.output_item.done"]
+    assert done == ["reasoning"]
+    adapter = TypeAdapter(ResponseStreamEvent)
+    for event in events:
+        adapter.validate_python(event.model_dump(mode="json", exclude_unset=True), strict=True)
