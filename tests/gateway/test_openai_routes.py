@@ -410,3 +410,18 @@ def test_a_stream_that_fails_after_its_first_chunk_ends_with_openai_error() -> N
             "code": "service_unavailable",
         }
     }
+
+
+def test_missing_api_key_is_openai_401() -> None:
+    from openai.types.shared import ErrorObject
+
+    from tests.gateway.openai_conformance import conform
+
+    out = post_bodies(
+        [("/v1/chat/completions", CHAT), ("/v1/responses", {**CHAT, "input": "x"})],
+        api_keys=["k1"],
+    )
+    for status, body in out:
+        assert status == 401
+        error = conform(ErrorObject, body["error"])
+        assert (error.type, error.code) == ("authentication_error", "invalid_api_key")
