@@ -225,9 +225,9 @@ def test_default_model_dir_builds_once(
     builds: list[str] = []
     real_make = tiny_model.make_tiny_model
 
-    def counting_make(out_dir: Path, arch: str = "v3", seed: int = 0) -> Path:
+    def counting_make(out_dir: Path, arch: str = "v3", seed: int = 0, **kw: str) -> Path:
         builds.append(arch)
-        return real_make(out_dir, arch, seed)
+        return real_make(out_dir, arch, seed, **kw)
 
     monkeypatch.setattr(tiny_model, "make_tiny_model", counting_make)
     first = default_model_dir("v3")
@@ -270,10 +270,10 @@ def _concurrent_worker(
     """Child process: count builds in ``counter_file``, start with the others, report the path."""
     real_make = tiny_model.make_tiny_model
 
-    def counting_make(out_dir: Path, arch: str = "v3", seed: int = 0) -> Path:
+    def counting_make(out_dir: Path, arch: str = "v3", seed: int = 0, **kw: str) -> Path:
         with open(counter_file, "a") as fh:
             fh.write(f"{os.getpid()}\n")
-        return real_make(out_dir, arch, seed)
+        return real_make(out_dir, arch, seed, **kw)
 
     tiny_model.make_tiny_model = counting_make
     barrier.wait()
