@@ -484,11 +484,12 @@ def default_log_dir() -> Path:
 
 def resolve_model(model: str | None) -> str:
     """The checkpoint folder every child gets; builds the default model once, up front, so
-    that children do not race to build it."""
+    that children do not race to build it. The default is the tiny model with DeepSeek-V3's
+    own tokenizer and chat template, so tools, structured outputs and reasoning work on it."""
     if model is None:
         from dsmesh.engine.model.tiny_model import default_model_dir
 
-        return str(default_model_dir())
+        return str(default_model_dir(tokenizer="deepseek-v3"))
     folder = Path(model).expanduser().resolve()
     if not folder.is_dir():
         raise FileNotFoundError(f"--model {model}: no such folder")

@@ -60,9 +60,12 @@ async def generate_choices(
     inputs: list[GenerationInput],
     trace_parent: Context | None = None,
     group: ChoiceGroup | None = None,
+    per_prompt: int = 0,
 ) -> AsyncIterator[Delta]:
     """Every choice's deltas as they come, each with ``Delta.index`` set; every choice ends
-    with a delta that has a ``finish_reason``. A choice that fails fails the whole request:
+    with a delta that has a ``finish_reason``. ``per_prompt``: a batch of prompts, each with
+    that many consecutive choices, each prompt's first choice leading its others (0: one
+    prompt). A choice that fails fails the whole request:
     the others are cancelled (their pages freed) and its error is raised. Leaving early
     cancels them all. A choice of an aborted ``group`` that has not started ends "abort"."""
     if len(inputs) == 1:
@@ -70,7 +73,9 @@ async def generate_choices(
             yield delta
         return
     queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
-    first_out = asyncio.Event()  # choice 0 has its first token, or ended
+    per = per_prompt or len(inputs)
+    # per prompt: its first choice has its first token, or ended
+    first_out = [asyncio.Event() for _ in range(0, len(inputs), per)]
 
     def aborted(index: int) -> None:
         prompt = len(inputs[index].prompt_ids)
@@ -78,17 +83,18 @@ async def generate_choices(
         queue.put_nowait((index, None))
 
     async def run(index: int) -> None:
+        lead = index % per == 0
         try:
-            if index > 0:
-                await first_out.wait()
+            if not lead:
+                await first_out[index // per].wait()
                 if group is not None and group.aborted:
                     aborted(index)
                     return
             # no await from the check above to its registration in core.active: an Abort
             # finds it there
             async for delta in core.generate(inputs[index], trace_parent):
-                if index == 0 and delta.token_ids:
-                    first_out.set()
+                if lead and delta.token_ids:
+                    first_out[index // per].set()
                 queue.put_nowait((index, dataclasses.replace(delta, index=index)))
             queue.put_nowait((index, None))
         except asyncio.CancelledError:
@@ -102,8 +108,8 @@ async def generate_choices(
         except Exception as exc:  # noqa: BLE001 - handed to the consumer
             queue.put_nowait((index, exc))
         finally:
-            if index == 0:
-                first_out.set()
+            if lead:
+                first_out[index // per].set()
 
     tasks = [asyncio.create_task(run(i)) for i in range(len(inputs))]
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dsmesh.gateway.openai_fields import UNKNOWN_FIELD_POLICIES
 from dsmesh.gateway.reasoning import check_reasoning_parser
 from dsmesh.options import parse as argtypes
 from dsmesh.options.fields import REQUIRED, option
@@ -64,6 +65,14 @@ class GatewayConfig(ServerOptions):
         "<think>...</think> in reasoning_content (docs/GATEWAY.md)",
         metavar="NAME",
         default_text="off",
+        up=True,
+    )
+    # "error": OpenAI's 400 naming the field; "ignore": vLLM's way (openai_fields.py)
+    unknown_fields: str = option(
+        "error",
+        "what an OpenAI request field the gateway does not know gets: error (OpenAI's 400 "
+        "naming it) or ignore (vLLM's: logged and not read)",
+        choices=UNKNOWN_FIELD_POLICIES,
         up=True,
     )
     # empty: no key needed; ``dsmesh up`` passes them on through the environment

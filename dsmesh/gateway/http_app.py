@@ -11,7 +11,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from dsmesh.gateway import api
 from dsmesh.gateway.core import GenerationCore
 from dsmesh.gateway.openai_api import OpenAIError, OpenAIRoutes, is_openai_path
+from dsmesh.gateway.responses_api import ResponsesRoutes
 from dsmesh.gateway.rest import error_response, transcoded_routes
+from dsmesh.gateway.sglang_api import SGLangRoutes
 from dsmesh.runtime.drain import DRAINING_MESSAGE, Drain
 from dsmesh.runtime.security import bearer_matches
 from dsmesh.runtime.telemetry import context_from_headers
@@ -28,14 +30,17 @@ def build_app(
     api_keys: Sequence[str] = (),
     drain: Drain | None = None,
     reasoning_parser: str = "",
+    unknown_fields: str = "error",
 ) -> web.Application:
     """``api_keys`` non-empty: every route but /health and /metrics needs
     ``Authorization: Bearer <key>`` (401 otherwise). A body over ``max_body_bytes`` is 413.
     ``drain`` (shared with the gRPC port) counts requests in flight; once it drains, new
     requests get 503 and /health answers 503 ``draining``. ``reasoning_parser``: "" (off) or
-    a dsmesh/gateway/reasoning.py parser for chat completions' ``reasoning_content``."""
+    a dsmesh/gateway/reasoning.py parser for chat completions' ``reasoning_content``.
+    ``unknown_fields``: what an OpenAI request field the gateway does not know gets, ``error``
+    (400 naming it) or ``ignore`` (dsmesh/gateway/openai_fields.py)."""
     drain = drain if drain is not None else Drain()
-    openai_routes = OpenAIRoutes(core, model_name, reasoning_parser).routes()
+    openai = OpenAIRoutes(core, model_name, reasoning_parser, unknown_fields)
     middlewares = [admit(drain), body_limit(max_body_bytes), unrouted]
     if api_keys:
         middlewares.insert(0, require_api_key(tuple(api_keys)))  # before reading
@@ -53,7 +58,9 @@ def build_app(
             unary={"Abort": lambda m, r: api.abort(core, m)},
         )
     )
-    app.add_routes(openai_routes)
+    app.add_routes(openai.routes())
+    app.add_routes(ResponsesRoutes(openai).routes())  # OpenAI's Responses API
+    app.add_routes(SGLangRoutes(core).routes())  # SGLang's native /generate
 
     async def health(request: web.Request) -> web.Response:
         reg = core.registry

@@ -24,18 +24,22 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
 from aiohttp import web
 
-from dsmesh.engine.sampling.token_logprobs import TokenLogprobs
-from dsmesh.engine.tokenizer import Tokenizer
 from dsmesh.gateway.choices import choice_inputs, generate_choices
-from dsmesh.gateway.core import Delta, GatewayError, GenerationCore, GenerationInput
-from dsmesh.gateway.openai_echo import EchoedPrompt, join_logprobs
-from dsmesh.gateway.openai_logprobs import LogprobsFormatter
+from dsmesh.gateway.core import GatewayError, GenerationCore, GenerationInput
+from dsmesh.gateway.openai_choice import Choice, choices_usage, chunks
+from dsmesh.gateway.openai_echo import EchoedPrompt
+from dsmesh.gateway.openai_fields import (
+    CHAT_FIELDS,
+    COMPLETIONS_FIELDS,
+    check_chat_capabilities,
+    check_fields,
+)
 from dsmesh.gateway.openai_params import (
     OpenAIError,
     bad_param,
@@ -52,9 +56,7 @@ from dsmesh.gateway.openai_params import (
     utf8_text,
 )
 from dsmesh.gateway.openai_tools import ToolRequest, apply_tool_choice, tool_request
-from dsmesh.gateway.reasoning import ReasoningParser, make_reasoning_parser
 from dsmesh.gateway.rest import http_status, read_json, sse
-from dsmesh.gateway.tool_calls import CallDelta, ToolCallParser, merge_call_deltas
 from dsmesh.runtime.telemetry import context_from_headers
 
 __all__ = ["OpenAIError", "OpenAIRoutes", "is_openai_path", "sampling_from_openai"]
@@ -71,12 +73,17 @@ OPENAI_PATHS = frozenset(
         "/tokenizer_info",
     }
 )
+MAX_BATCH_PROMPTS = 1024  # prompts in one /v1/completions batch
 MODEL_PREFIX = "/v1/models/"  # /v1/models/{id}; an id may hold slashes (org/name)
 
 
 def is_openai_path(path: str) -> bool:
     """Whether ``path`` is one of these routes (its errors then come in OpenAI's shape)."""
-    return path in OPENAI_PATHS or (path.startswith(MODEL_PREFIX) and path != MODEL_PREFIX)
+    return (
+        path in OPENAI_PATHS
+        or (path.startswith(MODEL_PREFIX) and path != MODEL_PREFIX)
+        or path.startswith("/v1/responses")  # dsmesh/gateway/responses_api.py
+    )
 
 
 def _from_gateway(
@@ -100,16 +107,23 @@ def _from_gateway(
 
 class OpenAIRoutes:
     def __init__(
-        self, core: GenerationCore, model_name: str | Sequence[str], reasoning_parser: str = ""
+        self,
+        core: GenerationCore,
+        model_name: str | Sequence[str],
+        reasoning_parser: str = "",
+        unknown_fields: str = "error",
     ) -> None:
         """``model_name``: the served model's names (``--served-model-name``, repeated or a
-        comma list); a request may use any, /v1/models lists them all."""
+        comma list); a request may use any, /v1/models lists them all. ``unknown_fields``:
+        ``error`` (OpenAI's 400 naming the field) or ``ignore`` (vLLM's way;
+        dsmesh/gateway/openai_fields.py)."""
         self.core = core
         self.model_names = served_model_names(model_name)
         if not self.model_names:
             raise ValueError("the gateway needs a served model name")
         self.model_name = self.model_names[0]
         self.reasoning_parser = reasoning_parser  # "" (off) or a dsmesh/gateway/reasoning.py parser
+        self.unknown_fields = unknown_fields
         self.created = int(time.time())
 
     def routes(self) -> list[web.RouteDef]:
@@ -165,72 +179,93 @@ class OpenAIRoutes:
     # ---- /v1/completions ------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        """One prompt or a batch (strings or token-id lists): each prompt's ``n`` choices,
+        numbered prompt by prompt (choice ``p * n + j``), as OpenAI and vLLM number them."""
         try:
             body = await self._body(request)
-            text, ids = _prompt(body.get("prompt"))
-            if ids is None:
-                ids = self.core.tokenizer.encode(text)
+            check_fields(body, COMPLETIONS_FIELDS, self.unknown_fields, "/v1/completions")
+            prompts = _prompts(body.get("prompt"))
+            special = _flag(body, "add_special_tokens", True)
             n = num_choices(body)
             usage = include_usage(body)
-            check_context_length(body, len(ids), self.core.model_config.max_position_embeddings)
-            params = sampling_from_openai(body, self.core.room_to_generate(len(ids)))
             only = prompt_only(body, chat=False)
-            inp = self.core.prepare("", None, ids, params, prompt_only=only)
+            inputs: list[GenerationInput] = []
+            echoes: list[EchoedPrompt | None] = []
+            context = self.core.model_config.max_position_embeddings
+            for text, ids in prompts:
+                if ids is None:
+                    ids = self.core.tokenizer.encode(text, add_special_tokens=special)
+                check_context_length(body, len(ids), context)
+                params = sampling_from_openai(body, self.core.room_to_generate(len(ids)))
+                inp = self.core.prepare("", None, ids, params, prompt_only=only)
+                inputs += choice_inputs(inp, n)
+                echoes += [self._echoed(body, text, inp)] * n
         except OpenAIError as exc:
             return exc.response()
         except GatewayError as exc:
             return _from_gateway(exc).response()
-        echoed = None
-        if echo(body, chat=False):  # the prompt as sent, or its ids as text
-            shown = (
-                text
-                if text is not None
-                else self.core.tokenizer.decode(ids, skip_special_tokens=True)
-            )
-            echoed = EchoedPrompt(shown, inp.prompt_ids)
-        inputs = choice_inputs(inp, n)
-        return await self._respond(request, body, inputs, False, usage, echoed=echoed)
+        per = n if len(prompts) > 1 else 0
+        return await self._respond(request, body, inputs, False, usage, echoes=echoes, per=per)
+
+    def _echoed(
+        self, body: dict[str, Any], text: str | None, inp: GenerationInput
+    ) -> EchoedPrompt | None:
+        """With ``echo``: the prompt as sent, or its ids as text (special tokens skipped)."""
+        if not echo(body, chat=False):
+            return None
+        tok = self.core.tokenizer
+        shown = text if text is not None else tok.decode(inp.prompt_ids, skip_special_tokens=True)
+        return EchoedPrompt(shown, inp.prompt_ids)
 
     # ---- /v1/chat/completions -------------------------------------------------------------
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await self._body(request)
-            messages = _messages(body.get("messages"))
-            tools = tool_request(body)  # dsmesh/gateway/openai_tools.py
+            check_fields(body, CHAT_FIELDS, self.unknown_fields, "/v1/chat/completions")
             n = num_choices(body)
             usage = include_usage(body)
-            refuse_unsupported(body, chat=True)
-            try:
-                ids = self.core.tokenizer.apply_chat_template(
-                    messages,
-                    add_generation_prompt=True,
-                    tokenize=True,
-                    tools=tools.template_tools,
-                )
-            except Exception as exc:  # template errors are the request's fault
-                raise bad_param("messages", f"cannot apply the chat template: {exc}") from exc
-            check_context_length(
-                body,
-                len(ids),
-                self.core.model_config.max_position_embeddings,
-                "max_completion_tokens",
-                "messages",
-            )
-            params = sampling_from_openai(
-                body,
-                self.core.room_to_generate(len(ids)),
-                max_tokens_key="max_completion_tokens",
-                chat=True,
-            )
-            params = apply_tool_choice(params, tools, self.core.tokenizer)
-            inp = self.core.prepare("", None, list(ids), params)
+            inp, tools = self.chat_input(body)
         except OpenAIError as exc:
             return exc.response()
         except GatewayError as exc:
             key = sent_max_tokens_key(body, "max_completion_tokens")
             return _from_gateway(exc, "messages", chat=True, max_tokens_key=key).response()
         return await self._respond(request, body, choice_inputs(inp, n), True, usage, tools)
+
+    def chat_input(self, body: dict[str, Any]) -> tuple[GenerationInput, ToolRequest]:
+        """A chat request's (one choice's) input and tools: its messages through the chat
+        template, its sampling, its tool choice's grammar. Raises OpenAIError or
+        GatewayError; the Responses API (dsmesh/gateway/responses_api.py) runs its
+        requests through here too."""
+        check_chat_capabilities(body, bool(self.reasoning_parser))
+        messages = _messages(body.get("messages"))
+        tools = tool_request(body)  # dsmesh/gateway/openai_tools.py
+        refuse_unsupported(body, chat=True)
+        try:
+            ids = self.core.tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=True,
+                tokenize=True,
+                tools=tools.template_tools,
+            )
+        except Exception as exc:  # template errors are the request's fault
+            raise bad_param("messages", f"cannot apply the chat template: {exc}") from exc
+        check_context_length(
+            body,
+            len(ids),
+            self.core.model_config.max_position_embeddings,
+            "max_completion_tokens",
+            "messages",
+        )
+        params = sampling_from_openai(
+            body,
+            self.core.room_to_generate(len(ids)),
+            max_tokens_key="max_completion_tokens",
+            chat=True,
+        )
+        params = apply_tool_choice(params, tools, self.core.tokenizer)
+        return self.core.prepare("", None, list(ids), params), tools
 
     # ---- /v1/tokenize, /v1/detokenize (vLLM's and SGLang's) ---------------------------------
 
@@ -344,7 +379,8 @@ class OpenAIRoutes:
         chat: bool,
         include_usage: bool = False,
         tools: ToolRequest | None = None,
-        echoed: EchoedPrompt | None = None,
+        echoes: Sequence[EchoedPrompt | None] = (),
+        per: int = 0,
     ) -> web.StreamResponse:
         """Run every choice; one JSON object, or SSE chunks when the body says ``stream``
         (with ``include_usage``, a last chunk of the usage and no choices). ``tools``: chat's,
@@ -357,23 +393,29 @@ class OpenAIRoutes:
         parser = self.reasoning_parser if chat else ""
         parse_tools = tools is not None and tools.parses
         choices = [
-            _Choice(self.core.tokenizer, inp.params.logprobs is not None, parser, parse_tools)
+            Choice(self.core.tokenizer, inp.params.logprobs is not None, parser, parse_tools)
             for inp in inputs
         ]
-        if echoed is not None:  # completions' echo: the prompt before each choice
-            for choice in choices:
+        for choice, echoed in zip(choices, echoes, strict=False):
+            if echoed is not None:  # completions' echo: the prompt before each choice
                 choice.start_echo(echoed)
-        deltas = generate_choices(self.core, inputs, context_from_headers(request.headers))
+        trace = context_from_headers(request.headers)
+        deltas = generate_choices(self.core, inputs, trace, per_prompt=per)
         if body.get("stream"):
             if chat:
                 head["object"] = "chat.completion.chunk"
-            events = _chunks(head, deltas, choices, chat, include_usage)
+            events = chunks(head, deltas, choices, chat, include_usage, per)
             key = sent_max_tokens_key(body, "max_completion_tokens" if chat else "max_tokens")
 
             def early_error(exc: GatewayError) -> web.Response:
                 return _from_gateway(exc, chat=chat, max_tokens_key=key).response()
 
-            return await sse(request, events, done_marker=True, early_error=early_error)
+            def late_error(exc: GatewayError) -> dict[str, Any]:
+                return _from_gateway(exc, chat=chat, max_tokens_key=key).body()
+
+            return await sse(
+                request, events, done_marker=True, early_error=early_error, late_error=late_error
+            )
         try:
             async for delta in deltas:
                 choices[delta.index].add(delta)
@@ -382,193 +424,8 @@ class OpenAIRoutes:
             return _from_gateway(exc, chat=chat, max_tokens_key=key).response()
         out = {**head, "created": int(time.time())}
         out["choices"] = [c.whole(i, chat) for i, c in enumerate(choices)]
-        out["usage"] = _choices_usage(choices)
+        out["usage"] = choices_usage(choices, per)
         return web.json_response(out)
-
-
-class _Choice:
-    """One choice's text, end and logprobs as its deltas arrive; with a reasoning parser,
-    its text split into reasoning and content; with ``parse_tools``, tool calls taken out of
-    the content (dsmesh/gateway/tool_calls.py)."""
-
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        logprobs: bool,
-        reasoning_parser: str = "",
-        parse_tools: bool = False,
-    ) -> None:
-        self.parts: list[str] = []
-        self.reasoner: ReasoningParser | None = make_reasoning_parser(reasoning_parser)
-        self.tool_parser = ToolCallParser() if parse_tools else None
-        self.call_ids: list[str] = []  # one per call of tool_parser, made as each appears
-        self.new_calls: list[CallDelta] = []
-        self.reasoning: list[str] = []
-        self.new_reasoning = ""  # what the last delta added to each part
-        self.new_content = ""
-        self.reason: str | None = None
-        self.last: Delta | None = None  # the finishing delta: its usage counts
-        self.logprobs = LogprobsFormatter(tokenizer) if logprobs else None
-        self.entries: list[TokenLogprobs] = []
-        self.sent_any = False
-        self.echo: EchoedPrompt | None = None  # completions' echo (dsmesh/gateway/openai_echo.py)
-        self.echo_text_due = self.echo_logprobs_due = False
-
-    def start_echo(self, echo: EchoedPrompt) -> None:
-        """Put the prompt (and its logprobs, when asked for) before this choice's output."""
-        self.echo = echo
-        self.echo_text_due = True
-        self.echo_logprobs_due = self.logprobs is not None
-
-    def add(self, delta: Delta) -> None:
-        if self.echo is not None and delta.prompt_logprobs is not None:
-            self.echo.entries = delta.prompt_logprobs  # choice 0's first: before the others'
-        if self.reasoner is None:
-            self.new_reasoning, self.new_content = "", delta.text
-        else:
-            self.new_reasoning, self.new_content = self.reasoner.feed(delta.text)
-            if delta.finish_reason:
-                reasoning, content = self.reasoner.finish()
-                self.new_reasoning += reasoning
-                self.new_content += content
-        if self.tool_parser is not None:
-            parsed = self.tool_parser.feed(self.new_content)
-            if delta.finish_reason:
-                end = self.tool_parser.finish()
-                parsed.content += end.content
-                parsed.calls += end.calls
-            self.new_content, self.new_calls = parsed.content, merge_call_deltas(parsed.calls)
-            self.call_ids += [f"call_{uuid.uuid4().hex[:24]}" for c in parsed.calls if c.name]
-        if self.echo_text_due and self.echo is not None:
-            self.new_content = self.echo.text + self.new_content
-            self.echo_text_due = False
-        self.reasoning.append(self.new_reasoning)
-        self.parts.append(self.new_content)
-        self.entries += delta.logprobs or ()
-        if delta.finish_reason:
-            self.reason = self._finish(delta.finish_reason)
-            self.last = delta
-
-    def _finish(self, reason: str) -> str:
-        """OpenAI's finish reason: ``tool_calls`` when the model ended after calling tools."""
-        if reason == "stop" and self.tool_parser is not None and self.tool_parser.calls:
-            return "tool_calls"
-        return _finish(reason)
-
-    def rendered(self, entries: list[TokenLogprobs], chat: bool) -> dict[str, Any] | None:
-        if self.logprobs is None:
-            return None
-        if chat:
-            return self.logprobs.chat(entries)
-        if self.echo_logprobs_due and self.echo is not None:  # the first rendered: the prompt's
-            self.echo_logprobs_due = False
-            prompt = self.echo.logprobs(self.logprobs)
-            return join_logprobs(prompt, self.logprobs.completion(entries))
-        return self.logprobs.completion(entries)
-
-    def whole(self, index: int, chat: bool) -> dict[str, Any]:
-        text = "".join(self.parts)
-        out: dict[str, Any] = {"index": index}
-        if chat:
-            out["message"] = {"role": "assistant", "content": text}
-            if self.reasoner is not None:
-                out["message"]["reasoning_content"] = "".join(self.reasoning) or None
-            if self.tool_parser is not None and self.tool_parser.calls:
-                out["message"]["content"] = text or None  # OpenAI's null beside tool calls
-                out["message"]["tool_calls"] = [
-                    {
-                        "id": self.call_ids[i],
-                        "type": "function",
-                        "function": {"name": call.name, "arguments": call.arguments},
-                    }
-                    for i, call in enumerate(self.tool_parser.calls)
-                ]
-        else:
-            out["text"] = text
-        out["finish_reason"] = self.reason
-        out["logprobs"] = self.rendered(self.entries, chat)
-        return out
-
-    def part(self, delta: Delta, chat: bool) -> dict[str, Any] | None:
-        """The chunk's entry for ``delta``; None when it carries nothing to send yet."""
-        finish = self._finish(delta.finish_reason) if delta.finish_reason else None
-        new = bool(self.new_reasoning or self.new_content or self.new_calls)
-        if not (new or delta.logprobs or finish or not self.sent_any):
-            return None
-        out: dict[str, Any] = {"index": delta.index}
-        if chat:
-            message: dict[str, Any] = {} if self.sent_any else {"role": "assistant"}
-            if self.new_reasoning:
-                message["reasoning_content"] = self.new_reasoning
-            if self.new_content:
-                message["content"] = self.new_content
-            if self.new_calls:
-                message["tool_calls"] = [self._call_delta(c) for c in self.new_calls]
-            out["delta"] = message
-        else:
-            out["text"] = self.new_content
-        out["finish_reason"] = finish
-        out["logprobs"] = self.rendered(delta.logprobs or [], chat)
-        self.sent_any = True
-        return out
-
-    def _call_delta(self, call: CallDelta) -> dict[str, Any]:
-        """A streamed ``delta.tool_calls`` entry: a call's first has its id, type and name
-        (and the arguments that came with them, maybe ""), the later ones argument fragments."""
-        if call.name is None:
-            return {"index": call.index, "function": {"arguments": call.arguments}}
-        return {
-            "index": call.index,
-            "id": self.call_ids[call.index],
-            "type": "function",
-            "function": {"name": call.name, "arguments": call.arguments},
-        }
-
-
-async def _chunks(
-    head: dict[str, Any],
-    deltas: AsyncIterator[Delta],
-    choices: list[_Choice],
-    chat: bool,
-    include_usage: bool,
-) -> AsyncIterator[dict[str, Any]]:
-    """SSE chunks: one per delta that carries something, each for one choice; with
-    ``include_usage`` a last chunk with no choices and the usage of all of them."""
-    async for delta in deltas:
-        choice = choices[delta.index]
-        choice.add(delta)
-        part = choice.part(delta, chat)
-        if part is None:
-            continue
-        out = {**head, "created": int(time.time()), "choices": [part]}
-        if include_usage:
-            out["usage"] = None
-        yield out
-    if include_usage and all(c.last is not None for c in choices):
-        yield {**head, "created": int(time.time()), "choices": [], "usage": _choices_usage(choices)}
-
-
-def _choices_usage(choices: list[_Choice]) -> dict[str, Any]:
-    """The prompt counted once (choice 0's cache hits), the completions of every choice."""
-    ends = [c.last for c in choices if c.last is not None]
-    if not ends:
-        return {}
-    first = ends[0]
-    completion = sum(d.completion_tokens for d in ends)
-    return _usage(first.prompt_tokens, completion, first.cached_tokens)
-
-
-def _finish(reason: str) -> str:
-    return {"length": "length", "stop": "stop"}.get(reason, reason)
-
-
-def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
 
 
 _TOKENIZE_FIELDS = frozenset(
@@ -598,29 +455,44 @@ def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def _prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
+def _prompts(prompt: Any) -> list[tuple[str | None, list[int] | None]]:
+    """Completions' ``prompt`` as OpenAI takes it: a string, a list of token ids, or a batch
+    (a list of strings, or of token-id lists); each as (text, None) or (None, ids)."""
+    if isinstance(prompt, str) or _is_ids(prompt):
+        return [_prompt("prompt", prompt)]
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_param(
+            "prompt", "must be a string, a list of token ids, or a non-empty list of either"
+        )
+    if len(prompt) > MAX_BATCH_PROMPTS:
+        raise bad_param("prompt", f"at most {MAX_BATCH_PROMPTS} prompts, got {len(prompt)}")
+    return [_prompt(f"prompt[{i}]", p) for i, p in enumerate(prompt)]
+
+
+def _is_ids(prompt: Any) -> bool:
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    )
+
+
+def _prompt(param: str, prompt: Any) -> tuple[str | None, list[int] | None]:
     if isinstance(prompt, str):
         if not prompt:
-            raise bad_param("prompt", "must not be empty")
-        return utf8_text("prompt", prompt), None
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
+            raise bad_param(param, "must not be empty")
+        return utf8_text(param, prompt), None
+    if _is_ids(prompt):
         return None, list(prompt)
-    if isinstance(prompt, list) and len(prompt) == 1:
-        return _prompt(prompt[0])
-    if isinstance(prompt, list) and not prompt:
-        raise bad_param("prompt", "must not be empty")
-    raise bad_param("prompt", "must be a string or a list of token ids (one prompt per request)")
+    raise bad_param(param, "must be a non-empty string or list of token ids")
 
 
 def _messages(messages: Any) -> list[dict[str, Any]]:
     """The conversation for the chat template: each message with every key the client sent
     (``tool_calls``, ``tool_call_id``, ``name``, ...), its content parts joined into one
     string, and a null content as "" (DeepSeek's template renders an assistant turn of tool
-    calls with empty content exactly as one with none)."""
+    calls with empty content exactly as one with none). OpenAI's ``developer`` role, newer
+    than the checkpoints' templates, reaches them as ``system``, as OpenAI treats it."""
     if not isinstance(messages, list) or not messages:
         raise bad_param("messages", "must be a non-empty list")
     out = []
@@ -648,7 +520,8 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
             isinstance(tool_calls, list) and all(isinstance(c, dict) for c in tool_calls)
         ):
             raise bad_param(f"messages[{i}].tool_calls", "must be a list of objects")
-        out.append({**m, "content": content or ""})
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({**m, "role": role, "content": content or ""})
     return out
 
 

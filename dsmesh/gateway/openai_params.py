@@ -43,8 +43,9 @@ class OpenAIError(Exception):
             kind,
         )
 
-    def response(self) -> web.Response:
-        body = {
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error object."""
+        return {
             "error": {
                 "message": self.message,
                 "type": self.kind,
@@ -52,8 +53,10 @@ class OpenAIError(Exception):
                 "code": self.code,
             }
         }
+
+    def response(self) -> web.Response:
         headers = {"Retry-After": "1"} if self.status in (429, 503) else None
-        return web.json_response(body, status=self.status, headers=headers)
+        return web.json_response(self.body(), status=self.status, headers=headers)
 
 
 # The OpenAI ``error.code`` of a pipeline error's gRPC status (docs/GATEWAY.md, "Error

@@ -91,10 +91,13 @@ async def sse(
     events: AsyncIterator[dict[str, Any]],
     done_marker: bool = False,
     early_error: Callable[[GatewayError], web.Response] | None = None,
+    late_error: Callable[[GatewayError], dict[str, Any]] | None = None,
 ) -> web.StreamResponse:
     """Write each dict as one ``data:`` event; a failure becomes an ``error`` event (its body
     in this module's gRPC-status shape). ``early_error``: the response to a failure before
-    the first event (the OpenAI routes' error JSON); None: :func:`error_response`."""
+    the first event (the OpenAI routes' error JSON); None: :func:`error_response`.
+    ``late_error``: the body of a failure after it, sent as a plain ``data:`` event (OpenAI's
+    error object, as OpenAI streams it); None: the ``error`` event."""
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
@@ -110,14 +113,17 @@ async def sse(
             if early_error is not None:
                 return early_error(exc)
             return error_response(exc.code, exc.message)
-        err = {
-            "error": {
-                "code": http_status(exc.code),
-                "status": exc.code.name,
-                "message": exc.message,
+        if late_error is not None:
+            await resp.write(f"data: {json.dumps(late_error(exc))}\n\n".encode())
+        else:
+            err = {
+                "error": {
+                    "code": http_status(exc.code),
+                    "status": exc.code.name,
+                    "message": exc.message,
+                }
             }
-        }
-        await resp.write(f"event: error\ndata: {json.dumps(err)}\n\n".encode())
+            await resp.write(f"event: error\ndata: {json.dumps(err)}\n\n".encode())
     if not started:
         await resp.prepare(request)
     if done_marker:

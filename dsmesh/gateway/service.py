@@ -80,6 +80,7 @@ async def serve(
             config.api_keys,
             drain,
             reasoning_parser=config.reasoning_parser,
+            unknown_fields=config.unknown_fields,
         ),
         handler_cancellation=True,  # a client that disconnects cancels its request
         access_log=None,

@@ -221,6 +221,8 @@ def _sample(field: OptionField) -> tuple[list[str], object]:
     if field.is_switch:
         return [], True
     text = {int: "3", float: "0.25"}.get(field.kind, "k1")
+    if field.meta.choices:  # a flag with choices takes one of them
+        text = str(field.meta.choices[-1])
     value = (field.meta.parse or field.kind)(text)
     return [text], (value,) if field.many else value
 

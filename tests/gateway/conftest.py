@@ -1,6 +1,6 @@
 """The mesh exactly as the README starts it: `dsmesh up` with its defaults (REST on
-localhost:8000, gRPC on localhost:50051, one prefill, one decode, the tiny default model),
-as a real process tree on loopback."""
+localhost:8000, gRPC on localhost:50051, one prefill, one decode, the tiny default model with
+DeepSeek-V3's tokenizer), as a real process tree on loopback."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory):
     os.environ["DSMESH_CACHE_DIR"] = str(cache)
     from dsmesh.engine.model.tiny_model import default_model_dir
 
-    model = default_model_dir()
+    model = default_model_dir(tokenizer="deepseek-v3")  # what `dsmesh up` serves by default
     out = open(logs / "up.out", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
         [sys.executable, "-m", "dsmesh", "up", "--log-dir", str(logs)],

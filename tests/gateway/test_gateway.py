@@ -291,7 +291,7 @@ BAD_OPENAI = [
     ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),  # 0: the prompt only
     ({"prompt": ""}, "prompt"),
     ({"prompt": [1, 999999]}, "prompt"),
-    ({"prompt": "x" * 5000}, "prompt"),
+    ({"prompt": "x " * 5000}, "prompt"),
     ({"prompt": "hi", "max_tokens": "3"}, "max_tokens"),
     ({"prompt": "hi", "n": 0}, "n"),
     ({"prompt": "hi", "presence_penalty": 3}, "presence_penalty"),

@@ -11,6 +11,7 @@ from dsmesh.engine.sampling.token_logprobs import TokenLogprobs
 from dsmesh.engine.tokenizer import Tokenizer
 from dsmesh.gateway.openai_logprobs import MIN_LOGPROB, LogprobsFormatter
 from tests.engine.deepseek_checkpoint import write_deepseek_tokenizer
+from tests.gateway.openai_reference import reference_text_offsets
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +54,21 @@ def test_completion_shape_and_offsets(tokenizer: Tokenizer) -> None:
     assert first["token_logprobs"] == [0.0, -0.5]
     # top tokens plus the generated one, keyed by text
     assert first["top_logprobs"][1] == {tokens[1]: -0.5, tokens[0]: MIN_LOGPROB}
+
+
+def test_offsets_point_into_the_text(tokenizer: Tokenizer) -> None:
+    """Escaped byte tokens, a character split over tokens and a skipped BOS leave every later
+    offset where its token's text starts."""
+    text = "Nice \u201cquotes\u201d: \u4f60\u597d \U0001f9a9 est!"
+    ids = [tokenizer.bos_token_id, *tokenizer.encode(text, add_special_tokens=False)]
+    out = LogprobsFormatter(tokenizer).completion(entries(ids))
+    assert any(t.startswith("\\x") for t in out["tokens"])  # some tokens are partial characters
+    assert out["text_offset"] == reference_text_offsets(tokenizer, ids)
+    assert out["text_offset"][:2] == [0, 0]  # BOS is not in the text
+    for token, offset in zip(out["tokens"], out["text_offset"], strict=True):
+        if "\\x" not in token and token != tokenizer.bos_token:
+            assert text[offset : offset + len(token)] == token
+    assert text[out["text_offset"][-1] :] == out["tokens"][-1]
 
 
 def test_special_tokens_show_their_text(tokenizer: Tokenizer) -> None:

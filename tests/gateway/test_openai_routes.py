@@ -6,6 +6,7 @@ on ``temperature`` and ``stop``."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import openai
@@ -277,3 +278,150 @@ def test_pipeline_errors_carry_openai_codes_not_grpc_names() -> None:
     status, body = asyncio.run(malformed())
     assert status == 400
     assert body["error"]["code"] is None and body["error"]["param"] == "body"
+
+
+def post_bodies(
+    bodies: list[tuple[str, dict[str, Any]]], **app_options: Any
+) -> list[tuple[int, dict[str, Any]]]:
+    """(status, JSON body) of each POST (path, body) against the app built with
+    ``app_options``; every body here is refused before generation, so no core is needed."""
+
+    async def main() -> list[tuple[int, dict[str, Any]]]:
+        app = build_app(None, NAMES, 1 << 20, **app_options)  # type: ignore[arg-type]
+        async with TestServer(app, host="127.0.0.1") as server, ClientSession() as http:
+            out = []
+            for path, body in bodies:
+                async with http.post(server.make_url(path), json=body) as resp:
+                    out.append((resp.status, await resp.json()))
+            return out
+
+    return asyncio.run(main())
+
+
+CHAT = {"model": NAMES[0], "messages": [{"role": "user", "content": "Hi"}]}
+COMPLETION = {"model": NAMES[0], "prompt": "Hi"}
+
+
+def test_unknown_fields_are_400_naming_them_by_default() -> None:
+    out = post_bodies(
+        [
+            ("/v1/completions", {**COMPLETION, "bogus_field_xyz": 1}),
+            ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 4, "bogus": None}),
+            ("/v1/chat/completions", {**CHAT, "prompt": "x"}),  # completions' field
+            ("/v1/completions", {**COMPLETION, "messages": []}),  # chat's field
+        ]
+    )
+    names = ["bogus_field_xyz", "bogus", "prompt", "messages"]
+    for (status, body), name in zip(out, names, strict=True):
+        assert status == 400
+        assert body["error"] == {
+            "message": f"Unrecognized request argument supplied: {name}",
+            "type": "invalid_request_error",
+            "param": name,
+            "code": "unknown_parameter",
+        }
+
+
+def test_unknown_fields_ignored_on_request() -> None:
+    """``--unknown-fields ignore`` (vLLM's way): the unknown field is passed over, so the
+    request goes on to the next error, the bad prompt."""
+    [(status, body)] = post_bodies(
+        [("/v1/completions", {**COMPLETION, "bogus_field_xyz": 1, "prompt": 5})],
+        unknown_fields="ignore",
+    )
+    assert status == 400 and body["error"]["param"] == "prompt"
+
+
+def test_reasoning_effort_needs_a_reasoning_model() -> None:
+    """OpenAI refuses ``reasoning_effort`` on a model that does not reason; with a reasoning
+    parser it is accepted (the request then fails on its messages, checked later)."""
+    effort = {**CHAT, "reasoning_effort": "low"}
+    [(status, body)] = post_bodies([("/v1/chat/completions", effort)])
+    assert status == 400 and body["error"] == {
+        "message": "Unsupported parameter: 'reasoning_effort' is not supported with this model.",
+        "type": "invalid_request_error",
+        "param": "reasoning_effort",
+        "code": "unsupported_parameter",
+    }
+    out = post_bodies(
+        [
+            ("/v1/chat/completions", {**effort, "messages": "x"}),
+            ("/v1/chat/completions", {**effort, "reasoning_effort": "max"}),
+            ("/v1/chat/completions", {**CHAT, "audio": {"voice": "alloy"}}),
+            ("/v1/chat/completions", {**CHAT, "modalities": ["text", "audio"]}),
+        ],
+        reasoning_parser="deepseek-r1",
+    )
+    params = [body["error"]["param"] for _, body in out]
+    assert [s for s, _ in out] == [400] * 4
+    assert params == ["messages", "reasoning_effort", "audio", "modalities"]
+
+
+@pytest.mark.parametrize(
+    "prompt,param",
+    [
+        ([], "prompt"),
+        (["a", ""], "prompt[1]"),
+        (["a", [1, 2], 3], "prompt[2]"),
+        ([[1], [True]], "prompt[1]"),
+        (["a"] * 1025, "prompt"),
+    ],
+)
+def test_batched_prompts_name_the_bad_one(prompt: Any, param: str) -> None:
+    [(status, body)] = post_bodies([("/v1/completions", {**COMPLETION, "prompt": prompt})])
+    assert status == 400 and body["error"]["param"] == param
+
+
+def test_a_stream_that_fails_after_its_first_chunk_ends_with_openai_error() -> None:
+    """rest.sse with the OpenAI routes' late error: the failure is OpenAI's error object as a
+    plain ``data:`` event (what the SDK raises as APIError), then ``[DONE]``."""
+    import grpc
+    from aiohttp import web
+
+    from dsmesh.gateway.core import GatewayError
+    from dsmesh.gateway.openai_api import _from_gateway
+    from dsmesh.gateway.rest import sse
+
+    async def events():
+        yield {"id": "cmpl-1", "choices": []}
+        raise GatewayError(grpc.StatusCode.UNAVAILABLE, "decode instance lost")
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await sse(
+            request, events(), done_marker=True, late_error=lambda e: _from_gateway(e).body()
+        )
+
+    async def main() -> str:
+        app = web.Application()
+        app.router.add_get("/s", handler)
+        async with TestServer(app, host="127.0.0.1") as server, ClientSession() as http:
+            resp = await http.get(server.make_url("/s"))
+            return await resp.text()
+
+    events_out = [e for e in asyncio.run(main()).split("\n\n") if e]
+    assert events_out[0] == 'data: {"id": "cmpl-1", "choices": []}'
+    assert events_out[-1] == "data: [DONE]"
+    error = json.loads(events_out[1].removeprefix("data: "))
+    assert error == {
+        "error": {
+            "message": "decode instance lost",
+            "type": "server_error",
+            "param": None,
+            "code": "service_unavailable",
+        }
+    }
+
+
+def test_missing_api_key_is_openai_401() -> None:
+    from openai.types.shared import ErrorObject
+
+    from tests.gateway.openai_conformance import conform
+
+    out = post_bodies(
+        [("/v1/chat/completions", CHAT), ("/v1/responses", {**CHAT, "input": "x"})],
+        api_keys=["k1"],
+    )
+    for status, body in out:
+        assert status == 401
+        error = conform(ErrorObject, body["error"])
+        assert (error.type, error.code) == ("authentication_error", "invalid_api_key")

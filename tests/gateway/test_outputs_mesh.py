@@ -23,6 +23,7 @@ from dsmesh.engine.tokenizer import Tokenizer
 from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import generation_pb2 as pb
 from dsmesh.v1 import generation_pb2_grpc
+from tests.gateway.openai_reference import reference_text_offsets
 from tests.gateway.outputs_mesh import CHUNK_TOKENS, OutputsMesh, running_outputs_mesh
 from tests.gateway.test_gateway import post
 
@@ -103,7 +104,8 @@ def test_echo_max_tokens_0_scores_the_prompt(mesh, client, tok, hf_model) -> Non
         for token_id, value in entry.top:  # the two most likely, and the prompt's own token
             key = tok.token_bytes(token_id).decode("utf-8", "backslashreplace")
             assert top[key] == pytest.approx(value, abs=1e-3)
-    assert lp.text_offset == [sum(len(s) for s in strings[:i]) for i in range(len(ids))]
+    assert lp.text_offset == reference_text_offsets(tok, ids)  # into the text: BOS is skipped
+    assert TEXT[lp.text_offset[-1] :] == strings[-1]
     again = client.completions.create(**kw)
     assert again.choices[0].logprobs.token_logprobs[1:] == pytest.approx(
         lp.token_logprobs[1:], abs=1e-5

