@@ -76,6 +76,7 @@ async def generate(
             msg.usage.prompt_tokens = delta.prompt_tokens
             msg.usage.completion_tokens = delta.completion_tokens
             msg.usage.cached_tokens = delta.cached_tokens
+            msg.usage.migrations = delta.migrations
             if delta.spec is not None:
                 drafted, accepted, verifications = delta.spec
                 msg.usage.spec.draft_tokens = drafted
