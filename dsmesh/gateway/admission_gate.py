@@ -90,7 +90,7 @@ class AdmissionGate:
         except TimeoutError:
             raise GatewayError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"waited {wait_s:g} s in the gateway queue, up to the request's deadline",
+                f"waited {self.limits.request_timeout_s:g} s in the gateway queue",
             ) from None
         finally:
             self.waiting.pop(inp.request_id, None)

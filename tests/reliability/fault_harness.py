@@ -147,12 +147,19 @@ def generate_request(
 
 
 @contextmanager
-def start_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+def start_mesh(tmp_path_factory: pytest.TempPathFactory, decodes: int = 2) -> Iterator[Mesh]:
     cache = tmp_path_factory.mktemp("cache")
     log_dir = tmp_path_factory.mktemp("fault-logs")
     http_port, grpc_port = free_port(), free_port()
     args = ["--http-port", str(http_port), "--grpc-port", str(grpc_port)]
-    args += ["--log-dir", str(log_dir), "--decode", "2", "--max-batch-tokens", str(PREFILL_CHUNK)]
+    args += [
+        "--log-dir",
+        str(log_dir),
+        "--decode",
+        str(decodes),
+        "--max-batch-tokens",
+        str(PREFILL_CHUNK),
+    ]
     up = UpProcess(args, {"DSMESH_CACHE_DIR": str(cache)})
     try:
         up.wait_for(r"^Ctrl-C to stop\.", timeout=120)
@@ -164,14 +171,14 @@ def start_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         up.close()
 
 
-def wait_mesh_idle(mesh: Mesh, timeout: float = 30) -> None:
+def wait_mesh_idle(mesh: Mesh, timeout: float = 30, num_decodes: int = 2) -> None:
     """Every instance attached, every page free, the gateway healthy."""
 
     def idle() -> bool:
         decodes = mesh.instances(kb.ROLE_DECODE)
         prefills = mesh.instances(kb.ROLE_PREFILL)
         return (
-            len(decodes) == 2
+            len(decodes) == num_decodes
             and len(prefills) == 1
             and all(mesh.pages_idle(a, "decode") for a in decodes)
             and all(mesh.pages_idle(a, "prefill") for a in prefills)
