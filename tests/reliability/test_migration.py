@@ -1,8 +1,9 @@
-"""Request migration on a real supervised mesh (docs/RELIABILITY.md, "Migration"): 64 greedy
-requests in flight over gRPC (streamed), REST and the OpenAI completions route while a
-decode or the prefill is SIGKILLed. None fails, every request's tokens equal the
-undisturbed run's (the same requests on the same mesh before the kill), and no KV page is in
-use afterwards.
+"""Request migration on a real supervised mesh (docs/RELIABILITY.md, "Migration"): 64
+requests in flight over gRPC (streamed), REST and the OpenAI completions route (streamed or
+not), most greedy, some seeded sampled with logprobs or n = 2, some with a stop string,
+while a decode or the prefill is SIGKILLed. None fails, every request's output equals the
+undisturbed run's (the same requests on the same mesh before the kill), and no KV page is
+in use afterwards.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
+import openai
 import pytest
 
 from dsmesh.v1 import kv_broker_pb2 as kb
@@ -38,14 +41,23 @@ def _prompt(i: int) -> list[int]:
     return long_prompt(40 + i % 7, salt=100 + i)
 
 
-class Load:
-    """The 64 requests, each on its own thread: a quarter each over REST and the OpenAI
-    completions route, half streamed over gRPC. ``results[i]`` is what the client got (token
-    ids, or the text on the OpenAI route), or the error; ``streamed`` counts the tokens the
-    gRPC streams have so far."""
+@dataclass(frozen=True)
+class Failed:
+    """A request that ended with an error: its status (gRPC code, HTTP status) and message."""
 
-    def __init__(self, mesh: Mesh, tag: str, model: str) -> None:
-        self.mesh, self.tag, self.model = mesh, tag, model
+    status: object
+    message: str
+
+
+class Load:
+    """The 64 requests, each on its own thread, eight kinds (by ``i % 8``): greedy gRPC
+    streams (0-2), greedy REST (3), greedy OpenAI completions (4), a seeded sampled gRPC
+    stream with logprobs (5), greedy REST with a stop string (6), and a seeded sampled
+    OpenAI completions stream with n = 2 (7). ``results[i]`` is what the client got, or the
+    error; ``streamed`` counts the tokens the gRPC streams have so far."""
+
+    def __init__(self, mesh: Mesh, tag: str, model: str, stop: str) -> None:
+        self.mesh, self.tag, self.model, self.stop = mesh, tag, model, stop
         self.results: dict[int, object] = {}
         self.streamed = 0
         self._lock = threading.Lock()
@@ -54,44 +66,86 @@ class Load:
 
     def _one(self, i: int) -> None:
         rid = f"{self.tag}-{i}"
+        kind = i % 8
         try:
-            if i % 4 == 2:
-                body = {"request_id": rid, "input_ids": _prompt(i)}
-                body["sampling"] = {"max_new_tokens": MAX_NEW, "ignore_eos": True}
+            if kind in (3, 6):
+                sampling = {"max_new_tokens": MAX_NEW, "ignore_eos": True}
+                if kind == 6:
+                    sampling["stop"] = [self.stop]
+                body = {"request_id": rid, "input_ids": _prompt(i), "sampling": sampling}
                 status, answer, _ = self.mesh.rest(body, timeout=120)
-                self.results[i] = answer["token_ids"] if status == 200 else (status, answer)
-            elif i % 4 == 3:
-                body = {"model": self.model, "prompt": _prompt(i), "max_tokens": MAX_NEW}
-                body |= {"temperature": 0, "ignore_eos": True}
-                req = urllib.request.Request(
-                    f"{self.mesh.http}/v1/completions",
-                    json.dumps(body).encode(),
-                    {"Content-Type": "application/json"},
-                )
-                try:
-                    with urllib.request.urlopen(req, timeout=120) as resp:
-                        self.results[i] = json.loads(resp.read())["choices"][0]["text"]
-                except urllib.error.HTTPError as exc:
-                    self.results[i] = (exc.code, exc.read())
+                if status != 200:
+                    self.results[i] = Failed(status, str(answer))
+                elif kind == 6:
+                    self.results[i] = (answer["text"], answer["finish_reason"])
+                else:
+                    self.results[i] = answer["token_ids"]
+            elif kind in (4, 7):
+                self.results[i] = self._openai(i, stream=kind == 7)
             else:
-                tokens: list[int] = []
-                with self.mesh.gateway_channel() as ch:
-                    call = self.mesh.generation(ch).Generate(
-                        generate_request(rid, _prompt(i), MAX_NEW), timeout=120
-                    )
-                    for msg in call:
-                        tokens += msg.token_ids
-                        with self._lock:
-                            self.streamed += len(msg.token_ids)
-                self.results[i] = tokens
+                self.results[i] = self._grpc(rid, i, sampled=kind == 5)
         except grpc.RpcError as exc:
-            self.results[i] = (exc.code(), exc.details())
+            self.results[i] = Failed(exc.code(), exc.details() or "")
+        except openai.APIError as exc:
+            self.results[i] = Failed("openai", str(exc))
+
+    def _grpc(self, rid: str, i: int, sampled: bool) -> object:
+        req = generate_request(rid, _prompt(i), MAX_NEW)
+        if sampled:
+            req.sampling.temperature = 0.9
+            req.sampling.seed = 1000 + i
+            req.sampling.logprobs = 2
+        tokens: list[int] = []
+        logprobs: list[tuple] = []
+        with self.mesh.gateway_channel() as ch:
+            for msg in self.mesh.generation(ch).Generate(req, timeout=120):
+                tokens += msg.token_ids
+                for lp in msg.logprobs:
+                    logprobs.append((lp.token_id, lp.logprob, tuple(lp.top_token_ids)))
+                with self._lock:
+                    self.streamed += len(msg.token_ids)
+        return (tokens, logprobs) if sampled else tokens
+
+    def _openai(self, i: int, stream: bool) -> object:
+        client = openai.OpenAI(base_url=f"{self.mesh.http}/v1", api_key="-", max_retries=0)
+        args = {"model": self.model, "prompt": _prompt(i), "max_tokens": MAX_NEW}
+        if not stream:
+            done = client.completions.create(
+                temperature=0, extra_body={"ignore_eos": True}, timeout=120, **args
+            )
+            return done.choices[0].text
+        texts = ["", ""]
+        chunks = client.completions.create(
+            temperature=0.9,
+            seed=2000 + i,
+            n=2,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            timeout=120,
+            **args,
+        )
+        for chunk in chunks:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+        return texts
 
     def wait(self) -> dict[int, object]:
         for f in self._futures:
             f.result(180)
         self._pool.shutdown()
         return self.results
+
+
+def _same(i: int, expected: object, got: object) -> bool:
+    """Tokens and texts equal; logprobs equal but for float rounding (the batch around the
+    request differs between the runs)."""
+    if i % 8 != 5:
+        return got == expected
+    (tokens, lps), (want_tokens, want_lps) = got, expected
+    return tokens == want_tokens and all(
+        a[0] == b[0] and a[2] == b[2] and abs(a[1] - b[1]) < 1e-4
+        for a, b in zip(lps, want_lps, strict=True)
+    )
 
 
 def _model(mesh: Mesh) -> str:
@@ -104,16 +158,25 @@ def _run_with_kill(mesh: Mesh, victim: str, num_decodes: int) -> None:
     streams are under way; every request ends with the undisturbed tokens."""
     wait_mesh_idle(mesh, 60, num_decodes)
     model = _model(mesh)
-    expected = Load(mesh, f"{victim}-base", model).wait()
-    for i, got in expected.items():
-        assert isinstance(got, (list, str)) and len(got) > 0, (i, got)
+    # a stop string that a kind-6 request reaches late: the end of an undisturbed output
+    status, answer, _ = mesh.rest(
+        {"input_ids": _prompt(6), "sampling": {"max_new_tokens": MAX_NEW, "ignore_eos": True}}
+    )
+    assert status == 200, answer
+    stop = answer["text"][-4:-1]
+    expected = Load(mesh, f"{victim}-base", model, stop).wait()
+    for i, want in expected.items():
+        assert not isinstance(want, Failed) and want, (i, want)
+    assert expected[6][1] == "stop" and len(expected[6][0]) < len(answer["text"])
     wait_mesh_idle(mesh, 60, num_decodes)
     migrated_before = mesh.metric(MIGRATED)
     svc = mesh.services()
     victim_pid = svc[victim][1]
-    others = {n: pid for n, (_, pid) in svc.items() if n not in (victim, "gateway")}
+    others = {
+        n: (pid, mesh.restarts(n)) for n, (_, pid) in svc.items() if n not in (victim, "gateway")
+    }
 
-    load = Load(mesh, f"{victim}-moved", model)
+    load = Load(mesh, f"{victim}-moved", model, stop)
     # the kill lands while requests are prefilling and decoding: a few tokens streamed
     assert wait_until(lambda: load.streamed >= NUM_REQUESTS // 2, 60, 0.005)
     os.kill(victim_pid, signal.SIGKILL)
@@ -121,18 +184,19 @@ def _run_with_kill(mesh: Mesh, victim: str, num_decodes: int) -> None:
     got = load.wait()
     ended = time.monotonic() - killed_at
 
-    failed = {i: r for i, r in got.items() if not isinstance(r, (list, str))}
+    failed = {i: r for i, r in got.items() if isinstance(r, Failed)}
     assert not failed, failed
-    differ = [i for i in range(NUM_REQUESTS) if got[i] != expected[i]]
+    differ = [i for i in range(NUM_REQUESTS) if not _same(i, expected[i], got[i])]
     assert not differ, [(i, expected[i], got[i]) for i in differ[:3]]
     migrated = mesh.metric(MIGRATED) - migrated_before
     assert migrated >= 1, "no request was in flight on the killed process"
 
     mesh.up.wait_for(rf"{victim} restarted at \S+ \(pid \d+\), healthy", 60)
-    for name, pid in others.items():  # nothing else restarted
-        assert pid_alive(pid) and mesh.restarts(name) == 0, name
+    for name, (pid, restarts) in others.items():  # nothing else restarted
+        assert pid_alive(pid) and mesh.restarts(name) == restarts, name
     wait_mesh_idle(mesh, 60, num_decodes)  # 0 KV pages in use on every instance
-    assert mesh.metric("dsmesh_kv_pages_used") == 0
+    # the gateway's view (its load polls) comes to the same
+    assert wait_until(lambda: mesh.metric("dsmesh_kv_pages_used") == 0, 10)
     print(f"RELIABILITY migrate_{victim} migrated={migrated:.0f} all_done_after_kill_s={ended:.2f}")
 
 
