@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -146,8 +147,45 @@ def generate_request(
     )
 
 
+class Outcome:
+    """One streamed gRPC Generate call, run on its own thread."""
+
+    def __init__(self, mesh: Mesh, request_id: str, input_ids: list[int], max_new: int) -> None:
+        self.request_id = request_id
+        self.tokens = 0
+        self.code: grpc.StatusCode | None = None  # None while running; OK when finished
+        self.details = ""
+        self.ended_at = 0.0
+        self.first_token = threading.Event()
+        self._channel = mesh.gateway_channel()
+        self.call = mesh.generation(self._channel).Generate(
+            generate_request(request_id, input_ids, max_new), timeout=120
+        )
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for msg in self.call:
+                self.tokens += len(msg.token_ids)
+                self.first_token.set()
+            self.code = grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            self.code, self.details = exc.code(), exc.details() or ""
+        finally:
+            self.ended_at = time.monotonic()
+            self._channel.close()
+
+    def wait(self, timeout: float) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
 @contextmanager
-def start_mesh(tmp_path_factory: pytest.TempPathFactory, decodes: int = 2) -> Iterator[Mesh]:
+def start_mesh(
+    tmp_path_factory: pytest.TempPathFactory, decodes: int = 2, extra: tuple[str, ...] = ()
+) -> Iterator[Mesh]:
+    """``dsmesh up`` with ``decodes`` decodes and ``extra`` flags."""
     cache = tmp_path_factory.mktemp("cache")
     log_dir = tmp_path_factory.mktemp("fault-logs")
     http_port, grpc_port = free_port(), free_port()
@@ -160,7 +198,7 @@ def start_mesh(tmp_path_factory: pytest.TempPathFactory, decodes: int = 2) -> It
         "--max-batch-tokens",
         str(PREFILL_CHUNK),
     ]
-    up = UpProcess(args, {"DSMESH_CACHE_DIR": str(cache)})
+    up = UpProcess([*args, *extra], {"DSMESH_CACHE_DIR": str(cache)})
     try:
         up.wait_for(r"^Ctrl-C to stop\.", timeout=120)
         broker = up.ready_services()["kv-broker"][0]

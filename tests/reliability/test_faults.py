@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +21,7 @@ from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
 from tests.reliability.fault_harness import (
     Mesh,
-    generate_request,
+    Outcome,
     long_prompt,
     start_mesh,
     wait_mesh_idle,
@@ -41,40 +40,6 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 def report(scenario: str, **figures: float) -> None:
     for name, value in figures.items():
         print(f"RELIABILITY {scenario} {name}={value:.2f}")
-
-
-class Outcome:
-    """One streamed gRPC Generate call, run on its own thread."""
-
-    def __init__(self, mesh: Mesh, request_id: str, input_ids: list[int], max_new: int) -> None:
-        self.request_id = request_id
-        self.tokens = 0
-        self.code: grpc.StatusCode | None = None  # None while running; OK when finished
-        self.details = ""
-        self.ended_at = 0.0
-        self.first_token = threading.Event()
-        self._channel = mesh.gateway_channel()
-        self.call = mesh.generation(self._channel).Generate(
-            generate_request(request_id, input_ids, max_new), timeout=120
-        )
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            for msg in self.call:
-                self.tokens += len(msg.token_ids)
-                self.first_token.set()
-            self.code = grpc.StatusCode.OK
-        except grpc.RpcError as exc:
-            self.code, self.details = exc.code(), exc.details() or ""
-        finally:
-            self.ended_at = time.monotonic()
-            self._channel.close()
-
-    def wait(self, timeout: float) -> bool:
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
 
 
 def _states(mesh: Mesh, ids: list[str]) -> dict[str, int]:

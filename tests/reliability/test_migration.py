@@ -25,6 +25,7 @@ import pytest
 from dsmesh.v1 import kv_broker_pb2 as kb
 from tests.reliability.fault_harness import (
     Mesh,
+    Outcome,
     generate_request,
     long_prompt,
     start_mesh,
@@ -101,7 +102,7 @@ class Load:
             for msg in self.mesh.generation(ch).Generate(req, timeout=120):
                 tokens += msg.token_ids
                 for lp in msg.logprobs:
-                    logprobs.append((lp.token_id, lp.logprob, tuple(lp.top_token_ids)))
+                    logprobs.append((lp.token_id, lp.logprob, tuple(t.token_id for t in lp.top)))
                 with self._lock:
                     self.streamed += len(msg.token_ids)
         return (tokens, logprobs) if sampled else tokens
@@ -222,3 +223,45 @@ def test_the_only_decode_killed_loses_no_request(
     with start_mesh(tmp_path_factory, decodes=1) as one:
         assert wait_until(lambda: len(one.instances(kb.ROLE_DECODE)) == 1, 60)
         _run_with_kill(one, "decode-0", num_decodes=1)
+
+
+def test_limit_zero_fails_lost_requests_and_new_ones_wait_for_the_restart(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """``--migration-limit 0``: requests on a killed decode fail UNAVAILABLE. While no decode
+    exists (the supervisor is held stopped, so the restart waits), new requests wait in the
+    gateway's queue up to ``--max-queued``; past it they get 503 with Retry-After. Once the
+    decode is back the waiting ones complete with the undisturbed tokens."""
+    extra = ("--migration-limit", "0", "--max-queued", "2")
+    with start_mesh(tmp_path_factory, decodes=1, extra=extra) as mesh:
+        wait_mesh_idle(mesh, 60, num_decodes=1)
+        sampling = {"max_new_tokens": 8, "ignore_eos": True}
+        bodies = [{"input_ids": _prompt(i), "sampling": sampling} for i in range(2)]
+        expected = [mesh.rest(body)[1]["token_ids"] for body in bodies]
+        victim_pid = mesh.services()["decode-0"][1]
+
+        streams = [Outcome(mesh, f"limit0-{i}", _prompt(10 + i), 3000) for i in range(4)]
+        for call in streams:
+            assert call.first_token.wait(60), (call.code, call.details)
+        os.kill(mesh.up.process.pid, signal.SIGSTOP)  # hold the supervisor: no restart yet
+        try:
+            os.kill(victim_pid, signal.SIGKILL)
+            for call in streams:
+                assert call.wait(30), f"{call.request_id} hangs"
+                assert call.code == grpc.StatusCode.UNAVAILABLE, (call.code, call.details)
+            assert mesh.metric(MIGRATED) == 0
+            assert wait_until(lambda: not mesh.instances(kb.ROLE_DECODE), 30)
+
+            pool = ThreadPoolExecutor(2)
+            waiting = [pool.submit(mesh.rest, body, 120) for body in bodies]
+            assert wait_until(lambda: mesh.metric("dsmesh_requests_queued") == 2, 30)
+            status, answer, headers = mesh.rest(bodies[0])
+            assert status == 503 and answer["error"]["status"] == "UNAVAILABLE", answer
+            assert headers.get("Retry-After"), headers
+        finally:
+            os.kill(mesh.up.process.pid, signal.SIGCONT)
+        mesh.up.wait_for(r"decode-0 restarted at \S+ \(pid \d+\), healthy", 60)
+        got = [f.result(120) for f in waiting]
+        pool.shutdown()
+        assert [(s, a.get("token_ids")) for s, a, _ in got] == [(200, t) for t in expected]
+        wait_mesh_idle(mesh, 60, num_decodes=1)
