@@ -34,9 +34,9 @@ from dsmesh.gateway.admission import AdmissionQueue
 from dsmesh.gateway.admission_gate import AbortedInQueue, AdmissionGate
 from dsmesh.gateway.dispatch import abort_placed, first_in_context, open_stream
 from dsmesh.gateway.metrics import GatewayMetrics
-from dsmesh.gateway.migration import Migration
+from dsmesh.gateway.migration import MOVABLE_CODES, Migration
 from dsmesh.gateway.outputs import RequestOutput
-from dsmesh.gateway.registry import InstanceRegistry
+from dsmesh.gateway.registry import Instance, InstanceRegistry
 from dsmesh.gateway.request import (
     CoreLimits,
     Delta,
@@ -216,6 +216,8 @@ class GenerationCore:
                         yield delta
                     return
                 except GatewayError as exc:
+                    if exc.code in MOVABLE_CODES:
+                        _skip_lost(placed, exc.side)
                     if not sent and self._requeues(exc, start):
                         # Refused for room before any work: back to the head of the queue.
                         m.requeued.inc()
@@ -256,15 +258,9 @@ class GenerationCore:
     def _migrate(
         self, migration: Migration, placed: Placement, exc: GatewayError, span: trace.Span
     ) -> GenerationInput:
-        """The instance serving the request was lost (``exc``): routing skips it until it
-        answers a load poll again, and the request's next attempt resumes where the client's
-        stream is (dsmesh/gateway/migration.py)."""
-        by_side = {"decode": placed.decode, "unified": placed.decode, "prefill": placed.prefill}
-        named = by_side.get(exc.side)
-        lost = [named] if named is not None else [placed.decode, placed.prefill]
-        lost = [inst for inst in lost if inst is not None]
-        for inst in lost:
-            inst.healthy = False
+        """The instance serving the request was lost (``exc``): the request's next attempt
+        resumes where the client's stream is (dsmesh/gateway/migration.py)."""
+        lost = _lost(placed, exc.side)
         resumed = migration.resume()
         self.metrics.migrated.labels(exc.side or "unknown").inc()
         span.add_event(
@@ -348,3 +344,19 @@ class GenerationCore:
             self._aborted_unplaced.add(request_id)
             return True
         return await abort_placed(placed, request_id)
+
+
+def _lost(placed: Placement, side: str) -> list[Instance]:
+    """The instances of ``placed`` that a failure on ``side`` concerns: the one named, or
+    both of a pair when no side is known."""
+    by_side = {"decode": placed.decode, "unified": placed.decode, "prefill": placed.prefill}
+    named = by_side.get(side)
+    lost = [named] if named is not None else [placed.decode, placed.prefill]
+    return [inst for inst in lost if inst is not None]
+
+
+def _skip_lost(placed: Placement, side: str) -> None:
+    """Routing skips instances a call found gone (UNAVAILABLE) until they answer a load poll
+    again, so requests arriving before the next poll do not go there."""
+    for inst in _lost(placed, side):
+        inst.healthy = False

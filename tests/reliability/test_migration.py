@@ -251,10 +251,14 @@ def test_limit_zero_fails_lost_requests_and_new_ones_wait_for_the_restart(
                 assert call.code == grpc.StatusCode.UNAVAILABLE, (call.code, call.details)
             assert mesh.metric(MIGRATED) == 0
             assert wait_until(lambda: not mesh.instances(kb.ROLE_DECODE), 30)
+            assert wait_until(lambda: not mesh.healthy(), 30)  # the gateway sees no decode
 
             pool = ThreadPoolExecutor(2)
             waiting = [pool.submit(mesh.rest, body, 120) for body in bodies]
-            assert wait_until(lambda: mesh.metric("dsmesh_requests_queued") == 2, 30)
+            assert wait_until(lambda: mesh.metric("dsmesh_requests_queued") == 2, 30), (
+                [f.result() if f.done() else "running" for f in waiting],
+                mesh.metric("dsmesh_requests_queued"),
+            )
             status, answer, headers = mesh.rest(bodies[0])
             assert status == 503 and answer["error"]["status"] == "UNAVAILABLE", answer
             assert headers.get("Retry-After"), headers
