@@ -2,7 +2,8 @@
 
 validate + tokenise -> admission (wait in the queue until a target has room) -> run it on a
 (prefill, decode) pair or a unified instance -> detokenise incrementally, apply stop strings
--> stream deltas. No protocol code here: callers convert.
+-> stream deltas; if the instance serving it is lost, send it on and resume (migration.py).
+No protocol code here: callers convert.
 
 :class:`GenerationCore` validates requests and runs each one through its stages: the
 admission queue on the event loop (admission_gate.py), the calls to the instances it was
@@ -159,7 +160,10 @@ class GenerationCore:
         in the admission queue (part of its time to first token). Leaving early cancels it
         wherever it is: out of the queue, or on both sides of the mesh (pages are freed).
         ``trace_parent``: the caller's trace context (an HTTP traceparent, or the gRPC server
-        span); the request's spans hang below it."""
+        span); the request's spans hang below it. When the instance serving it is lost, the
+        request moves on (up to ``migration_limit`` times, dsmesh/gateway/migration.py): it
+        waits in the queue again and resumes after the tokens already streamed, so the deltas
+        go on with no gap and no repeat."""
         if inp.request_id in self.active:
             self.metrics.requests.labels("rejected").inc()
             raise GatewayError(
