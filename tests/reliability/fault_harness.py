@@ -209,15 +209,21 @@ def start_mesh(
         up.close()
 
 
-def wait_mesh_idle(mesh: Mesh, timeout: float = 30, num_decodes: int = 2) -> None:
+def wait_mesh_idle(
+    mesh: Mesh,
+    timeout: float = 30,
+    num_decodes: int = 2,
+    num_prefills: int = 1,
+    num_unified: int = 0,
+) -> None:
     """Every instance attached, every page free, the gateway healthy."""
 
     def idle() -> bool:
-        decodes = mesh.instances(kb.ROLE_DECODE)
+        decodes = mesh.instances(kb.ROLE_DECODE) | mesh.instances(kb.ROLE_UNIFIED)
         prefills = mesh.instances(kb.ROLE_PREFILL)
         return (
-            len(decodes) == num_decodes
-            and len(prefills) == 1
+            len(decodes) == num_decodes + num_unified
+            and len(prefills) == num_prefills
             and all(mesh.pages_idle(a, "decode") for a in decodes)
             and all(mesh.pages_idle(a, "prefill") for a in prefills)
             and mesh.healthy()

@@ -154,10 +154,10 @@ def _model(mesh: Mesh) -> str:
         return json.loads(resp.read())["data"][0]["id"]
 
 
-def _run_with_kill(mesh: Mesh, victim: str, num_decodes: int) -> None:
+def _run_with_kill(mesh: Mesh, victim: str, **counts: int) -> None:
     """The undisturbed run, then the same requests with ``victim`` SIGKILLed once the gRPC
     streams are under way; every request ends with the undisturbed tokens."""
-    wait_mesh_idle(mesh, 60, num_decodes)
+    wait_mesh_idle(mesh, 60, **counts)
     model = _model(mesh)
     # a stop string that a kind-6 request reaches late: the end of an undisturbed output
     status, answer, _ = mesh.rest(
@@ -169,7 +169,7 @@ def _run_with_kill(mesh: Mesh, victim: str, num_decodes: int) -> None:
     for i, want in expected.items():
         assert not isinstance(want, Failed) and want, (i, want)
     assert expected[6][1] == "stop" and len(expected[6][0]) < len(answer["text"])
-    wait_mesh_idle(mesh, 60, num_decodes)
+    wait_mesh_idle(mesh, 60, **counts)
     migrated_before = mesh.metric(MIGRATED)
     svc = mesh.services()
     victim_pid = svc[victim][1]
@@ -195,7 +195,7 @@ def _run_with_kill(mesh: Mesh, victim: str, num_decodes: int) -> None:
     mesh.up.wait_for(rf"{victim} restarted at \S+ \(pid \d+\), healthy", 60)
     for name, (pid, restarts) in others.items():  # nothing else restarted
         assert pid_alive(pid) and mesh.restarts(name) == restarts, name
-    wait_mesh_idle(mesh, 60, num_decodes)  # 0 KV pages in use on every instance
+    wait_mesh_idle(mesh, 60, **counts)  # 0 KV pages in use on every instance
     # the gateway's view (its load polls) comes to the same
     assert wait_until(lambda: mesh.metric("dsmesh_kv_pages_used") == 0, 10)
     print(f"RELIABILITY migrate_{victim} migrated={migrated:.0f} all_done_after_kill_s={ended:.2f}")
@@ -223,6 +223,15 @@ def test_the_only_decode_killed_loses_no_request(
     with start_mesh(tmp_path_factory, decodes=1) as one:
         assert wait_until(lambda: len(one.instances(kb.ROLE_DECODE)) == 1, 60)
         _run_with_kill(one, "decode-0", num_decodes=1)
+
+
+def test_unified_killed_with_a_second_unified_loses_no_request(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Unified instances (no handoff): the requests of the killed one resume on the other."""
+    extra = ("--prefill", "0", "--unified", "2")
+    with start_mesh(tmp_path_factory, decodes=0, extra=extra) as mesh:
+        _run_with_kill(mesh, "unified-0", num_decodes=0, num_prefills=0, num_unified=2)
 
 
 def test_limit_zero_fails_lost_requests_and_new_ones_wait_for_the_restart(
