@@ -555,7 +555,10 @@ def _choices_usage(choices: list[_Choice]) -> dict[str, Any]:
         return {}
     first = ends[0]
     completion = sum(d.completion_tokens for d in ends)
-    return _usage(first.prompt_tokens, completion, first.cached_tokens)
+    usage = _usage(first.prompt_tokens, completion, first.cached_tokens)
+    if moved := sum(d.migrations for d in ends):  # dsmesh's own: docs/RELIABILITY.md
+        usage["migrations"] = moved
+    return usage
 
 
 def _finish(reason: str) -> str:

@@ -61,6 +61,7 @@ class Load:
         self.mesh, self.tag, self.model, self.stop = mesh, tag, model, stop
         self.results: dict[int, object] = {}
         self.streamed = 0
+        self.moves = 0  # usage.migrations summed over every request's answer
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(NUM_REQUESTS)
         self._futures = [self._pool.submit(self._one, i) for i in range(NUM_REQUESTS)]
@@ -77,10 +78,12 @@ class Load:
                 status, answer, _ = self.mesh.rest(body, timeout=120)
                 if status != 200:
                     self.results[i] = Failed(status, str(answer))
-                elif kind == 6:
-                    self.results[i] = (answer["text"], answer["finish_reason"])
                 else:
-                    self.results[i] = answer["token_ids"]
+                    self._moved(answer["usage"].get("migrations", 0))
+                    if kind == 6:
+                        self.results[i] = (answer["text"], answer["finish_reason"])
+                    else:
+                        self.results[i] = answer["token_ids"]
             elif kind in (4, 7):
                 self.results[i] = self._openai(i, stream=kind == 7)
             else:
@@ -105,6 +108,8 @@ class Load:
                     logprobs.append((lp.token_id, lp.logprob, tuple(t.token_id for t in lp.top)))
                 with self._lock:
                     self.streamed += len(msg.token_ids)
+                if msg.finish_reason:
+                    self._moved(msg.usage.migrations)
         return (tokens, logprobs) if sampled else tokens
 
     def _openai(self, i: int, stream: bool) -> object:
@@ -114,6 +119,7 @@ class Load:
             done = client.completions.create(
                 temperature=0, extra_body={"ignore_eos": True}, timeout=120, **args
             )
+            self._moved((done.usage.model_extra or {}).get("migrations", 0))
             return done.choices[0].text
         texts = ["", ""]
         chunks = client.completions.create(
@@ -122,13 +128,20 @@ class Load:
             n=2,
             stream=True,
             extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True},
             timeout=120,
             **args,
         )
         for chunk in chunks:
             for choice in chunk.choices:
                 texts[choice.index] += choice.text
+            if chunk.usage is not None:
+                self._moved((chunk.usage.model_extra or {}).get("migrations", 0))
         return texts
+
+    def _moved(self, migrations: int) -> None:
+        with self._lock:
+            self.moves += migrations
 
     def wait(self) -> dict[int, object]:
         for f in self._futures:
@@ -165,7 +178,9 @@ def _run_with_kill(mesh: Mesh, victim: str, **counts: int) -> None:
     )
     assert status == 200, answer
     stop = answer["text"][-4:-1]
-    expected = Load(mesh, f"{victim}-base", model, stop).wait()
+    undisturbed = Load(mesh, f"{victim}-base", model, stop)
+    expected = undisturbed.wait()
+    expected_load_moves = undisturbed.moves
     for i, want in expected.items():
         assert not isinstance(want, Failed) and want, (i, want)
     assert expected[6][1] == "stop" and len(expected[6][0]) < len(answer["text"])
@@ -191,6 +206,8 @@ def _run_with_kill(mesh: Mesh, victim: str, **counts: int) -> None:
     assert not differ, [(i, expected[i], got[i]) for i in differ[:3]]
     migrated = mesh.metric(MIGRATED) - migrated_before
     assert migrated >= 1, "no request was in flight on the killed process"
+    assert load.moves == migrated  # every move shows in its request's usage
+    assert expected_load_moves == 0
 
     mesh.up.wait_for(rf"{victim} restarted at \S+ \(pid \d+\), healthy", 60)
     for name, (pid, restarts) in others.items():  # nothing else restarted
