@@ -34,12 +34,14 @@ PREFILL_SETTLE_S = 1.0
 
 
 class PDError(Exception):
-    """The request failed; ``code`` is the most informative status of the two sides."""
+    """The request failed; ``code`` is the most informative status of the two sides, and
+    ``side`` the role that answered it ("prefill", "decode" or "unified")."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, side: str = "") -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.side = side
 
 
 async def generate_pd(
@@ -53,6 +55,7 @@ async def generate_pd(
     broker: kv_broker_pb2_grpc.KVBrokerStub | None = None,
     on_prefilled: Callable[[prefill_pb2.PrefillResponse], None] | None = None,
     prefill_first: bool = False,
+    resumed_tokens: int = 0,
 ) -> AsyncIterator[decode_pb2.DecodeResponse]:
     """Yield decode's messages; raise :class:`PDError` on failure. Cancelling the iterator
     (or leaving it early) cancels both calls, which frees pages on both sides.
@@ -64,6 +67,8 @@ async def generate_pd(
     prompt its prefix cache served), at the latest before the last message is yielded; with
     ``prefill_first``, before the first (decode's first message waits for prefill's answer,
     which then carries what the client must see first: the prompt logprobs).
+    ``resumed_tokens``: a migrated request, whose ``input_ids`` end with that many tokens of
+    its own output (docs/RELIABILITY.md).
     """
     decode_call = decode.Decode(
         decode_pb2.DecodeRequest(
@@ -71,11 +76,17 @@ async def generate_pd(
             input_ids=input_ids,
             sampling=sampling,
             handoff_timeout_ms=int(handoff_timeout_s * 1000),
+            resumed_tokens=resumed_tokens,
         ),
         timeout=timeout_s,
     )
     prefill_call = prefill.Prefill(
-        prefill_pb2.PrefillRequest(request_id=request_id, input_ids=input_ids, sampling=sampling),
+        prefill_pb2.PrefillRequest(
+            request_id=request_id,
+            input_ids=input_ids,
+            sampling=sampling,
+            resumed_tokens=resumed_tokens,
+        ),
         timeout=timeout_s,
     )
     prefill_task = asyncio.ensure_future(prefill_call)
@@ -167,12 +178,18 @@ async def generate_unified(
     input_ids: list[int],
     sampling: generation_pb2.SamplingParams,
     timeout_s: float = 120.0,
+    resumed_tokens: int = 0,
 ) -> AsyncIterator[decode_pb2.DecodeResponse]:
     """Yield a unified instance's messages (it prefills and decodes; no handoff); raise
     :class:`PDError` on failure. Cancelling the iterator (or leaving it early) cancels the
-    call, which frees the request's pages there."""
+    call, which frees the request's pages there. ``resumed_tokens``: as in generate_pd."""
     call = unified.Decode(
-        decode_pb2.DecodeRequest(request_id=request_id, input_ids=input_ids, sampling=sampling),
+        decode_pb2.DecodeRequest(
+            request_id=request_id,
+            input_ids=input_ids,
+            sampling=sampling,
+            resumed_tokens=resumed_tokens,
+        ),
         timeout=timeout_s,
     )
     done = [False]
@@ -181,11 +198,13 @@ async def generate_unified(
         async for message in _relay(messages, done):
             yield message
     except grpc.aio.AioRpcError as exc:
-        raise PDError(exc.code(), f"unified: {exc.details()}") from None
+        raise PDError(exc.code(), f"unified: {exc.details()}", "unified") from None
     except asyncio.CancelledError:
         if _caller_cancelled():
             raise
-        raise PDError(grpc.StatusCode.UNAVAILABLE, f"unified: {_CLOSED_UNDER_US}") from None
+        raise PDError(
+            grpc.StatusCode.UNAVAILABLE, f"unified: {_CLOSED_UNDER_US}", "unified"
+        ) from None
     finally:
         if not done[0]:
             call.cancel()
@@ -211,6 +230,7 @@ def _answer_lost(prefill_task: asyncio.Future) -> PDError:
     return PDError(
         grpc.StatusCode.UNAVAILABLE,
         f"prefill: its answer, which carries the prompt logprobs, was lost ({why})",
+        "prefill",
     )
 
 
@@ -262,7 +282,7 @@ async def _explain(decode_error: BaseException, prefill_task: asyncio.Future) ->
         isinstance(decode_error, grpc.aio.AioRpcError)
         and decode_error.code() == grpc.StatusCode.ALREADY_EXISTS
     ):
-        return PDError(decode_error.code(), f"decode: {decode_error.details()}")
+        return PDError(decode_error.code(), f"decode: {decode_error.details()}", "decode")
     with contextlib.suppress(Exception, asyncio.CancelledError):
         await asyncio.wait_for(asyncio.shield(prefill_task), 0.5)
     if prefill_task.done() and not prefill_task.cancelled():
@@ -271,9 +291,11 @@ async def _explain(decode_error: BaseException, prefill_task: asyncio.Future) ->
             grpc.StatusCode.CANCELLED,
             grpc.StatusCode.ABORTED,
         ):
-            return PDError(exc.code(), f"prefill: {exc.details()}")
+            return PDError(exc.code(), f"prefill: {exc.details()}", "prefill")
     if isinstance(decode_error, grpc.aio.AioRpcError):
-        return PDError(decode_error.code(), f"decode: {decode_error.details()}")
+        return PDError(decode_error.code(), f"decode: {decode_error.details()}", "decode")
     if _failed(prefill_task):  # prefill_done cancelled decode's call
-        return PDError(grpc.StatusCode.UNAVAILABLE, "decode stream stopped after prefill failed")
-    return PDError(grpc.StatusCode.UNAVAILABLE, f"decode: {_CLOSED_UNDER_US}")
+        return PDError(
+            grpc.StatusCode.UNAVAILABLE, "decode stream stopped after prefill failed", "prefill"
+        )
+    return PDError(grpc.StatusCode.UNAVAILABLE, f"decode: {_CLOSED_UNDER_US}", "decode")

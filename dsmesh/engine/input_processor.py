@@ -19,7 +19,7 @@ from dsmesh.engine.errors import InvalidRequestError, check_fits_pool, check_pro
 from dsmesh.engine.request import Request
 from dsmesh.engine.sampling.grammar import GrammarMasks
 from dsmesh.engine.sampling.params import SamplingParams
-from dsmesh.engine.sampling.sampler import make_generator
+from dsmesh.engine.sampling.sampler import advance_generator, make_generator
 
 
 class InputProcessor:
@@ -70,18 +70,33 @@ class InputProcessor:
         total = check_fits_pool(
             len(ids), new_tokens, self.max_context, self.page_size, self.num_pages
         )
+        resumed = params.resumed_tokens
+        if resumed >= len(ids):
+            raise InvalidRequestError(
+                "sampling.resumed_tokens",
+                f"must be less than the prompt's {len(ids)} tokens, got {resumed}",
+            )
         grammar = None
         if params.grammar is not None:
             try:
                 grammar = self.grammar.vocab().matcher(params.grammar)
             except InvalidRequestError as exc:
                 raise exc.within("sampling") from exc
+            for tok in ids[len(ids) - resumed :]:  # the output it had before it moved here
+                if not grammar.accept(tok):
+                    raise InvalidRequestError(
+                        "sampling.resumed_tokens",
+                        f"token {tok} of the resumed output breaks the grammar ({grammar.error})",
+                    )
+        generator = make_generator(params.seed, self.device)
+        if generator is not None and resumed and params.temperature > 0:
+            advance_generator(generator, resumed)  # those draws happened where it ran before
         return Request(
             request_id=request_id,
             prompt_ids=ids,
             params=params,
             max_total_tokens=total,
-            generator=make_generator(params.seed, self.device),
+            generator=generator,
             prefill_only=prefill_only,
             keep_pages=prefill_only,
             reserve_all=prefill_only,  # the KV transfer reads its pages: never retracted

@@ -135,9 +135,17 @@ class AdmissionError(Exception):
 
 
 class QueueFull(AdmissionError):
-    def __init__(self, num_waiting: int) -> None:
-        super().__init__(f"the gateway queue is full ({num_waiting} requests waiting); retry later")
+    """The queue holds ``max_queued`` requests. ``unroutable``: no instance can serve now
+    (a role has no healthy instance, e.g. while the supervisor restarts it), so the queue is
+    full of requests waiting for one (UNAVAILABLE rather than RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, num_waiting: int, unroutable: bool = False) -> None:
+        why = "; no instance can serve until one (re)starts" if unroutable else ""
+        super().__init__(
+            f"the gateway queue is full ({num_waiting} requests waiting{why}); retry later"
+        )
         self.num_waiting = num_waiting
+        self.unroutable = unroutable
 
 
 class TooLarge(AdmissionError):
@@ -330,7 +338,7 @@ class AdmissionQueue:
             self._waiting = {ticket.request_id: (ticket, now), **self._waiting}
         else:
             if len(self._waiting) >= self.max_queued:
-                raise QueueFull(len(self._waiting))
+                raise QueueFull(len(self._waiting), unroutable=not loads.routable)
             self._waiting[ticket.request_id] = (ticket, now)
         if not loads.routable and self._unroutable_since is None:
             self._unroutable_since = now

@@ -61,11 +61,16 @@ class AdmissionGate:
         self.max_context = max_context
         self.waiting: dict[str, asyncio.Future[Placement]] = {}
 
-    async def admit(self, inp: GenerationInput, ctx: Context, first: bool = False) -> Placement:
+    async def admit(
+        self, inp: GenerationInput, ctx: Context, first: bool = False, wait_s: float | None = None
+    ) -> Placement:
         """Wait until the admission queue hands this request a target; raises GatewayError
-        (RESOURCE_EXHAUSTED when the queue is full, INVALID_ARGUMENT when no instance could
-        ever hold it, UNAVAILABLE when no instance can serve for ``route_wait_s``,
-        DEADLINE_EXCEEDED after ``request_timeout_s`` in the queue)."""
+        (RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE when it is full while no
+        instance can serve, INVALID_ARGUMENT when no instance could ever hold it, UNAVAILABLE
+        when no instance can serve for ``route_wait_s``, DEADLINE_EXCEEDED after ``wait_s``
+        (default ``request_timeout_s``) in the queue). ``first``: at the head of the queue,
+        past its bound (a request the gateway accepted earlier: re-queued or migrated)."""
+        wait_s = self.limits.request_timeout_s if wait_s is None else max(0.0, wait_s)
         prompt = len(inp.prompt_ids)
         total = min(prompt + inp.params.max_new_tokens, self.max_context)
         pages = PromptPages(inp.prompt_ids) if self.limits.kv_routing_weight > 0 else None
@@ -81,7 +86,7 @@ class AdmissionGate:
         self.metrics.queued.inc()
         try:
             with telemetry.tracer().start_as_current_span("gateway.queue", context=ctx):
-                return await asyncio.wait_for(future, self.limits.request_timeout_s)
+                return await asyncio.wait_for(future, wait_s)
         except TimeoutError:
             raise GatewayError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -93,7 +98,10 @@ class AdmissionGate:
 
     def pump(self) -> None:
         """Hand targets to waiting requests that fit now (after a poll, or a request ended)."""
-        pumped = self.queue.pump(self.registry.loads(), time.monotonic(), self.limits.route_wait_s)
+        route_wait_s = self.limits.route_wait_s
+        if route_wait_s is None:  # wait for an instance until the request's deadline
+            route_wait_s = self.limits.request_timeout_s
+        pumped = self.queue.pump(self.registry.loads(), time.monotonic(), route_wait_s)
         for ticket, target in pumped.dispatched:
             future = self.waiting.get(ticket.request_id)
             if future is None or future.done():  # gone already: give the target back
@@ -134,4 +142,6 @@ class AdmissionGate:
 def _gateway_error(exc: AdmissionError) -> GatewayError:
     if isinstance(exc, TooLarge):
         return invalid(exc.field, str(exc))
+    if isinstance(exc, QueueFull) and exc.unroutable:  # a role is missing (e.g. restarting)
+        return GatewayError(grpc.StatusCode.UNAVAILABLE, str(exc))
     return GatewayError(_ADMISSION_CODES.get(type(exc), grpc.StatusCode.UNAVAILABLE), str(exc))

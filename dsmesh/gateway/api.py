@@ -76,6 +76,8 @@ async def generate(
             msg.usage.prompt_tokens = delta.prompt_tokens
             msg.usage.completion_tokens = delta.completion_tokens
             msg.usage.cached_tokens = delta.cached_tokens
+            if delta.migrations:
+                msg.usage.migrations = delta.migrations
             if delta.spec is not None:
                 drafted, accepted, verifications = delta.spec
                 msg.usage.spec.draft_tokens = drafted
@@ -114,6 +116,9 @@ def aggregate(messages: list[pb.GenerateResponse]) -> pb.GenerateResponse | pb.G
     out.usage.prompt_tokens = choices[0].usage.prompt_tokens
     out.usage.cached_tokens = choices[0].usage.cached_tokens
     out.usage.completion_tokens = sum(c.usage.completion_tokens for c in choices)
+    moved = sum(c.usage.migrations for c in choices)
+    if moved:
+        out.usage.migrations = moved
     return out
 
 

@@ -49,6 +49,14 @@ class GatewayConfig(ServerOptions):
         "RESOURCE_EXHAUSTED (0: no queue)",
         up=True,
     )
+    migration_limit: int = option(
+        3,
+        "times a request may move to another (or the restarted) instance when the one "
+        "serving it dies, resuming with the tokens already streamed; 0: such a request "
+        "fails UNAVAILABLE (docs/RELIABILITY.md)",
+        metavar="N",
+        up=True,
+    )
     kv_routing_weight: float = option(
         1.0,
         "KV-aware routing: what one prompt token cached on an instance weighs against one "
@@ -93,4 +101,6 @@ class GatewayConfig(ServerOptions):
         super().__post_init__()
         if not self.kv_routing_weight >= 0:
             raise ValueError(f"--kv-routing-weight must be >= 0, got {self.kv_routing_weight}")
+        if self.migration_limit < 0:
+            raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         check_reasoning_parser(self.reasoning_parser)

@@ -2,7 +2,8 @@
 
 validate + tokenise -> admission (wait in the queue until a target has room) -> run it on a
 (prefill, decode) pair or a unified instance -> detokenise incrementally, apply stop strings
--> stream deltas. No protocol code here: callers convert.
+-> stream deltas; if the instance serving it is lost, send it on and resume (migration.py).
+No protocol code here: callers convert.
 
 :class:`GenerationCore` validates requests and runs each one through its stages: the
 admission queue on the event loop (admission_gate.py), the calls to the instances it was
@@ -34,8 +35,9 @@ from dsmesh.gateway.admission import AdmissionQueue
 from dsmesh.gateway.admission_gate import AbortedInQueue, AdmissionGate
 from dsmesh.gateway.dispatch import abort_placed, first_in_context, open_stream
 from dsmesh.gateway.metrics import GatewayMetrics
+from dsmesh.gateway.migration import MOVABLE_CODES, Migration
 from dsmesh.gateway.outputs import RequestOutput
-from dsmesh.gateway.registry import InstanceRegistry
+from dsmesh.gateway.registry import Instance, InstanceRegistry
 from dsmesh.gateway.request import (
     CoreLimits,
     Delta,
@@ -158,7 +160,10 @@ class GenerationCore:
         in the admission queue (part of its time to first token). Leaving early cancels it
         wherever it is: out of the queue, or on both sides of the mesh (pages are freed).
         ``trace_parent``: the caller's trace context (an HTTP traceparent, or the gRPC server
-        span); the request's spans hang below it."""
+        span); the request's spans hang below it. When the instance serving it is lost, the
+        request moves on (up to ``migration_limit`` times, dsmesh/gateway/migration.py): it
+        waits in the queue again and resumes after the tokens already streamed, so the deltas
+        go on with no gap and no repeat."""
         if inp.request_id in self.active:
             self.metrics.requests.labels("rejected").inc()
             raise GatewayError(
@@ -180,25 +185,28 @@ class GenerationCore:
             },
         )
         ctx = trace.set_span_in_context(span, trace_parent)
+        output = RequestOutput(inp, self.tokenizer, m, start, state)
+        migration = Migration(inp, self.limits.migration_limit)
         try:
-            requeued = 0
+            attempt, cur = 0, inp
             while True:
+                waited = time.monotonic() - start
                 try:
-                    placed = await self.gate.admit(inp, ctx, first=requeued > 0)
+                    placed = await self.gate.admit(
+                        cur, ctx, first=attempt > 0, wait_s=self.limits.request_timeout_s - waited
+                    )
                 except AbortedInQueue:
                     state["outcome"] = "abort"
-                    yield Delta([], "", "abort", len(inp.prompt_ids), 0)
+                    yield output.aborted()
                     return
-                if requeued:
-                    placed = dataclasses.replace(
-                        placed, call_id=f"{inp.request_id}~requeued-{requeued}"
-                    )
+                placed = dataclasses.replace(placed, call_id=migration.call_id(attempt))
                 self.active[inp.request_id] = placed
                 if inp.request_id in self._aborted_unplaced:
-                    state["outcome"], state["held"] = "abort", False  # no instance saw it
-                    yield Delta([], "", "abort", len(inp.prompt_ids), 0)
+                    state["outcome"] = "abort"
+                    state["held"] = False  # no instance saw this attempt
+                    yield output.aborted()
                     return
-                if not requeued:
+                if attempt == 0:
                     m.prompt_tokens.inc(len(inp.prompt_ids))
                 if placed.prefill is None:
                     span.set_attribute("dsmesh.unified", placed.decode.instance_id)
@@ -207,20 +215,24 @@ class GenerationCore:
                     span.set_attribute("dsmesh.decode", placed.decode.instance_id)
                 sent = False
                 try:
-                    async for delta in self._stream(inp, placed, start, state, ctx):
+                    async for delta in self._stream(cur, placed, output, migration, ctx):
                         sent = True
                         yield delta
                     return
                 except GatewayError as exc:
-                    if sent or not self._requeues(exc, start):
+                    if exc.code in MOVABLE_CODES:
+                        _skip_lost(placed, exc.side)
+                    if not sent and self._requeues(exc, start):
+                        # Refused for room before any work: back to the head of the queue.
+                        m.requeued.inc()
+                        span.add_event("gateway.requeued", {"dsmesh.reason": exc.message})
+                    elif migration.may_move(exc.code, self._time_left(start)):
+                        cur = self._migrate(migration, placed, exc, span)
+                    else:
                         raise
-                    refusal = exc.message
-                # Refused for room before any work: back to the head of the queue.
                 self.active[inp.request_id] = None
                 self.admission.release(inp.request_id, time.monotonic(), held=False)
-                m.requeued.inc()
-                span.add_event("gateway.requeued", {"dsmesh.reason": refusal})
-                requeued += 1
+                attempt += 1
         except GatewayError as exc:
             if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 state["outcome"] = "rejected"  # the queue, or a full prefill or decode
@@ -244,6 +256,36 @@ class GenerationCore:
                 m.running.dec()
             m.requests.labels(state["outcome"]).inc()
 
+    def _time_left(self, start: float) -> float:
+        return self.limits.request_timeout_s - (time.monotonic() - start)
+
+    def _migrate(
+        self, migration: Migration, placed: Placement, exc: GatewayError, span: trace.Span
+    ) -> GenerationInput:
+        """The instance serving the request was lost (``exc``): the request's next attempt
+        resumes where the client's stream is (dsmesh/gateway/migration.py)."""
+        lost = _lost(placed, exc.side)
+        resumed = migration.resume()
+        self.metrics.migrated.labels(exc.side or "unknown").inc()
+        span.add_event(
+            "gateway.migrated",
+            {
+                "dsmesh.reason": exc.message,
+                "dsmesh.from": ",".join(i.instance_id for i in lost),
+                "dsmesh.resumed_tokens": resumed.params.resumed_tokens,
+                "dsmesh.migrations": migration.moves,
+            },
+        )
+        log.info(
+            "request %s moves after %s (%d tokens generated, move %d of %d)",
+            migration.inp.request_id,
+            exc.message,
+            resumed.params.resumed_tokens,
+            migration.moves,
+            migration.limit,
+        )
+        return resumed
+
     def _requeues(self, exc: GatewayError, start: float) -> bool:
         """Whether a request whose instance answered ``exc`` before sending anything waits in
         the queue again: the instance refused it for room (RESOURCE_EXHAUSTED: nothing ran,
@@ -255,12 +297,20 @@ class GenerationCore:
         )
 
     async def _stream(
-        self, inp: GenerationInput, placed: Placement, start: float, state: dict, ctx: Context
+        self,
+        inp: GenerationInput,
+        placed: Placement,
+        output: RequestOutput,
+        migration: Migration,
+        ctx: Context,
     ) -> AsyncIterator[Delta]:
-        output = RequestOutput(inp, self.tokenizer, self.metrics, start, state)
+        """One attempt: the deltas of the instance(s) ``placed`` for ``inp`` (the request,
+        or its resumed input after a move), through the request's one ``output``."""
+        resumed = migration.moves > 0
 
         def on_prefilled(answer: prefill_pb2.PrefillResponse) -> None:
-            output.prefilled(answer)
+            if not resumed:  # a resumed prompt's cached tokens are not the client's prompt's
+                output.prefilled(answer)
             self.admission.prefilled(inp.request_id)  # left prefill's queue: the next
             self.gate.pump()  # may go there
             self.metrics.kv_handoff(answer)
@@ -272,13 +322,16 @@ class GenerationCore:
                 self.admission.started(inp.request_id, time.monotonic())
 
             async for msg in first_in_context(stream, ctx, on_start):
-                delta = output.delta(msg, unified=placed.prefill is None)
+                delta = output.delta(msg, unified=placed.prefill is None, moves=migration.moves)
+                migration.streamed(list(msg.token_ids))
                 yield delta
                 if delta.finish_reason is not None:
                     return
-            raise GatewayError(grpc.StatusCode.INTERNAL, "decode stream ended without a finish")
+            raise GatewayError(
+                grpc.StatusCode.UNAVAILABLE, "the stream ended without a finish", side="decode"
+            )
         except PDError as exc:
-            raise GatewayError(exc.code, exc.message) from None
+            raise GatewayError(exc.code, exc.message, side=exc.side) from None
         finally:
             with contextlib.suppress(Exception):
                 await stream.aclose()
@@ -295,3 +348,19 @@ class GenerationCore:
             self._aborted_unplaced.add(request_id)
             return True
         return await abort_placed(placed, request_id)
+
+
+def _lost(placed: Placement, side: str) -> list[Instance]:
+    """The instances of ``placed`` that a failure on ``side`` concerns: the one named, or
+    both of a pair when no side is known."""
+    by_side = {"decode": placed.decode, "unified": placed.decode, "prefill": placed.prefill}
+    named = by_side.get(side)
+    lost = [named] if named is not None else [placed.decode, placed.prefill]
+    return [inst for inst in lost if inst is not None]
+
+
+def _skip_lost(placed: Placement, side: str) -> None:
+    """Routing skips instances a call found gone (UNAVAILABLE) until they answer a load poll
+    again, so requests arriving before the next poll do not go there."""
+    for inst in _lost(placed, side):
+        inst.healthy = False

@@ -25,7 +25,8 @@ def open_stream(
     registry: InstanceRegistry,
     on_prefilled: Callable[[prefill_pb2.PrefillResponse], None],
 ) -> AsyncIterator[decode_pb2.DecodeResponse]:
-    """The request's messages from where it was placed, under its call id there. On a pair,
+    """The request's messages from where it was placed, under its call id there (a migrated
+    request's input ends with its earlier output: ``params.resumed_tokens``). On a pair,
     ``on_prefilled`` gets prefill's answer when prefill succeeded; with prompt logprobs asked
     for, before decode's first message (the first delta carries them). Nothing is called
     until the stream is first advanced (:func:`first_in_context`)."""
@@ -38,6 +39,7 @@ def open_stream(
             inp.prompt_ids,
             sampling,
             timeout_s=limits.request_timeout_s,
+            resumed_tokens=inp.params.resumed_tokens,
         )
     return generate_pd(
         placed.prefill.stub,  # type: ignore[arg-type]
@@ -50,6 +52,7 @@ def open_stream(
         broker=registry.broker,
         on_prefilled=on_prefilled,
         prefill_first=inp.params.prompt_logprobs is not None,
+        resumed_tokens=inp.params.resumed_tokens,
     )
 
 

@@ -95,6 +95,13 @@ class GatewayMetrics:
             "--reserve-wait), put back at the head of the gateway's queue",
             registry=r,
         )
+        self.migrated = Counter(
+            "dsmesh_requests_migrated",
+            "requests sent on to another instance after the one serving them was lost "
+            "(--migration-limit, docs/RELIABILITY.md); lost: the role that failed",
+            ["lost"],
+            registry=r,
+        )
         self.handoff_seconds = Histogram(
             "dsmesh_kv_handoff_seconds",
             "what each request's KV handoff added to its TTFT (prefill's last forward to its "

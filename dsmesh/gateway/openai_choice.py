@@ -196,7 +196,10 @@ def choices_usage(choices: list[Choice], per_prompt: int = 0) -> dict[str, Any]:
     firsts = [c.last for c in choices[::per] if c.last is not None]
     completion = sum(d.completion_tokens for d in ends)
     prompt = sum(d.prompt_tokens for d in firsts)
-    return _usage(prompt, completion, sum(d.cached_tokens for d in firsts))
+    usage = _usage(prompt, completion, sum(d.cached_tokens for d in firsts))
+    if moved := sum(d.migrations for d in ends):  # dsmesh's own: docs/RELIABILITY.md
+        usage["migrations"] = moved
+    return usage
 
 
 def _finish(reason: str) -> str:

@@ -46,6 +46,7 @@ class RequestOutput:
         self.scored: list[TokenLogprobs] | None = None  # prompt logprobs, not handed over yet
         self.last = start
         self.first = True
+        self.moves = 0  # times the request moved to another instance (migration.py)
 
     def prefilled(self, answer: prefill_pb2.PrefillResponse) -> None:
         """Prefill's answer (a pair): its cached prompt tokens, and the prompt logprobs it
@@ -54,10 +55,14 @@ class RequestOutput:
         if self.wants_prompt:  # prefill computed them: they come with its answer
             self.scored = [logprobs_from_proto(lp) for lp in answer.prompt_logprobs]
 
-    def delta(self, msg: decode_pb2.DecodeResponse, unified: bool) -> Delta:
+    def delta(self, msg: decode_pb2.DecodeResponse, unified: bool, moves: int = 0) -> Delta:
         """The delta for the instance's next message (``unified``: from a unified instance,
-        which reports the cached tokens and the prompt logprobs in its stream)."""
+        which reports the cached tokens and the prompt logprobs in its stream). ``moves``:
+        the request moved that many times; after a move the stream goes on where it was
+        (its cached tokens stay those of the first instance: the resumed prompt is not the
+        client's)."""
         inp, m, state = self.inp, self.metrics, self.state
+        self.moves = moves
         now = time.monotonic()
         tokens = list(msg.token_ids)
         logprobs = _logprobs(msg, inp.params)
@@ -83,7 +88,7 @@ class RequestOutput:
             self.last = now
             self.completion += len(tokens)
             m.generated_tokens.inc(len(tokens))
-        if unified:
+        if unified and not moves:
             self.cached = msg.cached_tokens  # a unified instance reports it in its stream
         if msg.HasField("spec"):
             self.spec = (msg.spec.draft_tokens, msg.spec.accepted_tokens, msg.spec.verifications)
@@ -104,6 +109,10 @@ class RequestOutput:
                 reason = "stop"
             return self._last(tokens, text, reason, logprobs, prompt_lps)
         return self._delta(tokens, text, None, logprobs, prompt_lps)
+
+    def aborted(self) -> Delta:
+        """The last delta of a request aborted while it waited for an instance."""
+        return self._delta([], "", "abort", None, None)
 
     def _last(
         self,
@@ -136,6 +145,7 @@ class RequestOutput:
             logprobs,
             prompt_logprobs=prompt_lps,
             spec=self.spec,
+            migrations=self.moves,
         )
 
 

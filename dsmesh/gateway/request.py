@@ -15,12 +15,14 @@ from dsmesh.gateway.registry import Instance
 
 
 class GatewayError(Exception):
-    """A request failed; ``code`` is the gRPC status (REST maps it to an HTTP status)."""
+    """A request failed; ``code`` is the gRPC status (REST maps it to an HTTP status).
+    ``side``: the role whose call failed ("prefill", "decode", "unified"), when one did."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, side: str = "") -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.side = side
 
 
 def invalid(field: str, message: str) -> GatewayError:
@@ -59,15 +61,21 @@ class Delta:
     # speculative decoding: (drafted, accepted, verifications) of the request so far, as the
     # decoding instance reported them; None when it does not speculate
     spec: tuple[int, int, int] | None = None
+    # times the request moved to another instance after the one serving it was lost
+    migrations: int = 0
 
 
 @dataclass(frozen=True)
 class CoreLimits:
     request_timeout_s: float = 600.0
     handoff_timeout_s: float = 30.0
-    route_wait_s: float = 5.0  # how long requests wait while no instance can serve at all
+    # how long requests wait while no instance can serve at all (e.g. the only decode
+    # restarts); None: until the request's own deadline (request_timeout_s)
+    route_wait_s: float | None = None
     max_inflight: int = 512  # requests dispatched to instances at most; more wait in the queue
     max_queued: int = 1024  # requests waiting in the queue at most; more get 429
+    # times a request may move on after the instance serving it is lost (migration.py)
+    migration_limit: int = 3
     # KV-aware routing: what a cached prompt token weighs against a token of load; 0: off
     kv_routing_weight: float = 1.0
 

@@ -57,6 +57,7 @@ async def serve(
             max_inflight=config.max_inflight,
             max_queued=config.max_queued,
             kv_routing_weight=config.kv_routing_weight,
+            migration_limit=config.migration_limit,
         ),
     )
     drain = Drain(method_paths(_SERVICE, "Generate"))  # Abort concerns accepted work

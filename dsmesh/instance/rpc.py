@@ -9,6 +9,7 @@ them into ``context.abort`` with the status of that name, so no handler body cal
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar
@@ -30,12 +31,21 @@ class GenerationRequest(Protocol):
 
     request_id: str
     sampling: generation_pb2.SamplingParams
+    resumed_tokens: int
 
 
 def parse_request(request: GenerationRequest) -> tuple[str, SamplingParams]:
-    """The request id and sampling parameters; InvalidRequestError names a bad field."""
+    """The request id and sampling parameters (a migrated request's ``resumed_tokens``
+    among them); InvalidRequestError names a bad field."""
     require_request_id(request.request_id)
-    return request.request_id, sampling_from_proto(request.sampling)
+    params = sampling_from_proto(request.sampling)
+    if request.resumed_tokens:
+        params = dataclasses.replace(params, resumed_tokens=request.resumed_tokens)
+        try:
+            params.validate()
+        except InvalidRequestError as exc:
+            raise exc.within("sampling") from exc
+    return request.request_id, params
 
 
 def status_of(exc: CallFailed | InvalidRequestError) -> tuple[grpc.StatusCode, str]:

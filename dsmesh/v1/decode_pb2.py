@@ -26,19 +26,19 @@ from dsmesh.v1 import generation_pb2 as dsmesh_dot_v1_dot_generation__pb2
 from dsmesh.v1 import prefill_pb2 as dsmesh_dot_v1_dot_prefill__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64smesh/v1/decode.proto\x12\tdsmesh.v1\x1a\x1a\x64smesh/v1/generation.proto\x1a\x17\x64smesh/v1/prefill.proto\"\x7f\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.dsmesh.v1.SamplingParams\x12\x1a\n\x12handoff_timeout_ms\x18\x04 \x01(\x05\"\x9a\x02\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.dsmesh.v1.TokenLogprobs\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.dsmesh.v1.TokenLogprobs\x12\"\n\x04spec\x18\t \x01(\x0b\x32\x14.dsmesh.v1.SpecUsage\"\xda\x01\n\nDecodeLoad\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\nfree_pages\x18\x02 \x01(\x05\x12\x13\n\x0btotal_pages\x18\x03 \x01(\x05\x12\x18\n\x10running_requests\x18\x04 \x01(\x05\x12\x18\n\x10waiting_handoffs\x18\x05 \x01(\x05\x12\x11\n\tpage_size\x18\x06 \x01(\x05\x12\x1c\n\x14max_running_requests\x18\x07 \x01(\x05\x12)\n\x08prefixes\x18\x08 \x01(\x0b\x32\x17.dsmesh.v1.PrefixDigest2\xbf\x01\n\x06\x44\x65\x63ode\x12?\n\x06\x44\x65\x63ode\x12\x18.dsmesh.v1.DecodeRequest\x1a\x19.dsmesh.v1.DecodeResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.dsmesh.v1.AbortRequest\x1a\x18.dsmesh.v1.AbortResponse\x12\x38\n\x07GetLoad\x12\x16.dsmesh.v1.LoadRequest\x1a\x15.dsmesh.v1.DecodeLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64smesh/v1/decode.proto\x12\tdsmesh.v1\x1a\x1a\x64smesh/v1/generation.proto\x1a\x17\x64smesh/v1/prefill.proto\"\x97\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.dsmesh.v1.SamplingParams\x12\x1a\n\x12handoff_timeout_ms\x18\x04 \x01(\x05\x12\x16\n\x0eresumed_tokens\x18\x05 \x01(\x05\"\x9a\x02\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.dsmesh.v1.TokenLogprobs\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.dsmesh.v1.TokenLogprobs\x12\"\n\x04spec\x18\t \x01(\x0b\x32\x14.dsmesh.v1.SpecUsage\"\xda\x01\n\nDecodeLoad\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\nfree_pages\x18\x02 \x01(\x05\x12\x13\n\x0btotal_pages\x18\x03 \x01(\x05\x12\x18\n\x10running_requests\x18\x04 \x01(\x05\x12\x18\n\x10waiting_handoffs\x18\x05 \x01(\x05\x12\x11\n\tpage_size\x18\x06 \x01(\x05\x12\x1c\n\x14max_running_requests\x18\x07 \x01(\x05\x12)\n\x08prefixes\x18\x08 \x01(\x0b\x32\x17.dsmesh.v1.PrefixDigest2\xbf\x01\n\x06\x44\x65\x63ode\x12?\n\x06\x44\x65\x63ode\x12\x18.dsmesh.v1.DecodeRequest\x1a\x19.dsmesh.v1.DecodeResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.dsmesh.v1.AbortRequest\x1a\x18.dsmesh.v1.AbortResponse\x12\x38\n\x07GetLoad\x12\x16.dsmesh.v1.LoadRequest\x1a\x15.dsmesh.v1.DecodeLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dsmesh.v1.decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DECODEREQUEST']._serialized_start=90
-  _globals['_DECODEREQUEST']._serialized_end=217
-  _globals['_DECODERESPONSE']._serialized_start=220
-  _globals['_DECODERESPONSE']._serialized_end=502
-  _globals['_DECODELOAD']._serialized_start=505
-  _globals['_DECODELOAD']._serialized_end=723
-  _globals['_DECODE']._serialized_start=726
-  _globals['_DECODE']._serialized_end=917
+  _globals['_DECODEREQUEST']._serialized_start=91
+  _globals['_DECODEREQUEST']._serialized_end=242
+  _globals['_DECODERESPONSE']._serialized_start=245
+  _globals['_DECODERESPONSE']._serialized_end=527
+  _globals['_DECODELOAD']._serialized_start=530
+  _globals['_DECODELOAD']._serialized_end=748
+  _globals['_DECODE']._serialized_start=751
+  _globals['_DECODE']._serialized_end=942
 # @@protoc_insertion_point(module_scope)

@@ -9,16 +9,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "input_ids", "sampling", "handoff_timeout_ms")
+    __slots__ = ("request_id", "input_ids", "sampling", "handoff_timeout_ms", "resumed_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParams
     handoff_timeout_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., handoff_timeout_ms: _Optional[int] = ...) -> None: ...
+    resumed_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., handoff_timeout_ms: _Optional[int] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "logprobs", "prompt_logprobs", "spec")

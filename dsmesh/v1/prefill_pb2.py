@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from dsmesh.v1 import generation_pb2 as dsmesh_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64smesh/v1/prefill.proto\x12\tdsmesh.v1\x1a\x1a\x64smesh/v1/generation.proto\"d\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.dsmesh.v1.SamplingParams\"\xd9\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x03\x12\x13\n\x0bkv_write_us\x18\x06 \x01(\x03\x12\x12\n\nhandoff_us\x18\x07 \x01(\x03\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.dsmesh.v1.TokenLogprobs\"*\n\x0cPrefixCursor\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0b\n\x03seq\x18\x02 \x01(\x04\"m\n\x0cPrefixDigest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\r\n\x05reset\x18\x03 \x01(\x08\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x0e\n\x06stored\x18\x05 \x03(\x10\x12\x0f\n\x07removed\x18\x06 \x03(\x10\"8\n\x0bLoadRequest\x12)\n\x08prefixes\x18\x01 \x01(\x0b\x32\x17.dsmesh.v1.PrefixCursor\"\xc3\x01\n\x0bPrefillLoad\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x16\n\x0ewaiting_tokens\x18\x02 \x01(\x05\x12\x18\n\x10running_requests\x18\x03 \x01(\x05\x12\x12\n\nfree_pages\x18\x04 \x01(\x05\x12\x13\n\x0btotal_pages\x18\x05 \x01(\x05\x12\x19\n\x11max_queued_tokens\x18\x06 \x01(\x05\x12)\n\x08prefixes\x18\x07 \x01(\x0b\x32\x17.dsmesh.v1.PrefixDigest2\xc2\x01\n\x07Prefill\x12@\n\x07Prefill\x12\x19.dsmesh.v1.PrefillRequest\x1a\x1a.dsmesh.v1.PrefillResponse\x12:\n\x05\x41\x62ort\x12\x17.dsmesh.v1.AbortRequest\x1a\x18.dsmesh.v1.AbortResponse\x12\x39\n\x07GetLoad\x12\x16.dsmesh.v1.LoadRequest\x1a\x16.dsmesh.v1.PrefillLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64smesh/v1/prefill.proto\x12\tdsmesh.v1\x1a\x1a\x64smesh/v1/generation.proto\"|\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.dsmesh.v1.SamplingParams\x12\x16\n\x0eresumed_tokens\x18\x04 \x01(\x05\"\xd9\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x03\x12\x13\n\x0bkv_write_us\x18\x06 \x01(\x03\x12\x12\n\nhandoff_us\x18\x07 \x01(\x03\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.dsmesh.v1.TokenLogprobs\"*\n\x0cPrefixCursor\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0b\n\x03seq\x18\x02 \x01(\x04\"m\n\x0cPrefixDigest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\r\n\x05reset\x18\x03 \x01(\x08\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x0e\n\x06stored\x18\x05 \x03(\x10\x12\x0f\n\x07removed\x18\x06 \x03(\x10\"8\n\x0bLoadRequest\x12)\n\x08prefixes\x18\x01 \x01(\x0b\x32\x17.dsmesh.v1.PrefixCursor\"\xc3\x01\n\x0bPrefillLoad\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x16\n\x0ewaiting_tokens\x18\x02 \x01(\x05\x12\x18\n\x10running_requests\x18\x03 \x01(\x05\x12\x12\n\nfree_pages\x18\x04 \x01(\x05\x12\x13\n\x0btotal_pages\x18\x05 \x01(\x05\x12\x19\n\x11max_queued_tokens\x18\x06 \x01(\x05\x12)\n\x08prefixes\x18\x07 \x01(\x0b\x32\x17.dsmesh.v1.PrefixDigest2\xc2\x01\n\x07Prefill\x12@\n\x07Prefill\x12\x19.dsmesh.v1.PrefillRequest\x1a\x1a.dsmesh.v1.PrefillResponse\x12:\n\x05\x41\x62ort\x12\x17.dsmesh.v1.AbortRequest\x1a\x18.dsmesh.v1.AbortResponse\x12\x39\n\x07GetLoad\x12\x16.dsmesh.v1.LoadRequest\x1a\x16.dsmesh.v1.PrefillLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dsmesh.v1.prefill_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=66
-  _globals['_PREFILLREQUEST']._serialized_end=166
-  _globals['_PREFILLRESPONSE']._serialized_start=169
-  _globals['_PREFILLRESPONSE']._serialized_end=386
-  _globals['_PREFIXCURSOR']._serialized_start=388
-  _globals['_PREFIXCURSOR']._serialized_end=430
-  _globals['_PREFIXDIGEST']._serialized_start=432
-  _globals['_PREFIXDIGEST']._serialized_end=541
-  _globals['_LOADREQUEST']._serialized_start=543
-  _globals['_LOADREQUEST']._serialized_end=599
-  _globals['_PREFILLLOAD']._serialized_start=602
-  _globals['_PREFILLLOAD']._serialized_end=797
-  _globals['_PREFILL']._serialized_start=800
-  _globals['_PREFILL']._serialized_end=994
+  _globals['_PREFILLREQUEST']._serialized_end=190
+  _globals['_PREFILLRESPONSE']._serialized_start=193
+  _globals['_PREFILLRESPONSE']._serialized_end=410
+  _globals['_PREFIXCURSOR']._serialized_start=412
+  _globals['_PREFIXCURSOR']._serialized_end=454
+  _globals['_PREFIXDIGEST']._serialized_start=456
+  _globals['_PREFIXDIGEST']._serialized_end=565
+  _globals['_LOADREQUEST']._serialized_start=567
+  _globals['_LOADREQUEST']._serialized_end=623
+  _globals['_PREFILLLOAD']._serialized_start=626
+  _globals['_PREFILLLOAD']._serialized_end=821
+  _globals['_PREFILL']._serialized_start=824
+  _globals['_PREFILL']._serialized_end=1018
 # @@protoc_insertion_point(module_scope)

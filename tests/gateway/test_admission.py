@@ -188,6 +188,28 @@ def test_requests_wait_for_an_instance_then_fail_after_route_wait() -> None:
     assert [t.request_id for t, _ in q.pump(empty, 35.0, route_wait_s=5).failed] == ["r2"]
 
 
+def test_a_full_queue_with_no_instance_says_so_and_accepted_requests_pass_its_bound() -> None:
+    """While no instance can serve (a role restarting) the queue fills with requests waiting
+    for one: past its bound the refusal says so (the gateway answers UNAVAILABLE, not
+    RESOURCE_EXHAUSTED). A request the gateway accepted earlier (migrated or re-queued)
+    goes back at the head, past the bound."""
+    q = AdmissionQueue(max_inflight=8, max_queued=2)
+    empty = MeshLoads()
+    assert q.submit(ticket(0), empty, 1.0) is None
+    assert q.submit(ticket(1), empty, 1.0) is None
+    with pytest.raises(QueueFull) as info:
+        q.submit(ticket(2), empty, 1.0)
+    assert info.value.unroutable and "no instance can serve" in str(info.value)
+    assert q.submit(ticket(3), empty, 1.5, first=True) is None  # accepted before: no refusal
+    assert q.num_waiting == 3
+    out = q.pump(loads(unified(64)), 2.0, route_wait_s=600)  # the instance is back
+    assert [t.request_id for t, _ in out.dispatched] == ["r3", "r0", "r1"]
+    busy = AdmissionQueue(max_inflight=0, max_queued=0)
+    with pytest.raises(QueueFull) as info:
+        busy.submit(ticket(4), loads(unified(64)), 3.0)
+    assert not info.value.unroutable  # instances exist: plain overload (429)
+
+
 def test_pairs_charge_the_prefill_queue_until_prefill_answers() -> None:
     q = AdmissionQueue(max_inflight=8, max_queued=8)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -146,14 +147,58 @@ def generate_request(
     )
 
 
+class Outcome:
+    """One streamed gRPC Generate call, run on its own thread."""
+
+    def __init__(self, mesh: Mesh, request_id: str, input_ids: list[int], max_new: int) -> None:
+        self.request_id = request_id
+        self.tokens = 0
+        self.code: grpc.StatusCode | None = None  # None while running; OK when finished
+        self.details = ""
+        self.ended_at = 0.0
+        self.first_token = threading.Event()
+        self._channel = mesh.gateway_channel()
+        self.call = mesh.generation(self._channel).Generate(
+            generate_request(request_id, input_ids, max_new), timeout=120
+        )
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for msg in self.call:
+                self.tokens += len(msg.token_ids)
+                self.first_token.set()
+            self.code = grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            self.code, self.details = exc.code(), exc.details() or ""
+        finally:
+            self.ended_at = time.monotonic()
+            self._channel.close()
+
+    def wait(self, timeout: float) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
 @contextmanager
-def start_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+def start_mesh(
+    tmp_path_factory: pytest.TempPathFactory, decodes: int = 2, extra: tuple[str, ...] = ()
+) -> Iterator[Mesh]:
+    """``dsmesh up`` with ``decodes`` decodes and ``extra`` flags."""
     cache = tmp_path_factory.mktemp("cache")
     log_dir = tmp_path_factory.mktemp("fault-logs")
     http_port, grpc_port = free_port(), free_port()
     args = ["--http-port", str(http_port), "--grpc-port", str(grpc_port)]
-    args += ["--log-dir", str(log_dir), "--decode", "2", "--max-batch-tokens", str(PREFILL_CHUNK)]
-    up = UpProcess(args, {"DSMESH_CACHE_DIR": str(cache)})
+    args += [
+        "--log-dir",
+        str(log_dir),
+        "--decode",
+        str(decodes),
+        "--max-batch-tokens",
+        str(PREFILL_CHUNK),
+    ]
+    up = UpProcess([*args, *extra], {"DSMESH_CACHE_DIR": str(cache)})
     try:
         up.wait_for(r"^Ctrl-C to stop\.", timeout=120)
         broker = up.ready_services()["kv-broker"][0]
@@ -164,15 +209,21 @@ def start_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         up.close()
 
 
-def wait_mesh_idle(mesh: Mesh, timeout: float = 30) -> None:
+def wait_mesh_idle(
+    mesh: Mesh,
+    timeout: float = 30,
+    num_decodes: int = 2,
+    num_prefills: int = 1,
+    num_unified: int = 0,
+) -> None:
     """Every instance attached, every page free, the gateway healthy."""
 
     def idle() -> bool:
-        decodes = mesh.instances(kb.ROLE_DECODE)
+        decodes = mesh.instances(kb.ROLE_DECODE) | mesh.instances(kb.ROLE_UNIFIED)
         prefills = mesh.instances(kb.ROLE_PREFILL)
         return (
-            len(decodes) == 2
-            and len(prefills) == 1
+            len(decodes) == num_decodes + num_unified
+            and len(prefills) == num_prefills
             and all(mesh.pages_idle(a, "decode") for a in decodes)
             and all(mesh.pages_idle(a, "prefill") for a in prefills)
             and mesh.healthy()

@@ -1,7 +1,7 @@
 """Faults on a real supervised mesh (docs/RELIABILITY.md, "Faults"): a client cancelling, a
 duplicate request id, and SIGKILLed prefill, decode and kv_broker processes. Every request
-in flight completes or fails with a clear status in bounded time, no KV page leaks, and the
-mesh serves again without restarting the survivors.
+in flight on a killed process moves on (the gateway migrates it) and completes, no KV page
+leaks, and the mesh serves again without restarting the survivors.
 
 Measured figures are printed (``pytest -s``) as ``RELIABILITY <scenario> <name>=<value>``.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +21,7 @@ from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
 from tests.reliability.fault_harness import (
     Mesh,
-    generate_request,
+    Outcome,
     long_prompt,
     start_mesh,
     wait_mesh_idle,
@@ -41,40 +40,6 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 def report(scenario: str, **figures: float) -> None:
     for name, value in figures.items():
         print(f"RELIABILITY {scenario} {name}={value:.2f}")
-
-
-class Outcome:
-    """One streamed gRPC Generate call, run on its own thread."""
-
-    def __init__(self, mesh: Mesh, request_id: str, input_ids: list[int], max_new: int) -> None:
-        self.request_id = request_id
-        self.tokens = 0
-        self.code: grpc.StatusCode | None = None  # None while running; OK when finished
-        self.details = ""
-        self.ended_at = 0.0
-        self.first_token = threading.Event()
-        self._channel = mesh.gateway_channel()
-        self.call = mesh.generation(self._channel).Generate(
-            generate_request(request_id, input_ids, max_new), timeout=120
-        )
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            for msg in self.call:
-                self.tokens += len(msg.token_ids)
-                self.first_token.set()
-            self.code = grpc.StatusCode.OK
-        except grpc.RpcError as exc:
-            self.code, self.details = exc.code(), exc.details() or ""
-        finally:
-            self.ended_at = time.monotonic()
-            self._channel.close()
-
-    def wait(self, timeout: float) -> bool:
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
 
 
 def _states(mesh: Mesh, ids: list[str]) -> dict[str, int]:
@@ -208,26 +173,22 @@ def test_prefill_killed_mid_transfer(mesh: Mesh) -> None:
     killed_at = time.monotonic()
     os.kill(prefill_pid, signal.SIGKILL)
 
+    # every request moves on: it waits for the restarted prefill and completes
     for call in calls:
-        assert call.wait(FAIL_BOUND_S + 5), f"{call.request_id} hangs"
-    failed = [c for c in calls if c.code != grpc.StatusCode.OK]
-    assert failed, "the kill came too late: every request had finished"
-    for call in failed:
-        assert call.code == grpc.StatusCode.UNAVAILABLE, (call.code, call.details)
-    worst = max(c.ended_at for c in failed) - killed_at
-    assert worst < FAIL_BOUND_S
-    status, answer, headers = rest.result(FAIL_BOUND_S)
-    assert status in (200, 503), answer  # REST: 503 with Retry-After, or done
-    if status == 503:
-        assert answer["error"]["status"] == "UNAVAILABLE" and headers.get("Retry-After"), headers
+        assert call.wait(FAIL_BOUND_S + 30), f"{call.request_id} hangs"
+        assert (call.code, call.tokens) == (grpc.StatusCode.OK, 8), (call.code, call.details)
+    worst = max(c.ended_at for c in calls) - killed_at
+    status, answer, _ = rest.result(FAIL_BOUND_S)
+    assert status == 200 and len(answer["token_ids"]) == 8, answer
 
-    # decode frees every reserved page; the broker ended the handoffs FAILED
+    # decode frees every reserved page; the broker ended the first attempts' handoffs FAILED
     assert wait_until(lambda: all(mesh.pages_idle(a, "decode") for a, _ in decodes.values()), 30)
     freed = time.monotonic() - killed_at
-    for call in failed:
-        status = mesh.handoff(call.request_id)
-        assert status is not None and status.state == kb.HANDOFF_FAILED, status
-        assert status.prefill_released
+    moved = [c for c in calls if mesh.handoff(c.request_id).state == kb.HANDOFF_FAILED]
+    assert moved, "the kill came too late: every request had finished"
+    for call in moved:
+        assert mesh.handoff(call.request_id).prefill_released
+    assert mesh.metric("dsmesh_requests_migrated_total") >= len(moved)
 
     # the supervisor restarts prefill; new requests succeed; decode kept running
     mesh.up.wait_for(r"prefill-0 restarted at \S+ \(pid \d+\), healthy", 60)
@@ -239,9 +200,9 @@ def test_prefill_killed_mid_transfer(mesh: Mesh) -> None:
     wait_mesh_idle(mesh, 30)
     report(
         "prefill_kill",
-        failed=len(failed),
-        completed=len(calls) - len(failed),
-        worst_fail_s=worst,
+        moved=len(moved),
+        completed=len(calls),
+        worst_done_s=worst,
         decode_pages_freed_s=freed,
         first_success_s=recovered,
     )
@@ -273,6 +234,7 @@ def test_decode_killed_mid_stream(mesh: Mesh) -> None:
 
     assert wait_until(victim_busy, 30, 0.02), _states(mesh, ids)
     owners = {rid: (mesh.handoff(rid) or kb.HandoffStatus()).decode_instance_id for rid in ids}
+    at_kill = {c.request_id: c.tokens for c in calls}
     killed_at = time.monotonic()
     os.kill(victim_pid, signal.SIGKILL)
 
@@ -288,10 +250,22 @@ def test_decode_killed_mid_stream(mesh: Mesh) -> None:
     assert mesh.generate_ok(timeout=10)
     rerouted = time.monotonic() - killed_at
 
+    # the victim's streams go on elsewhere (they ask for 3000 tokens: cancelled once they
+    # streamed more after the kill); its prompts still being written complete
     assert on_victim
+    streams = [c for c in on_victim if c in calls[:4]]
+    for call in streams:
+        assert wait_until(lambda c=call: c.tokens >= at_kill[c.request_id] + 8, FAIL_BOUND_S), (
+            call.request_id,
+            call.code,
+            call.details,
+        )
+        assert call.code is None, (call.code, call.details)  # still streaming
+        call.call.cancel()
     for call in on_victim:
         assert call.wait(FAIL_BOUND_S), f"{call.request_id} hangs"
-        assert call.code == grpc.StatusCode.UNAVAILABLE, (call.request_id, call.code, call.details)
+        if call not in streams:
+            assert (call.code, call.tokens) == (grpc.StatusCode.OK, 8), (call.code, call.details)
     worst = max(c.ended_at for c in on_victim) - killed_at
     # prefill stopped writing to the dead decode and freed its pages
     assert wait_until(lambda: mesh.pages_idle(prefill_addr, "prefill"), 30)
@@ -312,8 +286,8 @@ def test_decode_killed_mid_stream(mesh: Mesh) -> None:
     wait_mesh_idle(mesh, 30)
     report(
         "decode_kill",
-        failed=len(on_victim),
-        worst_fail_s=worst,
+        moved=len(on_victim),
+        worst_done_s=worst,
         first_rerouted_success_s=rerouted,
         prefill_pages_freed_s=prefill_freed,
     )
@@ -334,13 +308,11 @@ def test_broker_restart(mesh: Mesh) -> None:
     killed_at = time.monotonic()
     os.kill(broker_pid, signal.SIGKILL)
 
+    # every request moves on: it waits for the restarted broker and completes
     for call in calls:
-        assert call.wait(FAIL_BOUND_S), f"{call.request_id} hangs"
-    failed = [c for c in calls if c.code != grpc.StatusCode.OK]
-    assert failed
-    for call in failed:
-        assert call.code == grpc.StatusCode.UNAVAILABLE, (call.code, call.details)
-    worst = max(c.ended_at for c in failed) - killed_at
+        assert call.wait(FAIL_BOUND_S + 30), f"{call.request_id} hangs"
+        assert (call.code, call.tokens) == (grpc.StatusCode.OK, 8), (call.code, call.details)
+    worst = max(c.ended_at for c in calls) - killed_at
 
     mesh.up.wait_for(rf"kv-broker restarted at {mesh.broker} \(pid \d+\), healthy", 30)
     assert wait_until(lambda: {r: mesh.instances(r) for r in before} == before, 30), (
@@ -355,8 +327,8 @@ def test_broker_restart(mesh: Mesh) -> None:
     freed = time.monotonic() - killed_at
     report(
         "broker_kill",
-        failed=len(failed),
-        worst_fail_s=worst,
+        completed=len(calls),
+        worst_done_s=worst,
         reattached_s=reattached,
         first_success_s=recovered,
         pages_freed_s=freed,

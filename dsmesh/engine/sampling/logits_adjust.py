@@ -45,6 +45,7 @@ def adjust_logits(
     penalised = [i for i, p in enumerate(params) if p.has_penalties]
     if not penalised:
         return out
+    prompt_ids, output_ids = own_tokens(params, prompt_ids, output_ids)
     rows_t = _on(device, penalised, torch.int64)
     sub = out.index_select(0, rows_t)  # [r, vocab]
     counts = _token_counts([output_ids[i] for i in penalised], vocab, device)
@@ -69,6 +70,7 @@ def adjust_logits_ref(
 ) -> torch.Tensor:
     """:func:`adjust_logits`, one row and one token at a time (the tests' reference)."""
     out = logits.to(torch.float32, copy=True)
+    prompt_ids, output_ids = own_tokens(params, prompt_ids, output_ids)
     for i, p in enumerate(params):
         row = out[i]
         for tok, b in p.logit_bias:
@@ -83,6 +85,22 @@ def adjust_logits_ref(
             count = list(output_ids[i]).count(tok)
             row[tok] -= p.frequency_penalty * count + p.presence_penalty
     return out
+
+
+def own_tokens(
+    params: Sequence[SamplingParams],
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+) -> tuple[list[Sequence[int]], list[Sequence[int]]]:
+    """Each row's (prompt, output) as the penalties see them: a resumed request's last
+    ``resumed_tokens`` prompt tokens are its own earlier output (SamplingParams)."""
+    prompts, outputs = list(prompt_ids), list(output_ids)
+    for i, p in enumerate(params):
+        r = p.resumed_tokens
+        if r and p.has_penalties:
+            prompt = list(prompts[i])
+            prompts[i], outputs[i] = prompt[:-r], prompt[-r:] + list(outputs[i])
+    return prompts, outputs
 
 
 def _on(device: torch.device, values: Sequence, dtype: torch.dtype) -> torch.Tensor:

@@ -36,6 +36,14 @@ class SamplingParams:
     ``min_tokens``: until that many tokens are generated, EOS (unless ``ignore_eos``) and
     ``stop_token_ids`` are masked out of the sampled distribution (as vLLM does; logprobs still
     show the raw distribution), and stop strings do not match (the gateway's concern).
+
+    ``resumed_tokens``: the prompt's last this many tokens are the request's own output from
+    an instance it left (a migrated request, docs/RELIABILITY.md). They count as output for
+    the seed's generator (one draw per sampled token, so a seeded request resumes at the same
+    position), the grammar (replayed through its matcher) and the presence and frequency
+    penalties. The budgets (``max_new_tokens``, ``min_tokens``) are what is left of them:
+    the gateway subtracts the tokens already generated. Set by the instances from their
+    request message, never by a client.
     """
 
     temperature: float = 0.0
@@ -56,6 +64,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # structured outputs: every token must follow this grammar (dsmesh/engine/sampling/grammar.py)
     grammar: GrammarSpec | None = None
+    resumed_tokens: int = 0
 
     @property
     def has_penalties(self) -> bool:
@@ -123,6 +132,10 @@ class SamplingParams:
             )
         if self.grammar is not None:
             self.grammar.validate()
+        if not 0 <= self.resumed_tokens <= INT32_MAX:
+            raise InvalidRequestError(
+                "resumed_tokens", f"must be in [0, 2**31 - 1], got {self.resumed_tokens}"
+            )
 
     def _validate_logit_bias(self) -> None:
         seen: set[int] = set()
