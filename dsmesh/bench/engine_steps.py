@@ -52,6 +52,7 @@ def make_engine(model, device, max_batch: int, args, kv_cache_dtype: str = "auto
         max_running_requests=max(max_batch, args.prefill_prompts),
         max_batch_tokens=max(prefill_tokens, max_batch),
         cuda_graph_max_batch=max_batch,
+        cuda_graph_ready_batches=0,  # a serving engine's steady state: every graph captured
     )
     engine = LLMEngine(cfg, model=model)
     add_cpu_graph_runner(engine, max_batch)

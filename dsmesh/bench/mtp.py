@@ -126,6 +126,7 @@ def make_engine(model, draft, device, args, batch: int, acceptance: float | None
         max_running_requests=batch,
         max_batch_tokens=max(batch * (args.k + 1), 256),
         cuda_graph_max_batch=batch,
+        cuda_graph_ready_batches=0,  # every graph captured before timing
         # every context the run reaches is captured before it is timed: a page bucket first
         # met mid-run would time its capture (K = 3 at 400 steps passed 2048 tokens so)
         cuda_graph_warmup_tokens=per_request * args.page_size,

@@ -84,6 +84,7 @@ def build_engine(args: argparse.Namespace, folder: Path) -> LLMEngine:
         max_total_tokens=max(args.batches) * (args.context + args.warmup + args.steps + 64),
         max_running_requests=max(args.batches),
         cuda_graph_max_batch=max(args.batches),
+        cuda_graph_ready_batches=0,  # every graph captured before timing
     )
     model = build_dsmesh(raw, config.resolved_device(), config.resolved_dtype())
     return LLMEngine(config, model=model)
