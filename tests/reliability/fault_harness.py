@@ -22,6 +22,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from dsmesh.engine.model.tiny_model import default_model_dir
 from dsmesh.v1 import (
     decode_pb2_grpc,
     generation_pb2,
@@ -190,6 +191,10 @@ def start_mesh(
     log_dir = tmp_path_factory.mktemp("fault-logs")
     http_port, grpc_port = free_port(), free_port()
     args = ["--http-port", str(http_port), "--grpc-port", str(grpc_port)]
+    # The byte-level tiny model: its 512-word vocabulary keeps greedy choices clear of the
+    # near-ties that float rounding between a resumed prompt's prefill and the undisturbed
+    # decode steps can flip among random weights' 129,280 V3 logits (docs/RELIABILITY.md).
+    args += ["--model", str(default_model_dir(cache_dir=cache))]
     args += [
         "--log-dir",
         str(log_dir),

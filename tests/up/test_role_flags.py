@@ -65,6 +65,8 @@ def test_every_forwarded_flag_exists_on_its_service() -> None:
                     words, expected = [field.flag], True
                 else:
                     value = {int: "1", float: "0.5"}.get(field.kind, "k1")
+                    if field.meta.choices:  # a flag with choices takes one of them
+                        value = str(field.meta.choices[-1])
                     words, expected = [field.flag, value], (field.meta.parse or field.kind)(value)
                 parsed = parser.parse_args([*COMMAND[role.name], *words])
                 got = getattr(parsed, field.dest)

@@ -77,12 +77,13 @@ def load_weights(
     model: DeepseekForCausalLM,
     checkpoint_dir: str | Path,
     keep_fp8: bool = False,
-    staged: bool | None = None,
+    staged: bool = False,
 ) -> None:
     """Fill ``model`` (already on its device and dtype) from the checkpoint. With ``staged``
-    (None: on CUDA) the tensors that go to the device as they are stored (not FP8) are read
-    once, file by file, through reused buffers, pinned on CUDA
-    (dsmesh/engine/model/staged_read.py); the others through safetensors' memory map."""
+    (off by default: not yet measured on a GPU, docs/RELIABILITY.md "Restart time") the
+    tensors that go to the device as they are stored (not FP8) are read once, file by file,
+    through reused buffers, pinned on CUDA (dsmesh/engine/model/staged_read.py); the others,
+    and all of them by default, through safetensors' memory map."""
     cfg = model.config
     files = checkpoint_files(checkpoint_dir)
     names = _open_all(files)
@@ -152,15 +153,15 @@ def load_weights(
         _copy(params[name], tensor, name)
 
     to_read = [name for name in names if not skips(name)]
-    staged: set[str] = set()
+    done: set[str] = set()
     device = model.model.embed_tokens.weight.device
-    if staged if staged is not None else device.type == "cuda":
+    if staged:
         stageable = {name for name in to_read if _stageable(names, name, expert_slots(name))}
         for name, tensor in read_staged(files, device, stageable):
             place(name, tensor)
-            staged.add(name)
+            done.add(name)
     for name in to_read:
-        if name not in staged:
+        if name not in done:
             place(name, None)
 
     missing = sorted((expected | expected_experts) - seen)
