@@ -5,7 +5,6 @@ the single-rank model's; an idle rank still joins every collective."""
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -19,15 +18,10 @@ from dsmesh.engine.kv.pool import MLAKVPool
 from dsmesh.engine.model.build import load_model
 from dsmesh.engine.model.forward_batch import ForwardBatch, SequenceChunk
 from dsmesh.engine.model.tiny_model import make_tiny_model
+from tests.mesh import free_port
 
 pytestmark = pytest.mark.timeout(180)
 PAGE = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _prompts() -> list[list[int]]:
@@ -102,7 +96,7 @@ def test_ep2_logits_equal_single_rank(model_dir: Path, split, redundant: int) ->
     results = ctx.Manager().dict()
     mp.start_processes(
         _rank_main,
-        args=(2, _free_port(), str(model_dir), split, redundant, results),
+        args=(2, free_port(), str(model_dir), split, redundant, results),
         nprocs=2,
         start_method="spawn",
     )

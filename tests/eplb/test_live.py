@@ -13,7 +13,6 @@ import asyncio
 import os
 import re
 import shutil
-import socket
 import threading
 import time
 import urllib.request
@@ -29,7 +28,7 @@ from dsmesh.runtime.grpc_server import channel
 from dsmesh.runtime.launcher import dsmesh_command, start_service
 from dsmesh.v1 import eplb_pb2, eplb_pb2_grpc, generation_pb2
 from dsmesh.v1 import generation_pb2_grpc as gen_grpc
-from tests.pd.launch import instance_load, start_gateway
+from tests.mesh import free_port, instance_load, start_gateway
 
 pytestmark = pytest.mark.timeout(600)
 MAX_NEW = 6
@@ -52,12 +51,6 @@ def skewed_checkpoint(root: Path) -> Path:
                     t[expert] += boost
         save_file(tensors, f, metadata={"format": "pt"})
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def metric(port: int, name: str, labels: str) -> float | None:

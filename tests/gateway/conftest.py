@@ -8,31 +8,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from tests.mesh import wait_http_ok
+
 HTTP_PORT = 8000  # the README's defaults
 GRPC_PORT = 50051
-
-
-def wait_http_ok(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"dsmesh up exited with {proc.returncode} before serving")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} not healthy within {timeout}s")
-        time.sleep(0.1)
 
 
 @dataclass

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsmesh.runtime.launcher import ServiceProcess, dsmesh_command
-from tests.gateway.mesh_processes import running_gateway_mesh
-from tests.up.harness import free_port
+from tests.mesh import free_port, running_gateway_mesh
 
 PAGE_SIZE = 16
 

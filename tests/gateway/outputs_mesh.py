@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsmesh.runtime.launcher import ServiceProcess, dsmesh_command
-from tests.gateway.mesh_processes import running_gateway_mesh
+from tests.mesh import running_gateway_mesh
 
 CHUNK_TOKENS = 16  # --max-batch-tokens of every instance: the prefill chunk
 

@@ -17,7 +17,7 @@ from dsmesh.engine.tokenizer import Tokenizer
 from dsmesh.gateway.core import CoreLimits, GatewayError, GenerationCore, Placement
 from dsmesh.gateway.metrics import GatewayMetrics
 from dsmesh.gateway.registry import Instance, InstanceRegistry
-from tests.up.harness import free_port
+from tests.mesh import free_port
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 

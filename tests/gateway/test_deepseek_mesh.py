@@ -19,8 +19,8 @@ from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.engine.tokenizer import Tokenizer
 from dsmesh.gateway.openai_api import _messages
 from tests.engine.deepseek_checkpoint import make_tiny_deepseek_model, package_dir
-from tests.gateway.mesh_processes import one_unified, running_gateway_mesh
 from tests.gateway.test_openai_prompt import OPENAI_MESSAGES
+from tests.mesh import one_unified, running_gateway_mesh
 
 pytestmark = pytest.mark.timeout(600)
 

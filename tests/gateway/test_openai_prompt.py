@@ -20,7 +20,7 @@ from dsmesh.gateway.openai_api import OpenAIError, _messages, _tools, sampling_f
 from dsmesh.gateway.registry import InstanceRegistry
 from dsmesh.gateway.routing import DecodeLoad, PrefillLoad, largest_request_tokens
 from tests.engine.deepseek_checkpoint import VOCAB_SIZE, write_deepseek_tokenizer
-from tests.up.harness import free_port
+from tests.mesh import free_port
 
 # As the openai SDK sends a conversation with a tool round trip.
 OPENAI_MESSAGES: list[dict[str, Any]] = [

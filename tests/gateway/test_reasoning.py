@@ -119,7 +119,7 @@ def test_all_reasoning_and_parser_off() -> None:
 @pytest.fixture(scope="module")
 def r1_mesh(tmp_path_factory: pytest.TempPathFactory):
     from dsmesh.engine.model.tiny_model import default_model_dir
-    from tests.gateway.mesh_processes import one_unified, running_gateway_mesh
+    from tests.mesh import one_unified, running_gateway_mesh
 
     model = default_model_dir(cache_dir=tmp_path_factory.mktemp("r1-cache"))
     logs = tmp_path_factory.mktemp("r1-mesh-logs")

@@ -26,8 +26,7 @@ from dsmesh.runtime.launcher import ServiceProcess, dsmesh_command, start_servic
 from dsmesh.v1 import generation_pb2 as pb
 from dsmesh.v1 import generation_pb2_grpc
 from tests.engine.deepseek_checkpoint import make_tiny_deepseek_model, package_dir
-from tests.reliability.soak_harness import wait_http_ok
-from tests.up.harness import free_port
+from tests.mesh import free_port, wait_http_ok
 
 jsonschema = pytest.importorskip("jsonschema")
 pytestmark = pytest.mark.timeout(900)

@@ -39,8 +39,8 @@ from dsmesh.runtime.grpc_server import channel
 from dsmesh.v1 import generation_pb2 as pb
 from dsmesh.v1 import generation_pb2_grpc
 from tests.engine.deepseek_checkpoint import make_tiny_deepseek_model, package_dir
-from tests.gateway.mesh_processes import one_unified, running_gateway_mesh
 from tests.gateway.test_openai_tools import NAMED, TOOLS, check_arguments
+from tests.mesh import one_unified, running_gateway_mesh
 
 pytestmark = pytest.mark.timeout(600)
 

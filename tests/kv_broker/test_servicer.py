@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import socket
 import urllib.request
 
 import grpc
@@ -23,6 +22,7 @@ from tests.kv_broker.conftest import (
     reserve_request,
     running_broker,
 )
+from tests.mesh import free_port
 
 S = pb.HandoffState
 
@@ -543,12 +543,6 @@ async def test_stop_answers_waiting_calls_and_serve_returns_promptly() -> None:
         assert err.code() == grpc.StatusCode.UNAVAILABLE
         await asyncio.wait_for(b.task, WAIT_S)
         assert loop.time() - start < 1.0  # well within the 2 s grace: nothing was left hanging
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict[str, float]:

@@ -11,14 +11,7 @@ from pathlib import Path
 import pytest
 
 from dsmesh.runtime.launcher import ServiceProcess, dsmesh_command, start_service
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.mesh import free_port
 
 
 @dataclass

@@ -26,8 +26,7 @@ from dsmesh.runtime.grpc_server import channel
 from dsmesh.runtime.launcher import ServiceProcess, dsmesh_command
 from dsmesh.v1 import decode_pb2_grpc, generation_pb2, prefill_pb2, prefill_pb2_grpc
 from tests.gateway.kv_mesh import metric, scrape
-from tests.gateway.mesh_processes import running_gateway_mesh
-from tests.up.harness import free_port
+from tests.mesh import free_port, running_gateway_mesh
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -27,7 +27,7 @@ from dsmesh.v1 import (
 )
 from dsmesh.v1 import generation_pb2_grpc as gen_grpc
 from dsmesh.v1 import kv_broker_pb2 as kb
-from tests.pd.launch import group_ranks, start_gateway, two_free_ports, wait_pages_free
+from tests.mesh import group_ranks, start_gateway, two_free_ports, wait_pages_free
 
 pytestmark = pytest.mark.timeout(400)
 MAX_NEW = 8

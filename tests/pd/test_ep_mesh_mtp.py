@@ -24,7 +24,7 @@ from dsmesh.runtime.grpc_server import channel
 from dsmesh.runtime.launcher import ServiceProcess, dsmesh_command, start_service
 from dsmesh.v1 import decode_pb2_grpc, prefill_pb2_grpc
 from tests.engine.hf_checkpoints import add_mtp_layer, make_hf_v3, random_prompts
-from tests.pd.launch import group_ranks, two_free_ports, wait_pages_free
+from tests.mesh import group_ranks, two_free_ports, wait_pages_free
 
 pytestmark = pytest.mark.timeout(300)
 PAGE = 4

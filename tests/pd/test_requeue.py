@@ -21,8 +21,7 @@ from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.engine.tokenizer import Tokenizer
 from dsmesh.runtime.launcher import dsmesh_command
 from tests.gateway.kv_mesh import metric, scrape
-from tests.gateway.mesh_processes import running_gateway_mesh
-from tests.up.harness import free_port
+from tests.mesh import free_port, running_gateway_mesh
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -32,7 +32,7 @@ from dsmesh.v1 import (
 )
 from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
-from tests.up.harness import UpProcess, free_port, list_instances, wait_until
+from tests.mesh import UpProcess, free_port, list_instances, wait_until
 
 PREFILL_CHUNK = 32  # --max-batch-tokens
 RESTARTED = r"{name} restarted at (\S+) \(pid (\d+)\), healthy"

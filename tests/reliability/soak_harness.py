@@ -27,7 +27,7 @@ import grpc
 from dsmesh.runtime.launcher import ServiceProcess, dsmesh_command, start_service
 from dsmesh.v1 import generation_pb2 as pb
 from dsmesh.v1 import generation_pb2_grpc
-from tests.up.harness import UpProcess, free_port
+from tests.mesh import UpProcess, free_port, wait_http_ok
 
 # gRPC codes a well-behaved gateway may answer a bad or excessive request with. INTERNAL,
 # UNKNOWN, DATA_LOSS, UNAVAILABLE and the like are server faults.
@@ -239,20 +239,6 @@ def _used_later(request, fixtures: tuple[str, ...]) -> bool:
     mine = [i for i, item in enumerate(items) if item.nodeid.startswith(prefix)]
     later = items[max(mine) + 1 :] if mine else []
     return any(set(fixtures) & set(getattr(item, "fixturenames", ())) for item in later)
-
-
-def wait_http_ok(url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} not 200 within {timeout}s")
-        time.sleep(0.1)
 
 
 # ---- metrics ----------------------------------------------------------------------------------

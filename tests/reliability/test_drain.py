@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import threading
 import time
 import urllib.error
@@ -34,6 +33,7 @@ from dsmesh.v1 import (
     generation_pb2_grpc,
     prefill_pb2,
 )
+from tests.mesh import free_port
 
 STREAMS = 8
 NEW_TOKENS = 600
@@ -147,12 +147,6 @@ def finish_streams(streams: list[Stream]) -> None:
         assert not s.is_alive()
         assert s.error is None, f"stream cut by the drain: {s.error}"
         assert (len(s.tokens), s.finish) == (NEW_TOKENS, "length")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_status(url: str, body: dict | None = None) -> tuple[int, str] | int:

@@ -19,6 +19,7 @@ import pytest
 
 from dsmesh.v1 import kv_broker_pb2 as kb
 from dsmesh.v1 import kv_broker_pb2_grpc as kb_grpc
+from tests.mesh import pid_alive, wait_until
 from tests.reliability.fault_harness import (
     Mesh,
     Outcome,
@@ -26,7 +27,6 @@ from tests.reliability.fault_harness import (
     start_mesh,
     wait_mesh_idle,
 )
-from tests.up.harness import pid_alive, wait_until
 
 FAIL_BOUND_S = 30.0  # the default --handoff-timeout: no request may take longer to fail
 

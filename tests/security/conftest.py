@@ -5,7 +5,6 @@ on the gateway (``--api-key``, reaching the gateway through its environment). Fr
 from __future__ import annotations
 
 import os
-import socket
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,19 +12,13 @@ from pathlib import Path
 import pytest
 
 from dsmesh.gateway.service import GatewayConfig
+from tests.mesh import UpProcess, free_port
 from tests.security.certs import Pki, make_pki
-from tests.up.harness import UpProcess
 
 API_KEY = "sk-test-0123456789"
 OTHER_KEY = "sk-second-key"
 MAX_MESSAGE_BYTES = 1 << 20  # small, so that an oversized message is cheap to send
 MAX_BODY_BYTES = GatewayConfig("", "").max_body_bytes  # the gateway's default
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

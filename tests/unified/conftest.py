@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from dsmesh.runtime.launcher import ServiceProcess, dsmesh_command, start_service
-from tests.reliability.soak_harness import wait_http_ok
-from tests.up.harness import free_port
+from tests.mesh import free_port, wait_http_ok
 
 # Mesh "small": its pool holds 2048 tokens, less than the model's context (4096), so a
 # request can be too large for every instance; 64-token forwards mix prompt chunks into the

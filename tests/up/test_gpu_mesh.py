@@ -15,7 +15,7 @@ import torch
 from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
 from dsmesh.engine.sampling.params import SamplingParams
 from dsmesh.v1 import generation_pb2, generation_pb2_grpc
-from tests.up.harness import UpProcess, free_port
+from tests.mesh import UpProcess, free_port
 
 pytestmark = [
     pytest.mark.gpu,

@@ -19,7 +19,7 @@ from dsmesh.cli.mesh_config import MeshConfig, RestartPolicy
 from dsmesh.cli.stages import broker_stage
 from dsmesh.cli.supervisor import Console, CrashLoopDetector, Slot
 from dsmesh.cli.up import engine_flags
-from tests.up.harness import (
+from tests.mesh import (
     UpProcess,
     child_pids,
     free_port,
