@@ -13,15 +13,20 @@ A file or test named here that no longer exists fails tests/test_tiers.py.
 from __future__ import annotations
 
 MESH_FILES: tuple[str, ...] = (
+    "tests/bench/test_faults_bench.py",
+    "tests/dsmesh/test_cli_lazy.py",
     "tests/eplb/test_cli.py",
     "tests/eplb/test_live.py",
     "tests/gateway/test_deepseek_mesh.py",
     "tests/gateway/test_gateway.py",
     "tests/gateway/test_kv_routing.py",
+    "tests/gateway/test_openai_conformance.py",
     "tests/gateway/test_outputs_mesh.py",
     "tests/gateway/test_readme.py",
     "tests/gateway/test_reasoning.py",
+    "tests/gateway/test_responses_api.py",
     "tests/gateway/test_sampling_api.py",
+    "tests/gateway/test_sglang_api.py",
     "tests/gateway/test_structured_outputs.py",
     "tests/gateway/test_tokenize_api.py",
     "tests/gateway/test_tool_calls_mesh.py",
@@ -43,6 +48,7 @@ MESH_FILES: tuple[str, ...] = (
     "tests/reliability/test_drain.py",
     "tests/reliability/test_faults.py",
     "tests/reliability/test_fuzz.py",
+    "tests/reliability/test_migration.py",
     "tests/reliability/test_overload.py",
     "tests/reliability/test_soak.py",
     "tests/security/test_gateway_auth.py",

@@ -20,7 +20,7 @@ from dsmesh.bench.workloads import (
     multi_turn_requests,
     shared_prefix_requests,
 )
-from dsmesh.cli.bench import register, requests_from
+from dsmesh.cli.bench import configure, requests_from
 from dsmesh.cli.main import main
 from dsmesh.v1 import generation_pb2 as pb
 from tests.gateway.kv_mesh import KVMesh, running_kv_mesh
@@ -65,8 +65,8 @@ def test_send_units_group_conversations_by_turn() -> None:
 
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    register(parser.add_subparsers())
-    return parser.parse_args(["bench", *argv])
+    configure(parser)
+    return parser.parse_args(list(argv))
 
 
 def test_cli_picks_the_workload() -> None:

@@ -198,7 +198,7 @@ def test_bad_input_is_400_naming_the_field(gw, client, extra, param, code) -> No
 @pytest.fixture(scope="module")
 def r1_client(tmp_path_factory: pytest.TempPathFactory):
     from dsmesh.engine.model.tiny_model import default_model_dir
-    from tests.gateway.mesh_processes import one_unified, running_gateway_mesh
+    from tests.mesh import one_unified, running_gateway_mesh
 
     cache = tmp_path_factory.mktemp("r1-cache")
     model = default_model_dir(cache_dir=cache, tokenizer="deepseek-v3")

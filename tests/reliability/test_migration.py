@@ -23,6 +23,7 @@ import openai
 import pytest
 
 from dsmesh.v1 import kv_broker_pb2 as kb
+from tests.mesh import pid_alive, wait_until
 from tests.reliability.fault_harness import (
     Mesh,
     Outcome,
@@ -31,7 +32,6 @@ from tests.reliability.fault_harness import (
     start_mesh,
     wait_mesh_idle,
 )
-from tests.up.harness import pid_alive, wait_until
 
 NUM_REQUESTS = 64
 MAX_NEW = 48
