@@ -228,6 +228,7 @@ class GenerationCore:
                         span.add_event("gateway.requeued", {"dsmesh.reason": exc.message})
                     elif migration.may_move(exc.code, self._time_left(start)):
                         cur = self._migrate(migration, placed, exc, span)
+                        await self.registry.refresh()  # route on a view taken after the loss
                     else:
                         raise
                 self.active[inp.request_id] = None

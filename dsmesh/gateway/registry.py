@@ -68,6 +68,7 @@ class InstanceRegistry:
         self.instances: dict[str, Instance] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.on_update: list[Callable[[], None]] = []
+        self._refreshing: asyncio.Future[None] | None = None
 
     def start(self) -> None:
         self._tasks = [
@@ -133,22 +134,34 @@ class InstanceRegistry:
 
     # ---- polling ---------------------------------------------------------------------------
 
+    async def refresh(self) -> None:
+        """List the instances now instead of at the next round: a caller that saw an instance
+        lost (a request about to move) routes on a view taken after the loss, so a kv_broker
+        that went away holds requests in the queue instead of failing each attempt. Callers
+        at the same moment share one listing."""
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.ensure_future(self._list_once())
+        await asyncio.shield(self._refreshing)
+
+    async def _list_once(self) -> None:
+        try:
+            listing = await self.broker.ListInstances(
+                kb.ListInstancesRequest(), timeout=self.rpc_timeout_s
+            )
+            self.broker_ok = True
+            self._sync(listing.instances)
+        except grpc.aio.AioRpcError as exc:
+            if self.broker_ok:
+                log.warning("kv_broker unreachable: %s", exc.code().name)
+            self.broker_ok = False
+        except Exception:  # never let discovery die
+            log.exception("instance discovery failed")
+            self.broker_ok = False
+        self._notify()
+
     async def _watch_broker(self) -> None:
         while True:
-            try:
-                listing = await self.broker.ListInstances(
-                    kb.ListInstancesRequest(), timeout=self.rpc_timeout_s
-                )
-                self.broker_ok = True
-                self._sync(listing.instances)
-            except grpc.aio.AioRpcError as exc:
-                if self.broker_ok:
-                    log.warning("kv_broker unreachable: %s", exc.code().name)
-                self.broker_ok = False
-            except Exception:  # never let discovery die
-                log.exception("instance discovery failed")
-                self.broker_ok = False
-            self._notify()
+            await self._list_once()
             await asyncio.sleep(1.0 if self.broker_ok else 0.25)
 
     def _sync(self, listed) -> None:
