@@ -287,6 +287,7 @@ class Outcome:
     retry_after: str | None = None
     seconds: float = 0.0
     error: str = ""
+    error_body: str = ""  # an HTTP refusal's body, as sent
 
 
 async def grpc_generate(
@@ -398,7 +399,8 @@ async def openai_completion(
         out.status = resp.status
         out.retry_after = resp.headers.get("Retry-After")
         if resp.status != 200:
-            out.error = error_message(await resp.text())
+            out.error_body = await resp.text()
+            out.error = error_message(out.error_body)
         elif not stream:
             data = await resp.json()
             out.text = data["choices"][0]["text"]

@@ -14,6 +14,7 @@ bounded; afterwards the mesh serves again and every KV page is back.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections import Counter
@@ -21,9 +22,11 @@ from collections import Counter
 import aiohttp
 import grpc
 import pytest
+from openai.types.shared import ErrorObject
 
 from dsmesh.v1 import generation_pb2 as pb
 from dsmesh.v1 import generation_pb2_grpc
+from tests.gateway.openai_conformance import conform
 from tests.reliability.soak_harness import (
     LIMITED_MAX_INFLIGHT,
     LIMITED_MAX_QUEUED,
@@ -162,6 +165,9 @@ def check_burst(outcomes: list[Outcome], label: str) -> tuple[list[Outcome], lis
         assert o.seconds < REJECT_WITHIN_S, f"{label}: refusal took {o.seconds:.1f}s: {o}"
         if o.protocol != "grpc":
             assert o.retry_after is not None and int(o.retry_after) >= 1, o
+        if o.protocol.startswith("openai"):  # OpenAI's 429, as the SDK's models declare it
+            error = conform(ErrorObject, json.loads(o.error_body)["error"])
+            assert error.code == "rate_limit_exceeded" and error.message, o
     slowest = max((o.seconds for o in refused), default=0.0)
     print(
         f"\noverload[{label}]: {len(outcomes)} sent, {len(served)} served, {len(refused)} "
