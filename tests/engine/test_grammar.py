@@ -142,6 +142,43 @@ def test_unknown_special_token_is_refused_by_the_engine(engine: LLMEngine) -> No
     assert info.value.field == "sampling.grammar.lark"
 
 
+@pytest.mark.parametrize(
+    "spec,token",
+    [
+        (GrammarSpec.regex("<think>[a-z]{4}</think>[a-z]{3}"), "<think>"),
+        (GrammarSpec.lark('start: "x</think>" /[a-z]+/'), "</think>"),
+        (GrammarSpec.json_schema({"const": "a<｜tool▁sep｜>"}), "<｜tool▁sep｜>"),
+        (GrammarSpec.json_schema({"enum": ["ok", "<think>"]}), "<think>"),
+    ],
+)
+def test_text_that_spells_an_added_token_is_refused_up_front(
+    engine: LLMEngine, spec: GrammarSpec, token: str
+) -> None:
+    """llguidance matches an added token only where a grammar names it: a grammar that spells
+    one as text would end the output at it, so the request is refused, naming the token."""
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request([5, 6, 7], SamplingParams(grammar=spec))
+    assert info.value.field == f"sampling.grammar.{spec.kind}"
+    assert repr(token) in str(info.value)
+
+
+def test_added_tokens_named_bare_or_in_descriptions_are_accepted(
+    engine: LLMEngine, tok: Tokenizer
+) -> None:
+    named = GrammarSpec.lark('start: <think> /[a-z]{4}/ </think> "ok"')
+    described = GrammarSpec.json_schema(
+        {"type": "string", "description": "no <think> here", "maxLength": 4}
+    )
+    outs = generate(
+        engine, tok, [SamplingParams(max_new_tokens=16, grammar=g) for g in (named, described)]
+    )
+    think, end_think = (tok.encode(t, add_special_tokens=False) for t in ("<think>", "</think>"))
+    assert outs[0].output_ids[: len(think)] == think and end_think[0] in outs[0].output_ids
+    assert tok.decode(outs[0].output_ids).endswith("ok")
+    value = json.loads(tok.decode(outs[1].output_ids))
+    assert isinstance(value, str) and len(value) <= 4
+
+
 # ---- constrained generation -------------------------------------------------------------
 
 

@@ -31,7 +31,8 @@ trie); it is built once per engine (about a second for DeepSeek-V3's 129280 ids)
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -170,6 +171,37 @@ class GrammarMatcher:
         return self._matcher.get_error()
 
 
+_LARK_TEXT = re.compile(r'"((?:[^"\\]|\\.)*)"|/((?:[^/\\\n]|\\.)+)/')
+
+
+def spelled_texts(spec: GrammarSpec) -> Iterator[str]:
+    """The texts ``spec`` spells out for the output: a regex's pattern, a Lark or GBNF
+    grammar's quoted strings and /regex/ literals, a JSON schema's ``const``, ``enum`` and
+    ``pattern`` strings (its descriptions and keys constrain nothing the model writes)."""
+    if spec.kind == "regex":
+        yield spec.source
+    elif spec.kind in ("lark", "ebnf"):
+        for quoted, regex in _LARK_TEXT.findall(spec.source):
+            yield quoted or regex
+    elif spec.kind == "json_schema":
+        try:
+            stack = [json.loads(spec.source)]
+        except json.JSONDecodeError:
+            return  # to_llguidance names the error
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                for key, value in node.items():
+                    if key in ("const", "pattern") and isinstance(value, str):
+                        yield value
+                    elif key == "enum" and isinstance(value, list):
+                        yield from (v for v in value if isinstance(v, str))
+                    else:
+                        stack.append(value)
+            elif isinstance(node, list):
+                stack.extend(node)
+
+
 class GrammarVocab:
     """One tokenizer's vocabulary as llguidance indexes it, shared by every matcher.
 
@@ -186,6 +218,16 @@ class GrammarVocab:
             tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids)
         )
         self._executor: llguidance.LLExecutor | None = None
+        # Added tokens (DeepSeek-V3's <think>, <｜tool▁sep｜>, ...) are special to llguidance:
+        # matched only where a grammar names the token, never as the text that spells it.
+        added = json.loads(tokenizer_json).get("added_tokens", [])
+        self._token_texts = {
+            t["content"]: t["id"]
+            for t in added
+            if len(t["content"]) > 1
+            and t["id"] < vocab_size
+            and self._tokenizer.is_special_token(t["id"])
+        }
 
     @classmethod
     def from_checkpoint(
@@ -200,10 +242,26 @@ class GrammarVocab:
         grammar is invalid for this tokenizer (a special token it does not have)."""
         import llguidance
 
+        self._check_spelled_tokens(spec)
         matcher = llguidance.LLMatcher(self._tokenizer, spec.to_llguidance(), log_level=0)
         if matcher.is_error():  # llguidance reports a bad grammar here, never raises
             raise InvalidRequestError(spec.field, matcher.get_error().strip())
         return GrammarMatcher(matcher)
+
+    def _check_spelled_tokens(self, spec: GrammarSpec) -> None:
+        """Refuse a grammar that spells one of this tokenizer's added tokens as text: the
+        tokenizer writes that text as the one token, which llguidance matches only where the
+        grammar names the token, so the output would end at it (a known llguidance limit)."""
+        for text in spelled_texts(spec):
+            for content, token_id in self._token_texts.items():
+                if content in text:
+                    raise InvalidRequestError(
+                        spec.field,
+                        f"spells {content!r} as text, but this tokenizer writes it as one "
+                        f"added token (id {token_id}), which a grammar matches only by naming "
+                        f"it (in Lark, write {content} bare, outside quotes); a regex or JSON "
+                        "schema cannot ask for it",
+                    )
 
     def fill_bitmask(self, matchers: Sequence[GrammarMatcher | None], out: np.ndarray) -> None:
         """Row i of ``out`` [>= len(matchers), bitmask_words(vocab)] int32 gets the tokens
