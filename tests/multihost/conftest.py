@@ -159,7 +159,10 @@ def mesh(network: netns.Network, tmp_path_factory: pytest.TempPathFactory) -> It
         mesh.start("prefill", "prefill", "prefill", *common, *prefill_args)
         mesh.start("decode", "decode", "decode", *common, "--port", str(DECODE_PORT))
         gateway_ports = ("--grpc-port", str(GRPC_PORT), "--http-port", str(HTTP_PORT))
-        mesh.start("gateway", "gateway", "gateway", *common, *gateway_ports)
+        # These tests watch each hop notice a dark host, so a lost request fails instead of
+        # moving on (--migration-limit 0); tests/reliability/test_migration.py covers moving.
+        no_moves = ("--migration-limit", "0")
+        mesh.start("gateway", "gateway", "gateway", *common, *gateway_ports, *no_moves)
         assert wait_until(mesh.healthy, 60), mesh.log_tails()
         yield mesh
     finally:

@@ -3,8 +3,9 @@ two ranks on each (``--ep-size 4 --ep-nnodes 2``, gloo, redundant experts), live
 by an eplb service on a third host. It serves the offline engine's tokens (EP 1) before and
 after an EPLB swap, whose placement crosses the hosts through the group; when one host goes
 dark the group fails fast (its links' TCP user timeout, dsmesh/instance/ep_group.py),
-kv_broker drops every rank so the gateway stops routing to them (a request then fails, it
-does not wait on the dead group), and the group restarted once the host is back serves again.
+kv_broker drops every rank so the gateway stops routing to them (a request then waits in the
+gateway's queue, not on the dead group), and the group restarted once the host is back serves
+it and the rest.
 
 Runs after test_across_hosts.py on the same mesh: the first test replaces its decode with
 the group. Figures print as ``MULTIHOST <scenario> <name>=<value>`` lines (``-s``).
@@ -125,6 +126,10 @@ def test_an_ep_group_spans_two_hosts_and_swaps_experts(mesh: Mesh, offline: LLME
         for h in ("decode", "spare")
         for i in range(RANKS_PER_HOST)
     )
+    # A rank is listed once it attached; the first KV write to a host that just came up can
+    # still fail (this package's gateway does not migrate: --migration-limit 0), so the group
+    # first serves one request, retried, then the batch that is checked.
+    assert serves(mesh, offline), mesh.log_tails()
     ids = prompts(8, salt=4)
     got = asyncio.run(grpc_streams(mesh.grpc_address, [request(p, 6) for p in ids]))
     assert got == greedy(offline, ids, 6)
@@ -165,8 +170,8 @@ def test_an_ep_group_spans_two_hosts_and_swaps_experts(mesh: Mesh, offline: LLME
 def test_an_ep_ranks_host_goes_dark(mesh: Mesh, offline: LLMEngine) -> None:
     """Node 1's cable is pulled: both nodes' groups exit non-zero (their links time out) and
     kv_broker drops every rank, so the gateway stops routing to them: a request sent then
-    fails with UNAVAILABLE once no decode has existed for the gateway's route wait (5 s),
-    rather than waiting on a dead group. With the cable back the group, restarted, serves."""
+    waits in the gateway's queue (no decode exists; docs/RELIABILITY.md, Migration) instead of
+    going to a dead group. With the cable back the group, restarted, serves it and others."""
     dark_host = mesh.hosts["spare"]
     node0, node1 = mesh.services["decode"], mesh.services["decode-ep1"]
     dark_host.link_down()
@@ -176,19 +181,22 @@ def test_an_ep_ranks_host_goes_dark(mesh: Mesh, offline: LLMEngine) -> None:
         group_failed = time.monotonic() - dark
         gone = wait_until(lambda: not decode_ranks(mesh), ROUTING_STOPPED_BOUND_S)
         routing_stopped = time.monotonic() - dark
-        sent = time.monotonic()
-        with pytest.raises(grpc.RpcError) as refused:
-            asyncio.run(grpc_streams(mesh.grpc_address, [request([7, 8, 9], 5)]))
-        refused_s = time.monotonic() - sent
+        pool = ThreadPoolExecutor(1)
+        waiting = pool.submit(
+            lambda: asyncio.run(grpc_streams(mesh.grpc_address, [request([7, 8, 9], 5)]))
+        )
+        held = wait_until(lambda: waiting.done(), 3) is None  # neither served nor refused
     finally:
         dark_host.link_up()
     assert exited, mesh.log_tails()
     assert node0.process.returncode != 0 and node1.process.returncode != 0
     assert gone, [i.instance_id for i in decode_ranks(mesh)]
-    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+    assert held, waiting.result()
 
     back = time.monotonic()
     restarted = start_group(mesh)
+    assert waiting.result(timeout=120) == greedy(offline, [[7, 8, 9]], 5)
+    pool.shutdown()
     assert wait_until(lambda: len(decode_ranks(mesh)) == EP_SIZE, 60), mesh.log_tails()
     assert serves(mesh, offline), mesh.log_tails()
     serving = time.monotonic() - back
@@ -201,7 +209,6 @@ def test_an_ep_ranks_host_goes_dark(mesh: Mesh, offline: LLMEngine) -> None:
         "ep_rank_host_dark",
         group_exited_s=group_failed,
         ranks_off_broker_list_s=routing_stopped,
-        request_refused_after_s=refused_s,
         group_restarted_s=restarted,
         serving_after_link_up_s=serving,
     )
