@@ -50,6 +50,7 @@ from dsmesh.gateway.openai_params import (
     openai_code,
     openai_param,
     prompt_only,
+    read_object,
     refuse_unsupported,
     sampling_from_openai,
     sent_max_tokens_key,
@@ -271,15 +272,7 @@ class OpenAIRoutes:
 
     async def _extras_body(self, request: web.Request, fields: frozenset[str]) -> dict[str, Any]:
         """A JSON object of only ``fields``; ``model`` optional, but ours when given."""
-        try:
-            body = await read_json(request)
-        except GatewayError as exc:
-            raise _from_gateway(exc) from exc
-        if not isinstance(body, dict):
-            raise bad_param("body", "must be a JSON object")
-        for name in body:
-            if name not in fields:
-                raise bad_param(name, "unknown field")
+        body = await read_object(request, fields, _from_gateway)
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise bad_param("model", "must be a string")

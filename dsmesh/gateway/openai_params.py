@@ -9,6 +9,7 @@ parameter as the client sent it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from typing import Any
 
 import grpc
@@ -17,7 +18,9 @@ from aiohttp import web
 from dsmesh.engine.errors import InvalidRequestError
 from dsmesh.engine.sampling.params import MAX_LOGPROBS, SamplingParams
 from dsmesh.gateway.choices import MAX_CHOICES
+from dsmesh.gateway.core import GatewayError
 from dsmesh.gateway.openai_grammar import grammar_from_openai
+from dsmesh.gateway.rest import read_json
 
 # OpenAI's own limits on these routes; /v1/generate and gRPC keep the engine's wider ones
 # (dsmesh/runtime/convert.py: 16 stop strings, any temperature >= 0).
@@ -86,6 +89,25 @@ def openai_code(status: grpc.StatusCode) -> str | None:
 
 def bad_param(param: str, message: str) -> OpenAIError:
     return OpenAIError(400, f"{param}: {message}", param=param)
+
+
+async def read_object(
+    request: web.Request,
+    fields: Collection[str],
+    to_error: Callable[[GatewayError], OpenAIError],
+) -> dict[str, Any]:
+    """The body as a JSON object of only ``fields``; an OpenAIError naming what is wrong
+    (``to_error`` maps a body that is not JSON)."""
+    try:
+        body = await read_json(request)
+    except GatewayError as exc:
+        raise to_error(exc) from exc
+    if not isinstance(body, dict):
+        raise bad_param("body", "must be a JSON object")
+    for name in body:
+        if name not in fields:
+            raise bad_param(name, "unknown field")
+    return body
 
 
 def _get(body: dict[str, Any], name: str, types: tuple[type, ...], default: Any) -> Any:

@@ -34,8 +34,8 @@ from dsmesh.gateway.choices import choice_inputs, generate_choices
 from dsmesh.gateway.core import Delta, GatewayError, GenerationCore, GenerationInput
 from dsmesh.gateway.openai_grammar import grammar_from_openai
 from dsmesh.gateway.openai_logprobs import MIN_LOGPROB
-from dsmesh.gateway.openai_params import OpenAIError, bad_param, openai_code
-from dsmesh.gateway.rest import http_status, read_json, sse
+from dsmesh.gateway.openai_params import OpenAIError, bad_param, openai_code, read_object
+from dsmesh.gateway.rest import http_status, sse
 from dsmesh.runtime.telemetry import context_from_headers
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
@@ -95,7 +95,7 @@ class SGLangRoutes:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         start = time.monotonic()
         try:
-            body = await _body(request)
+            body = await read_object(request, _FIELDS, _error)
             inputs, per, batch = self._inputs(body)
             logprobs = _flag(body, "return_logprob")
             text_in_logprobs = _flag(body, "return_text_in_logprobs")
@@ -247,19 +247,6 @@ async def _stream(deltas: AsyncIterator[Delta], outs: list[_Output]) -> AsyncIte
         out.add(delta)
         if delta.token_ids or delta.finish_reason:
             yield out.answer(index=delta.index)
-
-
-async def _body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await read_json(request)
-    except GatewayError as exc:
-        raise _error(exc) from exc
-    if not isinstance(body, dict):
-        raise bad_param("body", "must be a JSON object")
-    for name in body:
-        if name not in _FIELDS:
-            raise bad_param(name, "unknown field")
-    return body
 
 
 def _prompts(body: dict[str, Any]) -> tuple[list[tuple[str | None, list[int] | None]], bool]:
