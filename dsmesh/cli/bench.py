@@ -35,22 +35,10 @@ from dsmesh.bench.workloads import (
     shared_prefix_requests,
 )
 from dsmesh.cli.common import add_engine_args, engine_config_from
+from dsmesh.options.parse import int_range as parse_range
 
 DEFAULT_NUM_PROMPTS = 100
 WORKLOADS = ("random", "shared-prefix", "multi-turn")
-
-
-def parse_range(text: str) -> tuple[int, int]:
-    """``"A"`` or ``"A,B"`` (inclusive, 1 <= A <= B) as a pair of ints."""
-    try:
-        parts = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N or MIN,MAX, got {text!r}") from None
-    if len(parts) == 1:
-        parts *= 2
-    if len(parts) != 2 or not 1 <= parts[0] <= parts[1]:
-        raise argparse.ArgumentTypeError(f"expected N or MIN,MAX with 1 <= MIN <= MAX: {text!r}")
-    return parts[0], parts[1]
 
 
 def parse_output_len(text: str) -> tuple[int, int] | None:

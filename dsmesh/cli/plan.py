@@ -9,19 +9,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dsmesh.options.parse import int_range
+
 GPU_NAMES = ("h100", "h200", "gb200", "h800", "spec")
-
-
-def _length(text: str) -> tuple[int, int]:
-    """``N`` or ``LO:HI`` (uniform)."""
-    try:
-        lo, _, hi = text.partition(":")
-        pair = (int(lo), int(hi or lo))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N or LO:HI, got {text!r}") from None
-    if pair[0] < 1 or pair[1] < pair[0]:
-        raise argparse.ArgumentTypeError(f"need 1 <= LO <= HI, got {text!r}")
-    return pair
 
 
 def _positive(text: str) -> float:
@@ -56,16 +46,16 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", type=int, default=8, metavar="N", help="GPUs to deploy on (default 8)")
     p.add_argument(
         "--input-len",
-        type=_length,
+        type=int_range,
         default=(2000, 2000),
-        metavar="N|LO:HI",
+        metavar="N|MIN,MAX",
         help="prompt tokens (default 2000)",
     )
     p.add_argument(
         "--output-len",
-        type=_length,
+        type=int_range,
         default=(1000, 1000),
-        metavar="N|LO:HI",
+        metavar="N|MIN,MAX",
         help="output tokens (default 1000)",
     )
     p.add_argument(

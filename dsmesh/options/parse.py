@@ -92,3 +92,17 @@ def switch(text: str) -> bool:
     if value in ("", "0", "false", "no", "off"):
         return False
     raise _error(f"must be 1/0 (or true/false), got {text!r}")
+
+
+def int_range(text: str) -> tuple[int, int]:
+    """``"A"`` or ``"A,B"`` (inclusive, 1 <= A <= B) as a pair of ints: a token length
+    drawn uniformly (``dsmesh bench``, ``dsmesh plan``)."""
+    try:
+        parts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise _error(f"expected N or MIN,MAX, got {text!r}") from None
+    if len(parts) == 1:
+        parts *= 2
+    if len(parts) != 2 or not 1 <= parts[0] <= parts[1]:
+        raise _error(f"expected N or MIN,MAX with 1 <= MIN <= MAX: {text!r}")
+    return parts[0], parts[1]

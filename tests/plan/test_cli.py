@@ -79,7 +79,7 @@ def test_validate_and_questions() -> None:
         (("--gpu", "spec", "--gpu-spec", "1,2,3"), "--gpu-spec"),
         (("--gpus", "0"), "--gpus"),
         (("--mtp-acceptance", "1.5"), "--mtp-acceptance"),
-        (("--input-len", "9:3"), "--input-len"),
+        (("--input-len", "9,3"), "--input-len"),
     ],
 )
 def test_bad_input_names_the_flag(args: tuple[str, ...], message: str) -> None:
