@@ -190,10 +190,9 @@ class GenerationCore:
         try:
             attempt, cur = 0, inp
             while True:
-                waited = time.monotonic() - start
                 try:
                     placed = await self.gate.admit(
-                        cur, ctx, first=attempt > 0, wait_s=self.limits.request_timeout_s - waited
+                        cur, ctx, first=attempt > 0, wait_s=self._time_left(start)
                     )
                 except AbortedInQueue:
                     state["outcome"] = "abort"
@@ -292,10 +291,7 @@ class GenerationCore:
         the queue again: the instance refused it for room (RESOURCE_EXHAUSTED: nothing ran,
         no page is held), and its time in the gateway (``--request-timeout``) is not over.
         A mesh that accepted a request does not refuse it later for a burst."""
-        return (
-            exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-            and time.monotonic() - start < self.limits.request_timeout_s
-        )
+        return exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and self._time_left(start) > 0
 
     async def _stream(
         self,
