@@ -108,6 +108,7 @@ class LLMEngine:
                     device,
                     keep_fp8=bool(config.fp8_experts),
                     fp8_only=True,
+                    weights_read=config.weights_read,
                 )
         self.runner = ModelRunner(config, model, device, self.startup)
         self.scheduler = Scheduler(scheduler_config(config), self.kv_pool.allocator)

@@ -20,6 +20,7 @@ from dsmesh.engine.model.kernel_choice import KERNEL_SETS, MOE_BACKENDS
 from dsmesh.engine.model.mla import ATTENTION_MODES
 from dsmesh.engine.model.mla_decode_backend import ATTENTION_BACKENDS
 from dsmesh.engine.model.mtp import SPECULATIVE_METHODS
+from dsmesh.engine.model.weights import WEIGHT_READS
 from dsmesh.options import parse as argtypes
 from dsmesh.options.fields import option
 
@@ -98,6 +99,13 @@ class EngineConfig:
         "overlaps the other's compute",
         cli=False,  # an expert-parallel flag (dsmesh/cli/common.py add_ep_args)
         up=True,  # ``dsmesh up`` forwards it to the expert-parallel instances
+    )
+    weights_read: str = option(
+        "auto",
+        "how the checkpoint reaches the device: staged = file by file through reused pinned "
+        "buffers, copied asynchronously (dsmesh/engine/model/staged_read.py); mmap = tensor by "
+        "tensor through safetensors' memory map; auto = staged on CUDA, mmap on CPU",
+        choices=WEIGHT_READS,
     )
     cuda_graphs: bool = option(
         True,

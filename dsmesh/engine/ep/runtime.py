@@ -242,6 +242,7 @@ def build_ep_engine(
             expert_location=placement,
             dispatcher=dispatcher,
             ep_rank=rank,
+            weights_read=config.weights_read,
         )
     if device.type == "cuda":
         config = dataclasses.replace(config, device=str(device))

@@ -67,6 +67,7 @@ def load_model(
     dispatcher: MoEDispatcher | None = None,
     ep_rank: int = 0,
     fp8_only: bool = False,
+    weights_read: str = "auto",
 ) -> DeepseekForCausalLM:
     """Read config.json and the safetensors of ``checkpoint_dir`` into a ready model, with
     the kernels "auto" picks for ``device`` and ``dtype`` (an engine may choose again).
@@ -74,14 +75,17 @@ def load_model(
     ``keep_fp8`` on CUDA gives the routed experts their FP8 form for the FP8 grouped GEMM.
     With ``fp8_only`` too they are held in FP8 alone: no dense copy is ever allocated, so a
     V3 checkpoint's experts take half the memory (one byte a weight). Experts that move
-    later (EPLB under expert parallelism) need the dense copy: EP ranks keep it."""
+    later (EPLB under expert parallelism) need the dense copy: EP ranks keep it.
+    ``weights_read`` (``WEIGHT_READS``): staged or through the memory map (auto: staged on
+    CUDA)."""
     cfg = load_config(checkpoint_dir)
     cuda = torch.device(device).type == "cuda"
     lean = keep_fp8 and fp8_only and cuda
     model = build_model(
         cfg, dtype, device, expert_location, dispatcher, ep_rank, dense_experts=not lean
     )
-    load_weights(model, checkpoint_dir, keep_fp8=keep_fp8)
+    staged = weights_read == "staged" or (weights_read == "auto" and cuda)
+    load_weights(model, checkpoint_dir, keep_fp8=keep_fp8, staged=staged)
     if keep_fp8 and cuda:
         from dsmesh.kernels.moe_gemm import attach_fp8_experts  # FP8 grouped GEMM for the experts
 

@@ -31,6 +31,7 @@ _EXPERT_RE = re.compile(
 )
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _SCALE_SUFFIX = "_scale_inv"
+WEIGHT_READS = ("auto", "staged", "mmap")  # how a checkpoint reaches the device (load_weights)
 
 
 class WeightError(ValueError):
@@ -80,7 +81,7 @@ def load_weights(
     staged: bool = False,
 ) -> None:
     """Fill ``model`` (already on its device and dtype) from the checkpoint. With ``staged``
-    (off by default: not yet measured on a GPU, docs/RELIABILITY.md "Restart time") the
+    (what :func:`~dsmesh.engine.model.build.load_model` picks on CUDA by default) the
     tensors that go to the device as they are stored (not FP8) are read once, file by file,
     through reused buffers, pinned on CUDA (dsmesh/engine/model/staged_read.py); the others,
     and all of them by default, through safetensors' memory map."""
