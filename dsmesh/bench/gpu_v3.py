@@ -18,6 +18,7 @@ from dsmesh.bench.engine_steps import (
 )
 from dsmesh.bench.random_model import build_dsmesh, use_fp8_experts, v3_layers_config
 from dsmesh.bench.roofline import kv_bytes, pool_token_bytes, prefill_flops, weight_bytes_touched
+from dsmesh.bench.step_profiles import profile_prefill, profile_static_forward
 from dsmesh.engine.model.config import ModelConfig
 
 SEED_INPUT_PER_GPU = 6500.0  # tokens/s, 61-layer V3 (52.3k per 8-GPU node)
@@ -97,6 +98,17 @@ def run_v3(args, device, ceilings, results) -> None:
     if ab is not None:
         key, figures = ab
         results["v3_layers"]["decode"][key] = figures
+    if args.profile:  # where the prefill forward's and the decode step's time goes
+        profiles = {
+            "prefill": profile_prefill(
+                engine, cfg.vocab_size, args.prompt_len, args.prefill_prompts
+            ),
+        }
+        if engine.graph_runner is not None:
+            profiles["decode"] = profile_static_forward(engine.graph_runner, b, device)
+        results["v3_layers"]["profiles"] = profiles
+        for name, table in profiles.items():
+            print(f"  v3 {name} profile, batch {b}, context {args.context}:\n{table}", flush=True)
     del engine
     for name in args.kv_cache_dtypes[1:]:
         if device.type == "cuda":
