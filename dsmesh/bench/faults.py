@@ -63,7 +63,7 @@ from dsmesh.bench.fault_report import (
     timeline,
     within,
 )
-from dsmesh.bench.mesh_metrics import metrics_urls, scrape
+from dsmesh.bench.mesh_metrics import scrape
 from dsmesh.bench.mesh_process import Mesh, free_port_run, mesh_up
 from dsmesh.bench.serving import (
     BenchConfig,
@@ -426,7 +426,6 @@ def measure(config: FaultBenchConfig) -> dict[str, Any]:
     up_args = config.mesh_args()
     if not _has_flag(config.up_args, "--instance-metrics-port"):  # each instance's pages
         up_args += ["--instance-metrics-port", str(free_port_run(16))]
-    instances = metrics_urls(up_args)
     watch = SupervisorWatch()
     with mesh_up(
         config.model, up_args, config.out / "logs", config.start_timeout_s, on_line=watch.feed
@@ -444,7 +443,7 @@ def measure(config: FaultBenchConfig) -> dict[str, Any]:
         after_run = time.monotonic()
         restarted = watch.wait_for("restart", kill.service, kill.monotonic, config.start_timeout_s)
         exited = watch.wait_for("exit", kill.service, kill.monotonic, 0.0)
-        settled = _settle(config, mesh.metrics_url, instances)
+        settled = _settle(config, mesh.metrics_url, mesh.instance_metrics)
         after = scrape(mesh.metrics_url)
         waited_s = time.monotonic() - after_run
     u_summary = summarize(undisturbed.records, undisturbed.duration_s)
