@@ -1,6 +1,7 @@
 """Layers point down, as docs/ARCHITECTURE.md draws them (Layout): each package of dsmesh
 imports only the packages drawn below it, inside dsmesh/engine/ each part only the parts drawn
-below it, and nothing but the command line imports dsmesh.cli. The rows marked "no grpc"
+below it, nothing but the command line imports dsmesh.cli, and no two modules import each
+other, however indirectly. The rows marked "no grpc"
 import no grpc, and of the services only prefill, decode and unified stand on dsmesh/instance.
 
 The drawings are read from the doc, so the doc and the code cannot part. Imports are read
@@ -122,6 +123,50 @@ def upward(package: str, rows: dict[str, int]) -> list[str]:
     return bad
 
 
+def module_graph() -> dict[str, set[str]]:
+    """Each module of dsmesh -> the modules of dsmesh it imports (``a.b.name`` counts as
+    ``a.b`` when ``name`` is no module)."""
+    paths = sorted(DSMESH.rglob("*.py"))
+    graph: dict[str, set[str]] = {module_name(p.relative_to(ROOT).as_posix()): set() for p in paths}
+    for imp in all_imports():
+        target = imp.target
+        while target and target not in graph:
+            target = target.rpartition(".")[0]
+        source = module_name(imp.source)
+        if target and target != source:
+            graph[source].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
 def test_the_walk_reads_every_module_and_the_drawings() -> None:
     assert len({i.source for i in all_imports()}) > 250  # the files with an import
     assert {"cli", "bench", "engine", "kernels", "runtime", "gateway"} <= rows_of(PACKAGES).keys()
@@ -139,6 +184,19 @@ def test_the_walk_reads_every_module_and_the_drawings() -> None:
         (5, "dsmesh.engine.kv.pool.P"),
     ]
     assert imports_in("from . import a", "dsmesh/engine/__init__.py")[1].target == "dsmesh.engine.a"
+
+
+def test_cycles_are_found() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_two_modules_import_each_other() -> None:
+    """A cycle is an arrow back up inside a package, even through a lazy or type-only
+    import: what both sides need belongs in a module below them."""
+    found = cycles(module_graph())
+    assert not found, "\n".join(["", *(" <-> ".join(c) for c in found)])
 
 
 def test_every_package_and_engine_part_is_drawn() -> None:
