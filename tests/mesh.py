@@ -285,8 +285,9 @@ def running_gateway_mesh(
     gateway_args: tuple[str, ...] = (),
     model: Path | None = None,
 ) -> Iterator[tuple[dict[str, ServiceProcess], int, Path]]:
-    """Yields (every process by name, the gateway's as "gateway"; the gateway's HTTP port;
-    the model folder) once the gateway is healthy; stops every process on exit. ``model``
+    """Yields (every process by name: kv_broker's as "kv-broker", the gateway's as "gateway",
+    the instances' as ``instances`` names them; the gateway's HTTP port; the model folder) once
+    the gateway is healthy; stops every process on exit. ``model``
     None: the tiny default model, built in ``cache`` (DSMESH_CACHE_DIR of every process)."""
     env: dict[str, str] = {}
     if model is None:
@@ -317,7 +318,7 @@ def running_gateway_mesh(
             procs = {name: future.result() for name, future in futures.items()}
         started += procs.values()
         wait_http_ok(f"http://127.0.0.1:{http_port}/health", 120)
-        yield procs, http_port, model
+        yield {"kv-broker": broker, **procs}, http_port, model
     finally:
         for proc in reversed(started):
             proc.stop()

@@ -63,7 +63,7 @@ from dsmesh.bench.fault_report import (
     timeline,
     within,
 )
-from dsmesh.bench.mesh_metrics import metrics_urls, scrape
+from dsmesh.bench.mesh_metrics import scrape
 from dsmesh.bench.mesh_process import Mesh, free_port_run, mesh_up
 from dsmesh.bench.serving import (
     BenchConfig,
@@ -76,6 +76,7 @@ from dsmesh.bench.serving import (
     send_request,
     summarize,
 )
+from dsmesh.options.fields import add_options, from_args, option
 
 TARGETS = ("pd", "unified")
 BACKENDS = ("grpc", "rest", "openai")
@@ -94,31 +95,59 @@ class FaultBenchError(Exception):
 
 @dataclass(frozen=True)
 class FaultBenchConfig:
-    """One fault benchmark; :func:`config_from` maps the flags onto it in one place."""
+    """One fault benchmark. Each field is a flag (dsmesh/options/fields.py); :func:`config_from`
+    builds it from them."""
 
-    out: Path = Path("fault-bench")
-    model: str | None = None  # checkpoint folder; None = the tiny default model
-    target: str = "pd"  # one of TARGETS
-    device: str | None = None  # dsmesh up --device; None = its default
-    up_args: tuple[str, ...] = ()  # more dsmesh up flags, after the target's
-    backend: str = "grpc"  # one of BACKENDS
-    concurrency: int = 8
-    num_requests: int = 64
-    input_len: int = 128
-    output_len: int = 64
-    kill: str = "decode-0"  # a service name of dsmesh up
-    kill_at_s: float = 2.0  # into the faulted run
-    warmup: int | None = None  # None: ``concurrency``
-    window_s: float = 1.0
-    recovered_fraction: float = 0.9
-    settle_timeout_s: float = 60.0
-    start_timeout_s: float = 600.0
-    request_timeout_s: float = 600.0
-    seed: int = 0
-    max_token_id: int = 500
+    out: Path = option(
+        Path("fault-bench"), "the figures (faults.json) and the mesh's logs", parse=Path
+    )
+    model: str | None = option(None, "checkpoint folder", default_text="the tiny model")
+    target: str = option(
+        "pd",
+        "pd: kv_broker, one prefill, one decode and the gateway; unified: one unified instance "
+        "instead of the pair",
+        choices=TARGETS,
+    )
+    device: str | None = option(None, "dsmesh up --device", default_text="its own")
+    up_args: str = option(
+        "",
+        "more dsmesh up flags, after the target's, one quoted string (a single flag: "
+        "--up-args=--eplb)",
+        metavar="FLAGS",
+    )
+    backend: str = option("grpc", "the client's API", choices=BACKENDS)
+    concurrency: int = option(8, "requests in flight at most")
+    num_requests: int = option(64, "requests per run")
+    input_len: int = option(128, "prompt tokens")
+    output_len: int = option(64, "new tokens, EOS ignored")
+    kill: str = option(
+        "decode-0",
+        "the process to SIGKILL: decode-N, prefill-N, kv-broker (or kv_broker), eplb; "
+        "unified-N with --target unified",
+    )
+    kill_at_s: float = option(2.0, "seconds into the faulted run")
+    warmup: int | None = option(None, "untimed requests first", default_text="the concurrency")
+    window_s: float = option(1.0, "sliding window of the output rate, seconds")
+    recovered_fraction: float = option(0.9, "of the undisturbed output rate")
+    settle_timeout_s: float = option(60.0, "after the run: wait this long for 0 pages")
+    start_timeout_s: float = option(
+        600.0, "for the mesh to start and the killed process to restart"
+    )
+    request_timeout_s: float = option(600.0, "deadline of each request")
+    seed: int = option(0, "prompts (the faulted run's: seed + 1)")
+    max_token_id: int = option(500, "prompt token ids below this")
+
+    @property
+    def up_flags(self) -> tuple[str, ...]:
+        """``up_args`` as words."""
+        return tuple(shlex.split(self.up_args))
 
     def validate(self) -> None:
         """Refuse what cannot be measured, naming the flag."""
+        try:
+            shlex.split(self.up_args)
+        except ValueError as exc:
+            raise ValueError(f"--up-args: {exc}: {self.up_args!r}") from None
         if self.target not in TARGETS:
             raise ValueError(f"--target must be one of {', '.join(TARGETS)}, got {self.target!r}")
         if self.backend not in BACKENDS:
@@ -160,7 +189,7 @@ class FaultBenchConfig:
                 f"--kill {self.kill!r} is not a process of a --target {self.target} mesh: "
                 f"expected {KILLABLE[self.target].pattern} (dsmesh up's names)"
             )
-        if self.target == "unified" and _has_flag(self.up_args, "--prefill"):
+        if self.target == "unified" and _has_flag(self.up_flags, "--prefill"):
             raise ValueError("--target unified sets --prefill 0 --decode 0: not in --up-args")
 
     def mesh_args(self) -> list[str]:
@@ -168,9 +197,9 @@ class FaultBenchConfig:
         args = ["--device", self.device] if self.device is not None else []
         if self.target == "unified":
             args += ["--prefill", "0", "--decode", "0"]
-            if not _has_flag(self.up_args, "--unified"):
+            if not _has_flag(self.up_flags, "--unified"):
                 args += ["--unified", "1"]
-        return args + list(self.up_args)
+        return args + list(self.up_flags)
 
 
 def _has_flag(args: tuple[str, ...], flag: str) -> bool:
@@ -178,74 +207,17 @@ def _has_flag(args: tuple[str, ...], flag: str) -> bool:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    d = FaultBenchConfig()
     ap = argparse.ArgumentParser(
         prog="python -m dsmesh.bench.faults", description=__doc__.split("\n")[0]
     )
-    ap.add_argument("--out", type=Path, default=d.out, help="(default: %(default)s)")
-    ap.add_argument("--model", default=None, help="checkpoint folder (default: the tiny model)")
-    ap.add_argument("--target", choices=TARGETS, default=d.target, help="(default: %(default)s)")
-    ap.add_argument("--device", default=None, help="dsmesh up --device (default: its own)")
-    ap.add_argument(
-        "--up-args",
-        default="",
-        help="more dsmesh up flags, one quoted string (a single flag: --up-args=--eplb)",
-    )
-    ap.add_argument("--backend", choices=BACKENDS, default=d.backend, help="(default: %(default)s)")
-    for flag, default, text in (
-        ("--concurrency", d.concurrency, "requests in flight at most"),
-        ("--num-requests", d.num_requests, "requests per run"),
-        ("--input-len", d.input_len, "prompt tokens"),
-        ("--output-len", d.output_len, "new tokens, EOS ignored"),
-        ("--seed", d.seed, "prompts (the faulted run's: seed + 1)"),
-        ("--max-token-id", d.max_token_id, "prompt token ids below this"),
-    ):
-        ap.add_argument(flag, type=int, default=default, help=f"{text} (default: %(default)s)")
-    ap.add_argument(
-        "--warmup", type=int, default=None, help="untimed requests first (default: concurrency)"
-    )
-    ap.add_argument(
-        "--kill",
-        default=d.kill,
-        help="the process to SIGKILL: decode-N, prefill-N, kv-broker (or kv_broker), eplb; "
-        "unified-N with --target unified (default: %(default)s)",
-    )
-    for flag, default, text in (
-        ("--kill-at", d.kill_at_s, "seconds into the faulted run"),
-        ("--window", d.window_s, "sliding window of the output rate, seconds"),
-        ("--recovered-fraction", d.recovered_fraction, "of the undisturbed output rate"),
-        ("--settle-timeout", d.settle_timeout_s, "after the run: wait this long for 0 pages"),
-        ("--start-timeout", d.start_timeout_s, "for the mesh to start and the killed to restart"),
-        ("--request-timeout", d.request_timeout_s, "deadline of each request"),
-    ):
-        ap.add_argument(flag, type=float, default=default, help=f"{text} (default: %(default)s)")
+    add_options(ap, FaultBenchConfig)
     return ap.parse_args(argv)
 
 
 def config_from(args: argparse.Namespace) -> FaultBenchConfig:
     """The flags as a validated config (ValueError names the flag)."""
-    config = FaultBenchConfig(
-        out=args.out,
-        model=args.model,
-        target=args.target,
-        device=args.device,
-        up_args=tuple(shlex.split(args.up_args)),
-        backend=args.backend,
-        concurrency=args.concurrency,
-        num_requests=args.num_requests,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        kill="kv-broker" if args.kill == "kv_broker" else args.kill,
-        kill_at_s=args.kill_at,
-        warmup=args.warmup,
-        window_s=args.window,
-        recovered_fraction=args.recovered_fraction,
-        settle_timeout_s=args.settle_timeout,
-        start_timeout_s=args.start_timeout,
-        request_timeout_s=args.request_timeout,
-        seed=args.seed,
-        max_token_id=args.max_token_id,
-    )
+    kill = "kv-broker" if args.kill == "kv_broker" else args.kill
+    config = from_args(FaultBenchConfig, args, kill=kill)
     config.validate()
     return config
 
@@ -424,9 +396,8 @@ def _settle(
 def measure(config: FaultBenchConfig) -> dict[str, Any]:
     """Run the benchmark (see the module's docstring); its figures."""
     up_args = config.mesh_args()
-    if not _has_flag(config.up_args, "--instance-metrics-port"):  # each instance's pages
+    if not _has_flag(config.up_flags, "--instance-metrics-port"):  # each instance's pages
         up_args += ["--instance-metrics-port", str(free_port_run(16))]
-    instances = metrics_urls(up_args)
     watch = SupervisorWatch()
     with mesh_up(
         config.model, up_args, config.out / "logs", config.start_timeout_s, on_line=watch.feed
@@ -444,7 +415,7 @@ def measure(config: FaultBenchConfig) -> dict[str, Any]:
         after_run = time.monotonic()
         restarted = watch.wait_for("restart", kill.service, kill.monotonic, config.start_timeout_s)
         exited = watch.wait_for("exit", kill.service, kill.monotonic, 0.0)
-        settled = _settle(config, mesh.metrics_url, instances)
+        settled = _settle(config, mesh.metrics_url, mesh.instance_metrics)
         after = scrape(mesh.metrics_url)
         waited_s = time.monotonic() - after_run
     u_summary = summarize(undisturbed.records, undisturbed.duration_s)

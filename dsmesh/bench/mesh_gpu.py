@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from dsmesh.bench.mesh_engine import bench_engine, engine_levels
-from dsmesh.bench.mesh_metrics import metrics_urls, scrape
+from dsmesh.bench.mesh_metrics import scrape
 from dsmesh.bench.mesh_process import free_port_run, mesh_up
 from dsmesh.bench.mesh_report import ratios, table
 from dsmesh.bench.mesh_runs import Level, bench_mesh, parse_levels
@@ -62,7 +62,6 @@ __all__ = [  # the command line, and the helpers imported from here elsewhere
     "free_port_run",
     "main",
     "mesh_up",
-    "metrics_urls",
     "parse_args",
     "scrape",
 ]

@@ -1,7 +1,8 @@
 """What the serving benchmark reads from a running mesh's Prometheus endpoints: the gateway's
 handoff counters (per request handoff time and KV bytes/s over a run), each engine instance's
 gauges sampled on a thread during a run (where requests wait), and the KV pages per copy run
-of the handoffs."""
+of the handoffs. Where each instance serves its metrics is read from the mesh's own ready
+summary, as a user reads it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import contextlib
 import re
 import threading
 import urllib.request
+from collections.abc import Iterable
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
 HANDOFF_METRICS = (
@@ -30,16 +32,20 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def metrics_urls(up_args: list[str]) -> dict[str, str]:
-    """Each engine instance's /metrics URL, by name, for these ``dsmesh up`` flags."""
-    from dsmesh.cli.main import build_parser
-    from dsmesh.cli.mesh_config import instance_metrics_ports
-    from dsmesh.cli.up import mesh_config_from
-    from dsmesh.runtime.address import LOOPBACK
+# An engine instance's line in ``dsmesh up``'s ready summary (``--instance-metrics-port``):
+# "  metrics  prefill-0    http://127.0.0.1:9100/metrics", the label on the first line only.
+_INSTANCE_METRICS = re.compile(
+    r"^\s+(?:metrics\s+)?((?:prefill|decode|unified)-\d+)\s+(http://\S+/metrics)\s*$"
+)
 
-    config = mesh_config_from(build_parser().parse_args(["up", *up_args]))
-    ports = instance_metrics_ports(config)
-    return {name: f"http://{LOOPBACK}:{port}/metrics" for name, port in ports.items()}
+
+def instance_metrics_urls(summary: Iterable[str]) -> dict[str, str]:
+    """Each engine instance's /metrics URL, by name, from the lines of ``dsmesh up``'s ready
+    summary (read from the running mesh, so the ports are those it serves); empty when it
+    runs without ``--instance-metrics-port``."""
+    return {
+        m.group(1): m.group(2) for line in summary if (m := _INSTANCE_METRICS.match(line.rstrip()))
+    }
 
 
 def scrape(url: str) -> dict[str, float]:

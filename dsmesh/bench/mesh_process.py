@@ -14,9 +14,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from dsmesh.bench.mesh_metrics import instance_metrics_urls
 
 
 def free_port() -> int:
@@ -47,8 +49,11 @@ def free_port_run(count: int) -> int:
 class Mesh:
     process: subprocess.Popen[str]
     grpc_addr: str
-    metrics_url: str
+    metrics_url: str  # the gateway's
     log: Path
+    # each engine instance's /metrics URL by name, as its ready summary lists them (with
+    # ``--instance-metrics-port``; else empty)
+    instance_metrics: dict[str, str] = field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -89,20 +94,27 @@ def mesh_up(
     try:
         deadline = time.monotonic() + start_timeout_s
         assert process.stdout is not None
+        summary: list[str] | None = None  # the ready summary's lines, from "dsmesh mesh ready"
         for line in process.stdout:
             sink.write(line)
             sink.flush()
             if on_line is not None:
                 on_line(line)
-            if "dsmesh mesh ready" in line:
+            if summary is not None:
+                if not line.startswith(" "):  # "Ctrl-C to stop.": the summary's last line
+                    break
+                summary.append(line)
+            elif "dsmesh mesh ready" in line:
                 print(f"  {line.strip()} (log {log})", flush=True)
-                break
-            if time.monotonic() > deadline:
+                summary = [line]
+            if summary is None and time.monotonic() > deadline:
                 raise RuntimeError(f"dsmesh up not ready in {start_timeout_s:.0f}s; see {log}")
         else:
             raise RuntimeError(f"dsmesh up exited ({process.wait()}) before ready; see {log}")
         drain = _drain_in_background(process, sink, on_line)
-        yield Mesh(process, f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http}/metrics", log)
+        gateway = f"http://127.0.0.1:{http}/metrics"
+        instances = instance_metrics_urls(summary)
+        yield Mesh(process, f"127.0.0.1:{grpc_port}", gateway, log, instances)
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGINT)

@@ -17,7 +17,6 @@ from typing import Any
 from dsmesh.bench.mesh_metrics import (
     GaugeSampler,
     handoff_figures,
-    metrics_urls,
     pages_per_run,
     scrape,
 )
@@ -142,9 +141,9 @@ def bench_mesh(
         up_args += ["--prefill", "0", "--decode", "0", "--unified", "1"]
     if "--instance-metrics-port" not in up_args:  # the engines' gauges and counters
         up_args += ["--instance-metrics-port", str(free_port_run(16))]
-    urls = metrics_urls(up_args)
     result: dict[str, Any] = {"up_args": up_args, "levels": []}
     with mesh_up(model, up_args, out / "logs" / target, args.start_timeout) as mesh:
+        urls = mesh.instance_metrics
         for i, level in enumerate(args.levels):
             runs = []
             for repeat in range(level.repeats):

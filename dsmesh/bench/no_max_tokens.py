@@ -45,7 +45,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dsmesh.bench.mesh_gpu import free_port_run, mesh_up, metrics_urls, scrape
+from dsmesh.bench.mesh_gpu import free_port_run, mesh_up, scrape
 
 COUNTERS = (
     "dsmesh_retractions_total",
@@ -165,8 +165,8 @@ def run_kind(args: argparse.Namespace, kind: str, model: str) -> dict[str, Any]:
     """One mesh of ``kind``: start it, run the requests, gather the figures."""
     out: Path = args.out / kind
     flags = up_flags(args, kind, free_port_run(4))
-    urls = metrics_urls(flags)
     with mesh_up(model, flags, out / "logs", args.start_timeout) as mesh:
+        urls = mesh.instance_metrics
         before = {name: scrape(url) for name, url in urls.items()}
         with PeakSampler(urls, args.sample_s).running() as sampler:
             rest_url = mesh.metrics_url.removesuffix("/metrics")

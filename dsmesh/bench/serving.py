@@ -12,21 +12,18 @@ limit, applies. Failures are counted by outcome: refused (429), timed out, or ot
 
 Layout: prompt generation and the arrival schedule (prompts.py) and the records and their
 statistics (serving_stats.py) are pure functions; :class:`Backend` implementations
-(backends.py, offline.py) only move messages; this module holds the run's config and
-:func:`run_benchmark`, which times requests. Reporting (table, JSON, plot: serving_report.py)
-works on the returned :class:`RequestRecord` list. The names ``dsmesh bench``, the other
-benchmarks and the tests import from here are re-exported below.
+(backends.py, offline.py) only move messages; serving_config.py holds the run's config; this
+module holds :func:`run_benchmark`, which times requests. Reporting (table, JSON, plot:
+serving_report.py) works on the returned :class:`RequestRecord` list. The names ``dsmesh
+bench``, the other benchmarks and the tests import from here are re-exported below.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 from dsmesh.bench.backends import (
     BACKENDS,
@@ -40,8 +37,10 @@ from dsmesh.bench.backends import (
 )
 from dsmesh.bench.offline import OfflineBackend
 from dsmesh.bench.prompts import BenchRequest, arrival_offsets, load_dataset, sample_random_requests
+from dsmesh.bench.serving_config import BenchConfig
 from dsmesh.bench.serving_report import format_errors, format_summary, plot_results, result_json
 from dsmesh.bench.serving_stats import (
+    BenchRun,
     Distribution,
     RequestRecord,
     percentile,
@@ -73,34 +72,6 @@ __all__ = [  # the runner, and the names imported from here elsewhere
     "token_latencies",
     "tokens_per_bin",
 ]
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    """One benchmark run; ``dsmesh bench`` maps its flags onto this in one place."""
-
-    backend: str = "grpc"  # one of BACKENDS
-    grpc_addr: str = "127.0.0.1:50051"
-    url: str = "http://127.0.0.1:8000"  # REST base URL
-    request_rate: float = math.inf  # requests/s of the Poisson arrivals; inf = all at once
-    max_concurrency: int | None = None  # requests in flight at most (client-side semaphore)
-    warmup: int = 1  # requests sent before timing, not counted
-    warmup_concurrency: int = 1  # warm-up requests in flight at once
-    seed: int = 0
-    connect_timeout_s: float = 5.0
-    request_timeout_s: float = 600.0  # deadline of each request
-    # offline backend: the engine's config (dsmesh.engine.llm_engine.EngineConfig; None = defaults,
-    # the tiny model), so the in-process baseline runs the same engine the mesh runs
-    engine: Any = None
-
-    @property
-    def target(self) -> str:
-        if self.backend == "offline":
-            model = getattr(self.engine, "model", None)
-            return f"offline engine ({model or 'tiny default model'})"
-        if self.backend == "openai":
-            return f"{self.url}/v1/completions"
-        return self.grpc_addr if self.backend == "grpc" else self.url
 
 
 def make_backend(
@@ -226,12 +197,6 @@ def send_units(requests: Sequence[BenchRequest]) -> list[list[int]]:
     for unit in units:
         unit.sort(key=lambda i: requests[i].turn)
     return units
-
-
-@dataclass(frozen=True)
-class BenchRun:
-    records: list[RequestRecord]  # in request order
-    duration_s: float  # first send to last completion
 
 
 def warmup_request(request: BenchRequest) -> BenchRequest:

@@ -8,15 +8,12 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from dsmesh.bench.serving_stats import BenchSummary, RequestRecord, tokens_per_bin
-
-if TYPE_CHECKING:  # serving.py imports this module: its types only, for annotations
-    from dsmesh.bench.serving import BenchConfig, BenchRun
-
+from dsmesh.bench.serving_config import BenchConfig
+from dsmesh.bench.serving_stats import BenchRun, BenchSummary, RequestRecord, tokens_per_bin
 
 MAX_ERRORS_SHOWN = 5
 

@@ -1,7 +1,8 @@
 """The serving benchmark's measurements and their statistics: one :class:`RequestRecord` per
 timed request (TTFT, inter-token latencies, E2E, tokens, cached tokens, outcome), the split of
 a request's message arrivals into TTFT and ITLs, percentiles and latency distributions, tokens
-per time bin, and :func:`summarize` over a run (:class:`BenchSummary`). Pure functions."""
+per time bin, and :func:`summarize` over a run (:class:`BenchRun`: its records and duration;
+:class:`BenchSummary`). Pure functions."""
 
 from __future__ import annotations
 
@@ -173,3 +174,9 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> BenchSumma
             for reason in sorted({r.finish_reason for r in ok})
         },
     )
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    records: list[RequestRecord]  # in request order
+    duration_s: float  # first send to last completion

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dsmesh.bench.mesh_gpu import free_port_run, mesh_up, metrics_urls, scrape
+from dsmesh.bench.mesh_gpu import free_port_run, mesh_up, scrape
 
 KEYS = ("output_throughput", "total_throughput", "mean_cached_tokens", "cache_hit_rate")
 # the engine instances' counters over the run (their /metrics, summed over instances)
@@ -92,8 +92,8 @@ def main() -> None:
     for cache in cache_runs(args.caches):
         flags = [*up, "--prefix-cache" if cache == "on" else "--no-prefix-cache"]
         flags += ["--instance-metrics-port", str(free_port_run(4))]
-        urls = metrics_urls(flags)
         with mesh_up(args.model, flags, args.out / f"logs-{cache}", 600) as mesh:
+            urls = mesh.instance_metrics
             before = [scrape(url) for url in urls.values()]
             results[cache] = bench(mesh.grpc_addr, args, args.out / f"cache-{cache}.json")
             after = [scrape(url) for url in urls.values()]

@@ -420,12 +420,19 @@ class Supervisor:
                 f"  gRPC     {gateway.address}",
                 f"  metrics  {base}/metrics",
             ]
-        lines += [f"  broker   {broker}", *placement_lines(c)]
-        for i, (name, port) in enumerate(instance_metrics_ports(c).items()):
-            label = "metrics" if i == 0 else ""
-            lines.append(f"  {label:<8} {name:<12} http://{LOOPBACK}:{port}/metrics")
+        lines += [f"  broker   {broker}", *placement_lines(c), *instance_metrics_lines(c)]
         lines += [f"  logs     {self.log_dir}", "Ctrl-C to stop."]
         return "\n".join(lines)
+
+
+def instance_metrics_lines(config: MeshConfig) -> list[str]:
+    """The summary's lines for ``--instance-metrics-port``: each engine instance's /metrics
+    URL (the benchmarks read them: dsmesh/bench/mesh_metrics.py)."""
+    lines = []
+    for i, (name, port) in enumerate(instance_metrics_ports(config).items()):
+        label = "metrics" if i == 0 else ""
+        lines.append(f"  {label:<8} {name:<12} http://{LOOPBACK}:{port}/metrics")
+    return lines
 
 
 def placement_lines(config: MeshConfig) -> list[str]:

@@ -12,8 +12,9 @@ from collections.abc import AsyncIterator
 import grpc
 
 from dsmesh.engine.errors import InvalidRequestError
-from dsmesh.gateway.choices import MAX_CHOICES, ChoiceGroup, choice_inputs, generate_choices
+from dsmesh.gateway.choices import MAX_CHOICES, choice_inputs, generate_choices
 from dsmesh.gateway.core import GatewayError, GenerationCore, GenerationInput, invalid
+from dsmesh.gateway.request import ChoiceGroup
 from dsmesh.runtime.convert import logprobs_to_proto, sampling_from_proto
 from dsmesh.v1 import generation_pb2 as pb
 

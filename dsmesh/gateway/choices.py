@@ -16,24 +16,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 from opentelemetry.context import Context
 
 from dsmesh.gateway.core import Delta, GatewayError, GenerationCore, GenerationInput
+from dsmesh.gateway.request import ChoiceGroup
 
 MAX_CHOICES = 128  # OpenAI's bound on n
 SEED_MODULUS = 2**63  # seeds lie in [0, 2**63)
-
-
-@dataclass
-class ChoiceGroup:
-    """The choices of one request, as an Abort of the client's request id sees them: every
-    choice id is aborted, and a choice that has not started yet ends "abort" at once."""
-
-    request_ids: tuple[str, ...]
-    aborted: bool = False
 
 
 def choice_inputs(inp: GenerationInput, n: int) -> list[GenerationInput]:

@@ -20,7 +20,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 import grpc
 from opentelemetry import trace
@@ -39,6 +38,7 @@ from dsmesh.gateway.migration import MOVABLE_CODES, Migration
 from dsmesh.gateway.outputs import RequestOutput
 from dsmesh.gateway.registry import Instance, InstanceRegistry
 from dsmesh.gateway.request import (
+    ChoiceGroup,
     CoreLimits,
     Delta,
     GatewayError,
@@ -49,9 +49,6 @@ from dsmesh.gateway.request import (
 from dsmesh.gateway.routing import largest_request_tokens
 from dsmesh.runtime import telemetry
 from dsmesh.v1 import prefill_pb2
-
-if TYPE_CHECKING:
-    from dsmesh.gateway.choices import ChoiceGroup
 
 __all__ = [  # the core, and the request's types its callers import from here
     "CoreLimits",

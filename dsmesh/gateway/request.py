@@ -1,6 +1,7 @@
 """A request's data in the gateway: the validated input (:class:`GenerationInput`), what
 streams back to the client (:class:`Delta`), the pipeline's limits (:class:`CoreLimits`),
-where an admitted request runs (:class:`Placement`), and :class:`GatewayError`, the status a
+where an admitted request runs (:class:`Placement`), the choices of a request of ``n > 1``
+(:class:`ChoiceGroup`, dsmesh/gateway/choices.py), and :class:`GatewayError`, the status a
 failed request ends with (REST maps it to an HTTP status)."""
 
 from __future__ import annotations
@@ -90,3 +91,12 @@ class Placement:
     # queue (GenerationCore._requeues) gets one per attempt, since the refused attempt's id stays
     # taken there (kv_broker's tombstone) after its handoff ended
     call_id: str = ""
+
+
+@dataclass
+class ChoiceGroup:
+    """The choices of one request, as an Abort of the client's request id sees them: every
+    choice id is aborted, and a choice that has not started yet ends "abort" at once."""
+
+    request_ids: tuple[str, ...]
+    aborted: bool = False

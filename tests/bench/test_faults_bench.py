@@ -7,6 +7,7 @@ required only from a gateway that counts migrations (``dsmesh_requests_migrated_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -26,6 +27,7 @@ from dsmesh.bench.fault_report import (
 from dsmesh.bench.serving_stats import RequestRecord
 from dsmesh.cli.mesh_config import RestartPolicy
 from dsmesh.engine.model.tiny_model import make_tiny_model
+from dsmesh.options.fields import option_fields
 
 # ---- the benchmark through `dsmesh up` ------------------------------------------------------
 
@@ -135,6 +137,7 @@ def config(*argv: str) -> faults.FaultBenchConfig:
             ["--target", "unified", "--kill", "unified-0", "--up-args", "--prefill 1"],
             "--target unified sets --prefill 0 --decode 0: not in --up-args",
         ),
+        (["--up-args", '--dtype "bfloat16'], "--up-args: No closing quotation"),
     ],
 )
 def test_bad_flags_are_refused_naming_the_flag(
@@ -145,6 +148,18 @@ def test_bad_flags_are_refused_naming_the_flag(
     assert message in str(info.value)
     assert faults.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_every_field_is_a_flag_defaulting_to_the_field() -> None:
+    """The flags come from the config's fields (dsmesh/options/fields.py): no flag, no
+    field, and no default, that is not declared once there."""
+    flags = {f.flag for f in option_fields(faults.FaultBenchConfig)}
+    assert {f.name for f in dataclasses.fields(faults.FaultBenchConfig)} == {
+        f.name for f in option_fields(faults.FaultBenchConfig)
+    }
+    assert {"--kill-at", "--up-args", "--settle-timeout", "--max-token-id"} <= flags
+    assert config() == faults.FaultBenchConfig()
+    assert config("--kill", "kv_broker", "--window", "0.5").window_s == 0.5
 
 
 def test_flags_build_the_mesh_users_run() -> None:

@@ -63,8 +63,8 @@ def test_up_flags_size_the_pool_below_concurrency_times_context() -> None:
     pool = int(flags[flags.index("--max-total-tokens") + 1])
     assert pool == 256 * 2048 // 2 < args.concurrency * args.context
     assert flags[flags.index("--max-running-requests") + 1] == "256"
-    assert no_max_tokens.metrics_urls(flags) == {"unified-0": "http://127.0.0.1:9100/metrics"}
+    assert flags[flags.index("--instance-metrics-port") + 1] == "9100"
+    assert flags[-6:] == ["--prefill", "0", "--decode", "0", "--unified", "1"]
     args = no_max_tokens.parse_args(["--kinds", "unified,pd"])
     assert args.kinds == ["unified", "pd"]
-    urls = no_max_tokens.metrics_urls(no_max_tokens.up_flags(args, "pd", 9100))
-    assert list(urls) == ["prefill-0", "decode-0"] and urls["decode-0"].endswith(":9101/metrics")
+    assert "--unified" not in no_max_tokens.up_flags(args, "pd", 9100)

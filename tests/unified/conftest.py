@@ -1,19 +1,17 @@
-"""Meshes of unified instances for the tests: kv_broker, unified instances and a gateway as
-separate processes on loopback, with the tiny default model in float32 (no prefill, no
-decode)."""
+"""Meshes of unified instances for the tests: kv_broker, a unified instance and a gateway as
+separate processes on loopback (tests/mesh.py, ``running_gateway_mesh``), with the tiny
+default model in float32 (no prefill, no decode)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from dsmesh.runtime.launcher import ServiceProcess, dsmesh_command, start_service
-from tests.mesh import free_port, wait_http_ok
+from dsmesh.runtime.launcher import ServiceProcess, dsmesh_command
+from tests.mesh import free_port, running_gateway_mesh
 
 # Mesh "small": its pool holds 2048 tokens, less than the model's context (4096), so a
 # request can be too large for every instance; 64-token forwards mix prompt chunks into the
@@ -47,55 +45,20 @@ class UnifiedMesh:
     def model_name(self) -> str:
         return self.model_dir.name
 
-    def stop(self) -> None:
-        for proc in (self.gateway, self.unified, self.broker):
-            proc.stop()
-
 
 def start_mesh(
     cache: Path, logs: Path, unified: list[str], gateway: list[str]
 ) -> Iterator[UnifiedMesh]:
-    env = {"DSMESH_CACHE_DIR": str(cache)}
-    os.environ["DSMESH_CACHE_DIR"] = str(cache)
-    from dsmesh.engine.model.tiny_model import default_model_dir
+    metrics_port = free_port()
 
-    model = default_model_dir()  # built once here, before the children race for it
-    started: list[ServiceProcess] = []
-    try:
-        broker = start_service(
-            "kv-broker", dsmesh_command("kv-broker", "--port", "0"), env=env, log_dir=logs
+    def instances(broker: str) -> dict[str, list[str]]:
+        flags = ("--broker", broker, "--dtype", "float32", "--metrics-port", str(metrics_port))
+        return {"unified": dsmesh_command("unified", *flags, *unified)}
+
+    with running_gateway_mesh(cache, logs, instances, tuple(gateway)) as (procs, port, model):
+        yield UnifiedMesh(
+            procs["kv-broker"], procs["unified"], procs["gateway"], port, metrics_port, model, logs
         )
-        started.append(broker)
-        http_port, metrics_port = free_port(), free_port()
-        specs = {
-            "unified": dsmesh_command(
-                "unified",
-                *("--broker", broker.address, "--dtype", "float32"),
-                *("--metrics-port", str(metrics_port), *unified),
-            ),
-            "gateway": dsmesh_command(
-                "gateway",
-                *("--broker", broker.address, "--model", str(model)),
-                *("--grpc-port", "0", "--http-port", str(http_port), *gateway),
-            ),
-        }
-        with ThreadPoolExecutor(len(specs)) as pool:
-            futures = {
-                name: pool.submit(start_service, name, args, env, logs)
-                for name, args in specs.items()
-            }
-            procs = {}
-            for name, future in futures.items():
-                procs[name] = future.result()
-                started.append(procs[name])
-        mesh = UnifiedMesh(
-            broker, procs["unified"], procs["gateway"], http_port, metrics_port, model, logs
-        )
-        wait_http_ok(f"{mesh.url}/health", 60)  # the gateway found the instance
-        yield mesh
-    finally:
-        for proc in reversed(started):
-            proc.stop()
 
 
 @pytest.fixture(scope="session")
