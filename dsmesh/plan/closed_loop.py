@@ -12,8 +12,13 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 
-from dsmesh.plan.costs import kv_capacity_tokens
-from dsmesh.plan.queueing import closed_loop_rate, md1_mean_wait, md1_wait_quantile
+from dsmesh.plan.costs import decode_step, kv_capacity_tokens, prefill_step
+from dsmesh.plan.queueing import (
+    closed_loop_rate,
+    md1_mean_wait,
+    md1_wait_quantile,
+    mixture_quantile,
+)
 from dsmesh.plan.search import (
     BATCHES,
     CHUNKS,
@@ -91,6 +96,8 @@ def search_concurrency(
 def unified_rank_at(shape, gpu, par, target: Target, chunk: int, cap: int, clients: float):
     """(requests/s, TTFT p50/p90/p99, ITL p50/p90/p99, queue wait ms, batch) of one
     unified rank with ``clients`` clients and at most ``cap`` running, or None."""
+    if target.fixed_output:
+        return _unified_cohort(shape, gpu, par, target, chunk, cap, clients)
     grid, costs = [], []
     for b in _grid(cap):
         u = unified_costs(shape, gpu, par, target, chunk, b)
@@ -127,6 +134,36 @@ def unified_rank_at(shape, gpu, par, target: Target, chunk: int, cap: int, clien
     lat = unified_latency(target, chunk, par.ep, at(b))
     ttft = tuple(v + queue for v in lat.ttft)
     return x, ttft, lat.itl, queue, b
+
+
+def _cohort_quantiles(steps: int, step_ms: float, extra_ms: float) -> tuple[float, ...]:
+    """TTFT quantiles of a cohort whose prompts finish over ``steps`` equal steps (the i-th
+    step's prompts at i·step), plus ``extra_ms``."""
+    return tuple(math.ceil(q * steps) * step_ms + extra_ms for q in (0.5, 0.9, 0.99))
+
+
+def _unified_cohort(shape, gpu, par, target: Target, chunk: int, cap: int, clients: float):
+    """Clients in cohorts: a wave of n = min(clients, cap) prompts is prefilled in
+    k = ceil(n·in / chunk) steps that also decode the wave's earlier prompts, then the wave
+    decodes out - 1 steps together, and its clients' next prompts arrive together:
+    R = k·(t_prefill + t_d) + (out - 1)·t_d, X = n / R."""
+    n = min(float(clients), float(cap))
+    tokens = n * target.input_len
+    k = max(1, math.ceil(tokens / chunk))
+    per_step = min(float(chunk), tokens)
+    context = target.input_len + target.output_len / 2
+    t_pf = prefill_step(shape, gpu, par, per_step, min(per_step, target.input_len)).total_ms
+    t_d = decode_step(shape, gpu, par, n, context).total_ms + gpu.kernels.host_ms_per_request * n
+    cycle = k * (t_pf + t_d) + (target.output_len - 1) * t_d
+    x = n / cycle * 1e3
+    queue = max(0.0, clients / x * 1e3 - cycle) if clients > n else 0.0
+    ttft = _cohort_quantiles(k, t_pf + t_d, queue)
+    # a prompt done at step i decodes beside the wave's later chunks: (k - 1) / 2 of its
+    # out - 1 gaps carry a chunk on average
+    share = (k - 1) / (2.0 * max(1.0, target.output_len - 1))
+    mix = [(t_d, 1.0 - share), (t_d + t_pf, share)]
+    itl = tuple(mixture_quantile(mix, q) for q in (0.5, 0.9, 0.99))
+    return x, ttft, itl, queue, n
 
 
 def _unified(shape, gpu, gpus, target, concurrency, par, red, max_batch) -> list[Plan]:
@@ -169,11 +206,14 @@ def _unified_binding(queue: float, cap: int, fit: int, max_batch: int, clients: 
 
 def pd_at(shape, gpu, target, concurrency, prefill, decode, handoff):
     """(requests/s, TTFT p50/p90/p99, ITL p50/p90/p99, binding) of a PD deployment with
-    ``concurrency`` clients: ``prefill`` (GPUs, service ms, forward ms, latency ms) and
+    ``concurrency`` clients: ``prefill`` (GPUs, service ms, forward ms, latency ms,
+    parallel, chunk) and
     ``decode`` (GPUs, parallel, MTP, cap batch, cap binding)."""
-    p_gpus, service, forward, latency = prefill
+    p_gpus, service, forward, latency, ppar, chunk = prefill
     d_gpus, par, mtp, cap, d_bind = decode
     tokens = 1.0 + target.mtp_acceptance if mtp else 1.0
+    if target.fixed_output:
+        return _pd_cohort(shape, gpu, target, concurrency, prefill, decode, handoff)
     grid = [float(b) for b in _grid(cap)]
     steps = [decode_step_ms(shape, gpu, par, target, mtp, b) for b in grid]
 
@@ -207,6 +247,27 @@ def pd_at(shape, gpu, target, concurrency, prefill, decode, handoff):
     else:
         bind = "prefill: prefill capacity" if p_cap < d_cap else f"decode: {d_bind}"
     return x, ttft, itl, bind
+
+
+def _pd_cohort(shape, gpu, target, concurrency, prefill, decode, handoff):
+    """Clients in cohorts: a wave of n = min(clients, decode GPUs x cap) prompts is
+    prefilled in f = ceil(n·in / (P·chunk)) forwards per prefill GPU, handed off, and
+    decoded together: R = f·t_f + handoff + (1 + (out - 1) / tokens)·step, X = n / R."""
+    p_gpus, _, _, _, ppar, chunk = prefill
+    d_gpus, par, mtp, cap, d_bind = decode
+    tokens = 1.0 + target.mtp_acceptance if mtp else 1.0
+    n = min(float(concurrency), float(d_gpus * cap))
+    per_gpu = n * target.input_len / p_gpus
+    f = max(1, math.ceil(per_gpu / chunk))
+    size = min(float(chunk), per_gpu)
+    t_f = prefill_step(shape, gpu, ppar, size, min(size, target.input_len)).total_ms
+    step = decode_step_ms(shape, gpu, par, target, mtp, n / d_gpus)
+    cycle = f * t_f + handoff + (1.0 + (target.output_len - 1) / tokens) * step
+    x = n / cycle * 1e3
+    queue = max(0.0, concurrency / x * 1e3 - cycle) if concurrency > n else 0.0
+    ttft = _cohort_quantiles(f, t_f, handoff + step + queue)
+    bind = f"decode: {d_bind}" if queue > 0 else f"concurrency {concurrency}"
+    return x, ttft, (step / tokens, step, step), bind
 
 
 def _pd(shape, gpu, gpus, target, concurrency, choices, mtps, max_batch, balance) -> list[Plan]:
@@ -246,7 +307,8 @@ def _pd(shape, gpu, gpus, target, concurrency, choices, mtps, max_batch, balance
                     break
                 p_gpus, d_gpus = np_ * pep, nd * dep
                 x, ttft, itl, bind = pd_at(
-                    shape, gpu, target, concurrency, (p_gpus, service, forward, latency),
+                    shape, gpu, target, concurrency,
+                    (p_gpus, service, forward, latency, ppar, chunk),
                     (d_gpus, dpar, mtp, cap, d_bind), handoff,
                 )  # fmt: skip
                 if ttft[1] > target.ttft_p90_ms or itl[1] > target.itl_p90_ms:

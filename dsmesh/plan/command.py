@@ -71,6 +71,7 @@ def run_plan(args: argparse.Namespace) -> int:
         ttft_p90_ms=args.ttft_p90,
         itl_p90_ms=args.itl_p90,
         mtp_acceptance=args.mtp_acceptance,
+        fixed_output=args.output_len[0] == args.output_len[1],
     )
     modes = ("pd", "unified") if args.mode == "both" else (args.mode,)
     concurrency = getattr(args, "concurrency", None)

@@ -39,6 +39,9 @@ class Target:
     ttft_p90_ms: float
     itl_p90_ms: float
     mtp_acceptance: float = 0.0  # per draft; 0: MTP off
+    # every request generates the same number of tokens: a closed loop's clients then move
+    # in cohorts (dsmesh/plan/closed_loop.py); spread lengths let them drift apart
+    fixed_output: bool = False
 
 
 @dataclass(frozen=True)

@@ -5,14 +5,17 @@ must fall in (``dsmesh plan --validate`` prints the table; tests/plan asserts it
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from dsmesh.plan.balance import synthetic_balancedness
+from dsmesh.plan.closed_loop import unified_rank_at
 from dsmesh.plan.costs import Parallel, decode_step, prefill_step
 from dsmesh.plan.hardware import GPU, H100, H200, H800
+from dsmesh.plan.search import Target
 from dsmesh.plan.shapes import V2_LITE, V3, ModelShape
-from dsmesh.plan.simulate import Simulator, Workload
+from dsmesh.plan.simulate import EngineSetup, Simulator, Workload
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,18 @@ def _one_gpu(kind: str, concurrency: int) -> float:
     sim = Simulator(V2_LITE, H200, kind, Parallel(), Parallel(), shared_gpu=kind == "pd")
     work = Workload((1000, 1000), (128, 128), 2 * concurrency, concurrency=concurrency)
     return sim.run(work).output_tok_s
+
+
+def _one_gpu_equations(concurrency: int) -> float:
+    """The same run through the closed-loop equations (dsmesh/plan/closed_loop.py): bench's
+    fixed output length keeps the clients in cohorts; `dsmesh up`'s defaults, 256 running
+    and 16,384 tokens a step."""
+    setup = EngineSetup()
+    target = Target(1000, 128, math.inf, math.inf, fixed_output=True)
+    x, *_ = unified_rank_at(
+        V2_LITE, H200, Parallel(), target, setup.max_batch_tokens, setup.max_running, concurrency
+    )
+    return x * target.output_len
 
 
 # --- EP 2 on 2 H200s (2026-11-29, tree 277e0a2): 3 V3 layers, bf16, eager, torch all-to-all.
@@ -161,6 +176,22 @@ ROWS: tuple[Row, ...] = (
         5336,
         ONE_H200,
         _one("unified", 256),
+        0.15,
+    ),
+    _row(
+        "V2-Lite, 1 H200, unified, concurrency 64, closed-loop equations",
+        "out tok/s",
+        4093,
+        ONE_H200,
+        lambda: _one_gpu_equations(64),
+        0.15,
+    ),
+    _row(
+        "V2-Lite, 1 H200, unified, concurrency 256, closed-loop equations",
+        "out tok/s",
+        5336,
+        ONE_H200,
+        lambda: _one_gpu_equations(256),
         0.15,
     ),
     _row("3 V3 layers, EP 2, decode step (batch 256, 2K)", "ms", 60.3, EP2, _ep2_decode_ms, 0.20),

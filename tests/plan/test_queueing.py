@@ -18,6 +18,7 @@ from dsmesh.plan.queueing import (
 )
 from dsmesh.plan.search import Target
 from dsmesh.plan.shapes import V2_LITE
+from dsmesh.plan.simulate import Simulator, Workload
 
 
 def _lindley(rho: float, n: int = 200_000) -> list[float]:
@@ -74,3 +75,30 @@ def test_unified_rank_in_a_closed_loop() -> None:
     # 512 clients on 256 slots: the capacity binds and the rest queue
     x, ttft, _, queue, b = unified_rank_at(V2_LITE, H200, Parallel(), target, 16384, 256, 512)
     assert queue > 0 and b == pytest.approx(256, rel=0.01)
+
+
+@pytest.mark.parametrize("clients", [32, 128])
+def test_closed_loop_equations_agree_with_the_simulation(clients: int) -> None:
+    """Spread lengths (prompts 500-1500, outputs 32-224 tokens) let the clients drift apart:
+    the steady-state equations' throughput is within 5% of the step-level simulation of the
+    same closed loop (dsmesh/plan/simulate.py, 12 requests a client), and at 32 clients the
+    ITL p50 and p90 within 10%."""
+    sim = Simulator(V2_LITE, H200, "unified", Parallel(), Parallel())
+    res = sim.run(Workload((500, 1500), (32, 224), 12 * clients, concurrency=clients))
+    target = Target(1000, 128, 1e9, 1e9)
+    x, _, itl, _, _ = unified_rank_at(V2_LITE, H200, Parallel(), target, 16384, 256, clients)
+    assert x * 128 == pytest.approx(res.output_tok_s, rel=0.05)
+    if clients == 32:
+        assert itl[0] == pytest.approx(res.pct("itl_ms", 50), rel=0.10)
+        assert itl[1] == pytest.approx(res.pct("itl_ms", 90), rel=0.10)
+
+
+def test_fixed_lengths_keep_the_clients_in_cohorts() -> None:
+    """bench's fixed output length: a wave of 64 prompts is prefilled in 4 steps of 16,384
+    tokens, then decodes 127 steps together; its TTFTs are 1-4 such steps."""
+    target = Target(1000, 128, 1e9, 1e9, fixed_output=True)
+    x, ttft, itl, queue, b = unified_rank_at(V2_LITE, H200, Parallel(), target, 16384, 256, 64)
+    assert b == 64 and queue == 0.0
+    assert ttft[0] * 2 == pytest.approx(ttft[1])  # p50 after 2 of 4 steps, p90 after 4
+    cycle = 64 / x * 1e3
+    assert cycle == pytest.approx(ttft[1] + 127 * itl[0], rel=1e-6)  # 4 steps, then 127
