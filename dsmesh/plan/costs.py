@@ -9,7 +9,7 @@ lockstep across the ranks, so the slowest rank (the one the placement loads most
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dsmesh.plan.hardware import (
     DEEPEP_LL_FIXED_US,
@@ -250,12 +250,18 @@ def decode_step(
         cost.total_ms = cost.attention_ms + cost.moe_ms + cost.comm_ms + cost.other_ms
         return cost
     half, half_dense = layer(full / 2)
+    half, half_dense = _with_tbo_cost(half, half_dense, k.tbo_layer_us / 1e3)
     # SGLang runs the dense layers whole; dsmesh splits them too
     dense = n_dense * (2 * half_dense if par.tbo_schedule == "dsmesh" else dense_ms)
     moe = overlapped_ms(half, n_moe, par.tbo_schedule, "decode")
     cost.total_ms = dense + moe + head + k.step_ms
     _tbo_parts(cost, n_moe, half, pieces)
     return cost
+
+
+def _with_tbo_cost(half: LayerPieces, dense: float, ms: float) -> tuple[LayerPieces, float]:
+    """A micro-batch's layer with what TBO adds beyond its pieces (Kernels.tbo_layer_us)."""
+    return replace(half, core=half.core + ms), dense + ms
 
 
 def _tbo_parts(cost: StepCost, n_moe: int, half: LayerPieces, whole: LayerPieces) -> None:
@@ -325,6 +331,7 @@ def prefill_step(
         cost.other_ms = cost.total_ms - cost.attention_ms - cost.moe_ms - cost.comm_ms
         return cost
     half, half_dense = layer(tokens / 2)
+    half, half_dense = _with_tbo_cost(half, half_dense, k.tbo_layer_us / 1e3)
     dense = n_dense * (2 * half_dense if par.tbo_schedule == "dsmesh" else dense_ms)
     moe = overlapped_ms(half, n_moe, par.tbo_schedule, "prefill")
     cost.total_ms = dense + moe + head + k.step_ms

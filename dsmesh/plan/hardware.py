@@ -42,6 +42,11 @@ class Kernels:
     # an eager prompt forward joining a decode step takes at least its launches (mixed steps,
     # 2026-12-02: a 200-token prompt cost 14.6 ms beyond the graph over V2-Lite's 27 layers)
     eager_layer_ms: float = 0.54
+    # what a micro-batch of TBO adds to a layer beyond its pieces (its own small kernels, the
+    # stream fork and join): `bench.ep_graphs` at batch 32 (2026-12-02) measured EP graphs
+    # 9.82 ms and EP + TBO graphs 16.52 ms, 6.70 ms more, where the model's halves add 5.35 ms
+    # (the weights read twice); the other 1.35 ms over 27 layers and 2 micro-batches
+    tbo_layer_us: float = 25.0
 
 
 @dataclass(frozen=True)
