@@ -24,7 +24,27 @@ def _positive(text: str) -> float:
     return value
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return value
+
+
+EXAMPLES = """examples:
+  dsmesh plan --gpus 96 --input-len 2000 --output-len 1000 --ttft-p90 5000 --itl-p90 100
+  dsmesh plan --model v2-lite --gpu h200 --gpus 1 --input-len 1000 --output-len 128 \\
+      --concurrency 64 --ttft-p90 2000 --itl-p90 50
+  dsmesh plan --validate
+"""
+
+
 def configure(p: argparse.ArgumentParser) -> None:
+    p.epilog = EXAMPLES
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.description = (
         "Search deployments of --gpus GPUs (unified or PD, prefill:decode split, "
         "EP sizes, redundant experts, chunk and batch sizes, TBO, MTP) with the performance "
@@ -72,9 +92,17 @@ def configure(p: argparse.ArgumentParser) -> None:
         metavar="MS",
         help="ITL p90 target, ms (default 100)",
     )
-    p.add_argument(
+    load = p.add_mutually_exclusive_group()
+    load.add_argument(
         "--rate", type=_positive, metavar="REQ/S",
-        help="also print how many copies of each plan serve this arrival rate",
+        help="Poisson arrivals: also print how many copies of each plan serve this rate",
+    )  # fmt: skip
+    load.add_argument(
+        "--concurrency", type=_positive_int, metavar="N",
+        help="a closed loop of N clients over the whole deployment, each sending its next "
+        "request when the last ends (as dsmesh bench --concurrency): plans are scored at "
+        "the throughput and latencies N clients get; without it (or --rate) at the most "
+        "requests/s the targets allow",
     )  # fmt: skip
     p.add_argument(
         "--mode", choices=("both", "pd", "unified"), default="both", help="deployments to search"

@@ -71,13 +71,24 @@ def run_plan(args: argparse.Namespace) -> int:
         ttft_p90_ms=args.ttft_p90,
         itl_p90_ms=args.itl_p90,
         mtp_acceptance=args.mtp_acceptance,
+        fixed_output=args.output_len[0] == args.output_len[1],
     )
     modes = ("pd", "unified") if args.mode == "both" else (args.mode,)
-    plans = search(shape, gpu, args.gpus, target, modes, args.max_batch, balance)
+    concurrency = getattr(args, "concurrency", None)
+    if concurrency:
+        from dsmesh.plan.closed_loop import search_concurrency
+
+        plans = search_concurrency(
+            shape, gpu, args.gpus, target, concurrency, modes, args.max_batch, balance
+        )
+        load = f"a closed loop of {concurrency} clients"
+    else:
+        plans = search(shape, gpu, args.gpus, target, modes, args.max_batch, balance)
+        load = "the most requests/s the targets allow"
     print(
         f"dsmesh plan: {shape.name} on {args.gpus} x {gpu.describe()}\n"
-        f"workload: input {target.input_len:g}, output {target.output_len:g} tokens; targets "
-        f"TTFT p90 {target.ttft_p90_ms:g} ms, ITL p90 {target.itl_p90_ms:g} ms; "
+        f"workload: input {target.input_len:g}, output {target.output_len:g} tokens, {load}; "
+        f"targets TTFT p90 {target.ttft_p90_ms:g} ms, ITL p90 {target.itl_p90_ms:g} ms; "
         f"{len(plans)} plans meet them"
     )
     if not plans:

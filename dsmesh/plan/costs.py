@@ -9,10 +9,12 @@ lockstep across the ranks, so the slowest rank (the one the placement loads most
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dsmesh.plan.hardware import (
+    DEEPEP_LL_FIXED_US,
     DEEPEP_NORMAL_NVLINK,
+    DEEPEP_NORMAL_SMS,
     GB,
     GPU,
     NCCL_A2A_EFF,
@@ -20,6 +22,7 @@ from dsmesh.plan.hardware import (
     deepep_low_latency_us,
     deepep_normal_rdma,
 )
+from dsmesh.plan.overlap import SCHEDULES, LayerPieces, overlapped_ms
 from dsmesh.plan.shapes import ModelShape
 
 BACKENDS = ("deepep", "nccl")
@@ -34,7 +37,7 @@ class Parallel:
     balancedness: float = 1.0  # mean / max per-rank routed load of the placement
     tbo: bool = False  # two-batch overlap
     backend: str = "deepep"  # all-to-all: DeepEP's kernels, or torch's over NCCL
-    tbo_overlap: float = 0.5  # share of the shorter of compute and communication TBO hides
+    tbo_schedule: str = "dsmesh"  # whose TBO order (dsmesh/plan/overlap.py): dsmesh, sglang
 
     def __post_init__(self) -> None:
         if self.ep < 1:
@@ -43,6 +46,8 @@ class Parallel:
             raise ValueError(f"balancedness must be in (0, 1] (got {self.balancedness})")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} (got {self.backend!r})")
+        if self.tbo_schedule not in SCHEDULES:
+            raise ValueError(f"tbo_schedule must be one of {SCHEDULES} (got {self.tbo_schedule!r})")
 
     def nodes(self, gpu: GPU) -> int:
         return max(1, math.ceil(self.ep / gpu.gpus_per_node))
@@ -91,6 +96,12 @@ def max_rank_rows(mean_rows: float, balancedness: float, ep: int) -> float:
     return base + math.sqrt(2.0 * math.log(ep) * max(base, 1.0))
 
 
+def _skew(shape: ModelShape, par: Parallel, rows: float) -> float:
+    """The busiest rank's routed rows over the mean, for ``rows`` tokens per rank."""
+    mean = rows * shape.experts_per_token
+    return max_rank_rows(mean, par.balancedness, par.ep) / mean
+
+
 def routed_ms(shape: ModelShape, gpu: GPU, par: Parallel, rows: float) -> float:
     """The routed experts of one MoE layer on the most loaded rank, ``rows`` routed rows."""
     slots = (shape.num_experts + par.redundant) / par.ep
@@ -120,44 +131,70 @@ def remote_nodes(shape: ModelShape, nodes: int) -> float:
     return distinct * (nodes - 1) / nodes
 
 
-def decode_comm_ms(shape: ModelShape, gpu: GPU, par: Parallel, tokens: float, skew: float) -> float:
-    """Dispatch (FP8) + combine (bf16) of one MoE layer for ``tokens`` per rank; ``skew`` is
-    the most loaded rank's rows over the mean (the receiver that finishes last)."""
+def decode_comm_parts(
+    shape: ModelShape, gpu: GPU, par: Parallel, tokens: float, skew: float
+) -> tuple[float, float]:
+    """Dispatch (FP8) and combine (bf16) of one MoE layer for ``tokens`` per rank, in ms;
+    ``skew`` is the most loaded rank's rows over the mean (the receiver that finishes last)."""
     if par.ep <= 1 or tokens <= 0:
-        return 0.0
+        return 0.0, 0.0
     remote = (par.ep - 1) / par.ep
     nbytes = tokens * shape.experts_per_token * shape.hidden * 3.0 * remote * skew
     if par.backend == "nccl":
         link = gpu.nvlink_bytes_s if par.ep <= gpu.gpus_per_node else gpu.rdma_bytes_s
-        return 2 * NCCL_A2A_FIXED_US / 1e3 + 1e3 * nbytes / (link * NCCL_A2A_EFF)
+        return _split(NCCL_A2A_FIXED_US / 1e3, 1e3 * nbytes / (link * NCCL_A2A_EFF))
     if par.ep <= gpu.gpus_per_node:  # one NVLink domain
         link = gpu.nvlink_bytes_s * DEEPEP_NORMAL_NVLINK / (160 * GB)
-        return 2 * 0.02 + 1e3 * nbytes / link
+        return _split(DEEPEP_LL_FIXED_US / 1e3, 1e3 * nbytes / link)
     dispatch, combine = deepep_low_latency_us(
         par.ep, tokens * skew, shape.hidden, shape.experts_per_token
     )
     rdma_scale = 50 * GB / gpu.rdma_bytes_s  # the published figures ran on 400 Gb/s NICs
-    fixed = 2 * 20.0
-    return ((dispatch + combine - fixed) * rdma_scale + fixed) / 1e3
+    fixed = DEEPEP_LL_FIXED_US
+    return ((dispatch - fixed) * rdma_scale + fixed) / 1e3, (
+        (combine - fixed) * rdma_scale + fixed
+    ) / 1e3
+
+
+def _split(fixed_ms: float, bytes_ms: float) -> tuple[float, float]:
+    """A fixed latency each, and the bytes' time split 1:2 (FP8 out, bf16 back)."""
+    return fixed_ms + bytes_ms / 3.0, fixed_ms + 2.0 * bytes_ms / 3.0
+
+
+def decode_comm_ms(shape: ModelShape, gpu: GPU, par: Parallel, tokens: float, skew: float) -> float:
+    """Dispatch + combine of one MoE layer (:func:`decode_comm_parts`)."""
+    return sum(decode_comm_parts(shape, gpu, par, tokens, skew))
+
+
+def prefill_comm_parts(
+    shape: ModelShape, gpu: GPU, par: Parallel, tokens: float, skew: float
+) -> tuple[float, float]:
+    """DeepEP's normal kernels (or NCCL) for one MoE layer of ``tokens`` per rank: across
+    nodes each token crosses RDMA once per remote node it needs, within a node NVLink."""
+    if par.ep <= 1 or tokens <= 0:
+        return 0.0, 0.0
+    per_token = shape.hidden * 3.0  # FP8 out, bf16 back
+    if par.ep <= gpu.gpus_per_node or par.backend == "nccl":
+        return decode_comm_parts(shape, gpu, par, tokens, skew)
+    nbytes = tokens * per_token * remote_nodes(shape, par.nodes(gpu)) * skew
+    bw = deepep_normal_rdma(par.ep) * gpu.rdma_bytes_s / (50 * GB)
+    return _split(0.0, 1e3 * nbytes / bw)
 
 
 def prefill_comm_ms(
     shape: ModelShape, gpu: GPU, par: Parallel, tokens: float, skew: float
 ) -> float:
-    """DeepEP's normal kernels (or NCCL) for one MoE layer of ``tokens`` per rank: across
-    nodes each token crosses RDMA once per remote node it needs, within a node NVLink."""
-    if par.ep <= 1 or tokens <= 0:
-        return 0.0
-    per_token = shape.hidden * 3.0  # FP8 out, bf16 back
-    if par.ep <= gpu.gpus_per_node or par.backend == "nccl":
-        return decode_comm_ms(shape, gpu, par, tokens, skew)
-    nbytes = tokens * per_token * remote_nodes(shape, par.nodes(gpu)) * skew
-    bw = deepep_normal_rdma(par.ep) * gpu.rdma_bytes_s / (50 * GB)
-    return 1e3 * nbytes / bw
+    return sum(prefill_comm_parts(shape, gpu, par, tokens, skew))
 
 
-def _overlap(compute: float, comm: float, par: Parallel) -> float:
-    return max(compute, comm) + (1.0 - par.tbo_overlap) * min(compute, comm)
+def _comm_sms(gpu: GPU, par: Parallel, low_latency: bool) -> float:
+    """The share of the SMs a transfer holds while in flight: none for the low-latency
+    kernels' receive hook, DeepEP's default 20 for its normal kernels (and NCCL's)."""
+    return 0.0 if low_latency else min(0.5, DEEPEP_NORMAL_SMS / gpu.sms)
+
+
+def _low_latency(gpu: GPU, par: Parallel) -> bool:
+    return par.backend == "deepep" and par.ep > gpu.gpus_per_node
 
 
 def decode_step(
@@ -169,45 +206,72 @@ def decode_step(
     rows_per_seq: float = 1.0,
 ) -> StepCost:
     """A captured decode step of ``batch`` sequences at ``context`` cached tokens each on one
-    rank; ``rows_per_seq`` > 1 verifies MTP drafts (each sequence brings that many rows)."""
+    rank; ``rows_per_seq`` > 1 verifies MTP drafts (each sequence brings that many rows).
+    With TBO the MoE layers run as two micro-batches in the schedule of dsmesh/plan/overlap.py."""
     k = gpu.kernels
     cost = StepCost()
     if batch <= 0:
         cost.total_ms = cost.other_ms = k.step_ms
         return cost
-    halves = 2 if par.tbo else 1
-    rows = batch * rows_per_seq / halves
-    skew = max_rank_rows(rows * shape.experts_per_token * halves, par.balancedness, par.ep) / (
-        rows * shape.experts_per_token * halves
-    )
+    full = batch * rows_per_seq
     kv_bytes = shape.kv_dim * shape.kv_bytes
-    mla = 1e3 * max(
-        rows * context * kv_bytes / rows_per_seq / (gpu.hbm_bytes_s * k.mla_decode_mem_eff),
-        rows * shape.decode_attn_flops(context) / (gpu.bf16_flops * k.mla_decode_flop_eff),
-    )
-    attn = matmul_ms(shape.attn_params, rows, shape.weight_bytes, gpu) + mla
-    dense = matmul_ms(shape.dense_ffn_params, rows, shape.weight_bytes, gpu)
-    shared = matmul_ms(
-        shape.num_shared_experts * shape.expert_params, rows, shape.weight_bytes, gpu
-    )
-    routed_rows = rows * shape.experts_per_token * skew
-    moe = shared + routed_ms(shape, gpu, par, routed_rows)
-    comm = decode_comm_ms(shape, gpu, par, rows, skew)
     small = k.layer_us / 1e3
+
+    def layer(rows: float) -> tuple[LayerPieces, float]:
+        """A MoE layer's pieces at ``rows`` rows, and a dense layer's time. Each
+        micro-batch has its own busiest rank: the sampling noise grows as the rows shrink."""
+        skew = _skew(shape, par, rows)
+        mla = 1e3 * max(
+            rows * context * kv_bytes / rows_per_seq / (gpu.hbm_bytes_s * k.mla_decode_mem_eff),
+            rows * shape.decode_attn_flops(context) / (gpu.bf16_flops * k.mla_decode_flop_eff),
+        )
+        o_params = shape.num_heads * shape.v_head_dim * shape.hidden
+        prep = matmul_ms(shape.attn_params - o_params, rows, shape.weight_bytes, gpu)
+        core = mla + matmul_ms(o_params, rows, shape.weight_bytes, gpu) + small
+        shared = matmul_ms(
+            shape.num_shared_experts * shape.expert_params, rows, shape.weight_bytes, gpu
+        )
+        routed = routed_ms(shape, gpu, par, rows * shape.experts_per_token * skew)
+        dispatch, combine = decode_comm_parts(shape, gpu, par, rows, skew)
+        sms = _comm_sms(gpu, par, _low_latency(gpu, par))
+        dense = prep + core + matmul_ms(shape.dense_ffn_params, rows, shape.weight_bytes, gpu)
+        return LayerPieces(prep, core, shared, routed, dispatch, combine, sms), dense
+
+    pieces, dense_ms = layer(full)
     n_dense, n_moe = shape.num_dense_layers, shape.num_moe_layers
-    dense_layer = halves * (attn + dense + small)
-    moe_compute = halves * (attn + moe + small)
-    moe_comm = halves * comm
-    moe_layer = _overlap(moe_compute, moe_comm, par) if par.tbo else moe_compute + moe_comm
-    head = matmul_ms(shape.vocab * shape.hidden, batch * rows_per_seq, shape.weight_bytes, gpu)
-    cost.attention_ms = shape.num_layers * halves * attn
-    cost.moe_ms = n_dense * halves * dense + n_moe * halves * moe
-    cost.comm_ms = n_moe * moe_comm
-    cost.other_ms = shape.num_layers * halves * small + head + k.step_ms
-    cost.total_ms = n_dense * dense_layer + n_moe * moe_layer + head + k.step_ms
-    if par.tbo:  # what TBO hid shows as the communication it did not
-        cost.comm_ms = max(0.0, cost.total_ms - (cost.attention_ms + cost.moe_ms + cost.other_ms))
+    cost.attention_ms = shape.num_layers * (pieces.prep + pieces.core - small)
+    cost.moe_ms = n_dense * (dense_ms - pieces.prep - pieces.core) + n_moe * (
+        pieces.shared + pieces.routed
+    )
+    cost.comm_ms = n_moe * (pieces.dispatch + pieces.combine)
+    head = matmul_ms(shape.vocab * shape.hidden, full, shape.weight_bytes, gpu)
+    cost.other_ms = shape.num_layers * small + head + k.step_ms
+    if not par.tbo:
+        cost.total_ms = cost.attention_ms + cost.moe_ms + cost.comm_ms + cost.other_ms
+        return cost
+    half, half_dense = layer(full / 2)
+    half, half_dense = _with_tbo_cost(half, half_dense, k.tbo_layer_us / 1e3)
+    # SGLang runs the dense layers whole; dsmesh splits them too
+    dense = n_dense * (2 * half_dense if par.tbo_schedule == "dsmesh" else dense_ms)
+    moe = overlapped_ms(half, n_moe, par.tbo_schedule, "decode")
+    cost.total_ms = dense + moe + head + k.step_ms
+    _tbo_parts(cost, n_moe, half, pieces)
     return cost
+
+
+def _with_tbo_cost(half: LayerPieces, dense: float, ms: float) -> tuple[LayerPieces, float]:
+    """A micro-batch's layer with what TBO adds beyond its pieces (Kernels.tbo_layer_us)."""
+    return replace(half, core=half.core + ms), dense + ms
+
+
+def _tbo_parts(cost: StepCost, n_moe: int, half: LayerPieces, whole: LayerPieces) -> None:
+    """Under TBO the halves' compute is charged to its parts and the communication TBO did
+    not hide shows as the rest."""
+    extra_attn = n_moe * (2 * (half.prep + half.core) - (whole.prep + whole.core))
+    extra_moe = n_moe * (2 * (half.shared + half.routed) - (whole.shared + whole.routed))
+    cost.attention_ms += max(0.0, extra_attn)
+    cost.moe_ms += max(0.0, extra_moe)
+    cost.comm_ms = max(0.0, cost.total_ms - cost.attention_ms - cost.moe_ms - cost.other_ms)
 
 
 def prefill_step(
@@ -219,41 +283,60 @@ def prefill_step(
     cached: float = 0.0,
 ) -> StepCost:
     """One prefill forward of ``tokens`` new tokens on one rank, in chunks of ``prompt_len``
-    new tokens each after ``cached`` tokens of the same prompt."""
+    new tokens each after ``cached`` tokens of the same prompt. With TBO the MoE layers run
+    as two micro-batches of half the prompts each (dsmesh/plan/overlap.py)."""
     k = gpu.kernels
     cost = StepCost()
     if tokens <= 0:
         return cost
-    halves = 2 if par.tbo else 1
-    t = tokens / halves
-    skew = max_rank_rows(tokens * shape.experts_per_token, par.balancedness, par.ep) / (
-        tokens * shape.experts_per_token
-    )
-    chunk = min(prompt_len, t)
-    mla = (
-        1e3
-        * (t / chunk)
-        * shape.prefill_attn_flops(chunk, cached)
-        / (gpu.bf16_flops * k.mla_prefill_eff)
-    )
-    attn = matmul_ms(shape.attn_params, t, shape.weight_bytes, gpu) + mla
-    dense = matmul_ms(shape.dense_ffn_params, t, shape.weight_bytes, gpu)
-    shared = matmul_ms(shape.num_shared_experts * shape.expert_params, t, shape.weight_bytes, gpu)
-    moe = shared + routed_ms(shape, gpu, par, t * shape.experts_per_token * skew)
-    comm = prefill_comm_ms(shape, gpu, par, t, skew)
     other = 1.0 + k.prefill_other
+
+    def layer(t: float) -> tuple[LayerPieces, float]:
+        skew = _skew(shape, par, t)
+        chunk = min(prompt_len, t)
+        mla = (
+            1e3
+            * (t / chunk)
+            * shape.prefill_attn_flops(chunk, cached)
+            / (gpu.bf16_flops * k.mla_prefill_eff)
+        )
+        o_params = shape.num_heads * shape.v_head_dim * shape.hidden
+        prep = matmul_ms(shape.attn_params - o_params, t, shape.weight_bytes, gpu) * other
+        core = (mla + matmul_ms(o_params, t, shape.weight_bytes, gpu)) * other
+        shared = (
+            matmul_ms(shape.num_shared_experts * shape.expert_params, t, shape.weight_bytes, gpu)
+            * other
+        )
+        routed = routed_ms(shape, gpu, par, t * shape.experts_per_token * skew) * other
+        dispatch, combine = prefill_comm_parts(shape, gpu, par, t, skew)
+        sms = _comm_sms(gpu, par, low_latency=False)
+        dense = prep + core + matmul_ms(shape.dense_ffn_params, t, shape.weight_bytes, gpu) * other
+        return LayerPieces(prep, core, shared, routed, dispatch, combine, sms), dense
+
+    pieces, dense_ms = layer(tokens)
     n_dense, n_moe = shape.num_dense_layers, shape.num_moe_layers
-    moe_compute = halves * (attn + moe) * other
-    moe_comm = halves * comm
-    moe_layer = _overlap(moe_compute, moe_comm, par) if par.tbo else moe_compute + moe_comm
-    head = matmul_ms(shape.vocab * shape.hidden, tokens / chunk, shape.weight_bytes, gpu)
-    cost.attention_ms = shape.num_layers * halves * attn
-    cost.moe_ms = n_dense * halves * dense + n_moe * halves * moe
-    cost.comm_ms = n_moe * moe_comm
-    cost.total_ms = n_dense * halves * (attn + dense) * other + n_moe * moe_layer + head + k.step_ms
-    cost.other_ms = cost.total_ms - cost.attention_ms - cost.moe_ms - cost.comm_ms
-    if par.tbo:
-        cost.comm_ms = max(0.0, cost.total_ms - (cost.attention_ms + cost.moe_ms) * other - head)
+    head = matmul_ms(
+        shape.vocab * shape.hidden, tokens / min(prompt_len, tokens), shape.weight_bytes, gpu
+    )
+    cost.attention_ms = shape.num_layers * (pieces.prep + pieces.core) / other
+    cost.moe_ms = (
+        n_dense * (dense_ms - pieces.prep - pieces.core) + n_moe * (pieces.shared + pieces.routed)
+    ) / other
+    cost.comm_ms = n_moe * (pieces.dispatch + pieces.combine)
+    compute = n_dense * dense_ms + n_moe * (
+        pieces.prep + pieces.core + pieces.shared + pieces.routed
+    )
+    if not par.tbo:
+        cost.total_ms = compute + cost.comm_ms + head + k.step_ms
+        cost.other_ms = cost.total_ms - cost.attention_ms - cost.moe_ms - cost.comm_ms
+        return cost
+    half, half_dense = layer(tokens / 2)
+    half, half_dense = _with_tbo_cost(half, half_dense, k.tbo_layer_us / 1e3)
+    dense = n_dense * (2 * half_dense if par.tbo_schedule == "dsmesh" else dense_ms)
+    moe = overlapped_ms(half, n_moe, par.tbo_schedule, "prefill")
+    cost.total_ms = dense + moe + head + k.step_ms
+    cost.other_ms = (compute - (cost.attention_ms + cost.moe_ms)) + head + k.step_ms
+    _tbo_parts(cost, n_moe, half, pieces)
     return cost
 
 

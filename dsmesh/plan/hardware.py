@@ -42,6 +42,11 @@ class Kernels:
     # an eager prompt forward joining a decode step takes at least its launches (mixed steps,
     # 2026-12-02: a 200-token prompt cost 14.6 ms beyond the graph over V2-Lite's 27 layers)
     eager_layer_ms: float = 0.54
+    # what a micro-batch of TBO adds to a layer beyond its pieces (its own small kernels, the
+    # stream fork and join): `bench.ep_graphs` at batch 32 (2026-12-02) measured EP graphs
+    # 9.82 ms and EP + TBO graphs 16.52 ms, 6.70 ms more, where the model's halves add 5.35 ms
+    # (the weights read twice); the other 1.35 ms over 27 layers and 2 micro-batches
+    tbo_layer_us: float = 25.0
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,7 @@ class GPU:
     gpus_per_node: int  # NVLink domain size
     gpus_per_host: int = 8  # GPUs one machine (one `dsmesh up`) holds
     kernels: Kernels = Kernels()
+    sms: int = 132  # streaming multiprocessors (Hopper SXM: 132)
 
     def describe(self) -> str:
         return (
@@ -71,7 +77,7 @@ class GPU:
 H200 = GPU("h200", 4.8e12, 989 * TFLOP, 1979 * TFLOP, 140.4, 450 * GB, 50 * GB, 8)
 H100 = GPU("h100", 3.35e12, 989 * TFLOP, 1979 * TFLOP, 79.1, 450 * GB, 50 * GB, 8)
 # one Blackwell GPU of a GB200 NVL72 rack: the whole rack is one NVLink domain; CX8 800 Gb/s
-GB200 = GPU("gb200", 8.0e12, 2500 * TFLOP, 5000 * TFLOP, 184.0, 900 * GB, 100 * GB, 72, 4)
+GB200 = GPU("gb200", 8.0e12, 2500 * TFLOP, 5000 * TFLOP, 184.0, 900 * GB, 100 * GB, 72, 4, sms=148)
 # the H800 DeepSeek's own figures come from: H100 compute, NVLink cut to 200 GB/s a direction
 H800 = GPU("h800", 3.35e12, 989 * TFLOP, 1979 * TFLOP, 79.1, 200 * GB, 50 * GB, 8)
 
@@ -109,6 +115,9 @@ DEEPEP_LL_FIXED_US = 20.0  # a kernel's latency with nothing to send (assumption
 # normal kernels, 4096 tokens per rank: bottleneck bandwidth per GPU over RDMA / NVLink
 DEEPEP_NORMAL_RDMA = {16: 43 * GB, 32: 58 * GB, 64: 51 * GB}
 DEEPEP_NORMAL_NVLINK = 153 * GB  # intranode EP 8, of H800's ~160 GB/s
+# SMs the normal kernels hold while they run (DeepEP's Buffer.num_sms default, which SGLang
+# keeps without a --deepep-config); the low-latency kernels' receive hook holds none
+DEEPEP_NORMAL_SMS = 20
 # torch.distributed all-to-all over NCCL (dsmesh's backend without DeepEP): a fraction of
 # NVLink, plus the host synchronisation of its split sizes per call (assumption)
 NCCL_A2A_EFF = 0.5

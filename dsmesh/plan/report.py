@@ -15,7 +15,8 @@ LIMITS = "/spec/leaderWorkerTemplate/workerTemplate/spec/containers/0/resources/
 def plans_table(plans: list[Plan]) -> str:
     head = (
         "| # | layout | GPUs | req/s | TBO P/D | chunk | batch/GPU | MTP | out tok/s/GPU "
-        "| in tok/s/GPU | TTFT p50 / p90 ms | ITL p50 / p90 ms | KV tokens/GPU | binding |"
+        "| in tok/s/GPU | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | KV tokens/GPU "
+        "| binding |"
     )
     lines = [head, "|---|---|---:|---:|---|---:|---:|---|---:|---:|---|---|---:|---|"]
     for i, p in enumerate(plans, 1):
@@ -24,7 +25,8 @@ def plans_table(plans: list[Plan]) -> str:
             f"| {i} | {p.layout()} | {p.gpus} | {p.rate:,.1f} | {tbo} | {p.chunk} | {p.batch} "
             f"| {'on' if p.mtp else 'off'} "
             f"| {p.out_tok_s_gpu:,.0f} | {p.in_tok_s_gpu:,.0f} | {p.ttft_p50_ms:,.0f} / "
-            f"{p.ttft_p90_ms:,.0f} | {p.itl_p50_ms:.1f} / {p.itl_p90_ms:.1f} | "
+            f"{p.ttft_p90_ms:,.0f} / {p.ttft_p99_ms:,.0f} | {p.itl_p50_ms:.1f} / "
+            f"{p.itl_p90_ms:.1f} / {p.itl_p99_ms:.1f} | "
             f"{p.kv_tokens_gpu:,} | {p.binding} |"
         )
     return "\n".join(lines)

@@ -22,9 +22,9 @@ from dsmesh.plan.hardware import (
     MOONCAKE_NVLINK_INTRA,
     MOONCAKE_RDMA_PER_GPU,
 )
+from dsmesh.plan.queueing import md1_wait_quantile, mixture_quantile
 from dsmesh.plan.shapes import ModelShape
 
-LN10, LN2 = math.log(10.0), math.log(2.0)
 MAX_UTILISATION = 0.9
 BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512)
 CHUNKS = (2048, 4096, 8192, 16384, 32768)
@@ -39,6 +39,9 @@ class Target:
     ttft_p90_ms: float
     itl_p90_ms: float
     mtp_acceptance: float = 0.0  # per draft; 0: MTP off
+    # every request generates the same number of tokens: a closed loop's clients then move
+    # in cohorts (dsmesh/plan/closed_loop.py); spread lengths let them drift apart
+    fixed_output: bool = False
 
 
 @dataclass(frozen=True)
@@ -61,8 +64,10 @@ class Plan:
     in_tok_s_gpu: float
     ttft_p50_ms: float
     ttft_p90_ms: float
+    ttft_p99_ms: float
     itl_p50_ms: float
     itl_p90_ms: float
+    itl_p99_ms: float
     kv_tokens_gpu: int
     binding: str
     output_len: float
@@ -132,7 +137,6 @@ def decode_rank(
     kv = kv_capacity_tokens(shape, gpu, par)
     if kv <= 0:
         return None
-    context = target.input_len + target.output_len / 2
     fit = int(kv // (target.input_len + target.output_len))
     best = None
     for b in BATCHES:
@@ -140,11 +144,7 @@ def decode_rank(
             break
         if b > fit:
             return best and (*best[:4], "KV capacity")
-        rows = 2.0 if mtp else 1.0
-        step = decode_step(shape, gpu, par, b, context, rows).total_ms
-        step += gpu.kernels.host_ms_per_request * b
-        if mtp:
-            step *= 1.0 + 1.0 / shape.num_layers  # the draft: one more layer's step
+        step = decode_step_ms(shape, gpu, par, target, mtp, b)
         tokens = _mtp_tokens(target.mtp_acceptance) if mtp else 1.0
         itl = step / tokens
         if step > target.itl_p90_ms:  # a step with no accepted draft is one token a step
@@ -153,11 +153,55 @@ def decode_rank(
     return best
 
 
+def decode_step_ms(
+    shape: ModelShape, gpu: GPU, par: Parallel, target: Target, mtp: bool, b: float
+) -> float:
+    """A decode rank's step at batch ``b`` with its serving cost; with MTP a step verifies
+    two rows per sequence and runs the draft, one more layer."""
+    context = target.input_len + target.output_len / 2
+    step = decode_step(shape, gpu, par, b, context, 2.0 if mtp else 1.0).total_ms
+    step += gpu.kernels.host_ms_per_request * b
+    if mtp:
+        step *= 1.0 + 1.0 / shape.num_layers
+    return step
+
+
 def prefill_rank(
     shape: ModelShape, gpu: GPU, par: Parallel, target: Target, chunk: int, budget_ms: float
 ):
-    """(requests/s, TTFT p50, p90, binding) of a prefill rank whose TTFT p90 stays within
-    ``budget_ms`` (the target less the handoff and the first decode step), or None."""
+    """(requests/s, TTFT p50, p90, p99, binding, service ms, forward ms) of a prefill rank
+    whose TTFT p90 stays within ``budget_ms`` (the target less the handoff and the first
+    decode step), or None. ``service`` is a prompt's share of the forwards, ``forward`` one
+    forward of ``chunk`` tokens."""
+    service, forward, latency = prefill_costs(shape, gpu, par, target, chunk)
+    if latency > budget_ms:
+        return None
+    # the largest utilisation whose M/D/1 wait (service: one forward) keeps p90 in budget
+    room = budget_ms - latency
+    lo, hi = 0.0, MAX_UTILISATION
+    if md1_wait_quantile(hi, forward, 0.9) <= room:
+        lo = hi
+    else:
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            if md1_wait_quantile(mid, forward, 0.9) <= room:
+                lo = mid
+            else:
+                hi = mid
+    rho = lo
+    if rho <= 0:
+        return None
+    binding = "TTFT p90" if rho < MAX_UTILISATION else "prefill capacity"
+    rate = rho / (service / 1e3)
+    t50, t90, t99 = (latency + md1_wait_quantile(rho, forward, q) for q in (0.5, 0.9, 0.99))
+    return rate, t50, t90, t99, binding, service, forward
+
+
+def prefill_costs(
+    shape: ModelShape, gpu: GPU, par: Parallel, target: Target, chunk: int
+) -> tuple[float, float, float]:
+    """(service, forward, latency) ms of a prefill rank in chunks of ``chunk`` tokens: a
+    prompt's share of the forwards, one forward, and a prompt's own forwards end to end."""
     per_step = min(chunk, target.input_len)
     steps = math.ceil(target.input_len / chunk)
     service = (
@@ -167,18 +211,9 @@ def prefill_rank(
         )
         * per_step
         / chunk
-    )  # a prompt's share of its forwards
+    )
     forward = prefill_step(shape, gpu, par, chunk, per_step).total_ms
-    latency = steps * forward  # its own forwards, start to end
-    if latency > budget_ms:
-        return None
-    # M/D/1 waiting time, an exponential tail for p90: W = rho·S / (2 (1 - rho))
-    room = budget_ms - latency
-    rho = min(MAX_UTILISATION, 2 * room / (LN10 * forward + 2 * room))
-    binding = "TTFT p90" if rho < MAX_UTILISATION else "prefill capacity"
-    wait = rho * forward / (2 * (1 - rho))
-    rate = rho / (service / 1e3)
-    return rate, latency + wait * LN2, latency + wait * LN10, binding
+    return service, forward, steps * forward
 
 
 def _handoff_ms(shape: ModelShape, target: Target, gpu: GPU, total: int) -> float:
@@ -234,7 +269,7 @@ def _pd(shape, gpu, gpus, target, choices, mtps, max_batch, balance) -> list[Pla
     decodes = _best_per_ep(decodes, lambda d: d[4][1])
     prefills = _best_per_ep(prefills, lambda p: p[4][0])
     for dep, dred, dtbo, mtp, (b, d_rate, itl, kv, d_bind) in decodes:
-        for pep, pred, ptbo, chunk, (p_rate, t50, t90, p_bind) in prefills:
+        for pep, pred, ptbo, chunk, (p_rate, t50, t90, t99, p_bind, *_) in prefills:
             for np_ in range(1, gpus // pep + 1):
                 nd = (gpus - np_ * pep) // dep
                 if nd < 1:
@@ -249,8 +284,8 @@ def _pd(shape, gpu, gpus, target, choices, mtps, max_batch, balance) -> list[Pla
                 out.append(Plan(
                     "pd", np_, pep, nd, dep, pred, dred, ptbo, dtbo, chunk, b, mtp,
                     rate * target.output_len / used, rate * target.input_len / used,
-                    t50 + handoff + step, t90 + handoff + step, itl, step, kv, bind,
-                    target.output_len,
+                    t50 + handoff + step, t90 + handoff + step, t99 + handoff + step,
+                    itl, step, step, kv, bind, target.output_len,
                 ))  # fmt: skip
     return out
 
@@ -294,36 +329,74 @@ def _unified(shape, gpu, gpus, target, choices, max_batch, balance) -> list[Plan
                         break
                     best = row
                 if best:
-                    r, t50, t90, i50, i90, b = best
+                    r, t50, t90, t99, i50, i90, i99, b = best
                     out.append(Plan(
                         "unified", 0, 0, gpus // ep, ep, 0, red, tbo, tbo, chunk, b, False,
-                        r * target.output_len, r * target.input_len, t50, t90, i50, i90, kv, bind,
-                        target.output_len,
+                        r * target.output_len, r * target.input_len, t50, t90, t99, i50, i90, i99,
+                        kv, bind, target.output_len,
                     ))  # fmt: skip
     return out
 
 
 def _unified_rank(shape, gpu, par, target, chunk, b):
-    """((requests/s, TTFT p50, p90, ITL p50, p90, batch), None) or (None, the target missed)."""
-    context = target.input_len + target.output_len / 2
-    per_step = min(chunk, target.input_len)
-    t_chunk = prefill_step(shape, gpu, par, chunk, per_step).total_ms
-    t_d = decode_step(shape, gpu, par, b, context).total_ms + gpu.kernels.host_ms_per_request * b
-    # q: share of a rank's steps that carry one of its chunks; the ranks step in lockstep
-    # (the all-to-all), so a step waits for a chunk on any of the ep ranks: p = 1 - (1 - q)^ep
-    q = b * target.input_len / (target.output_len * chunk)
-    if q >= MAX_UTILISATION:
+    """((requests/s, TTFT p50, p90, p99, ITL p50, p90, p99, batch), None) or (None, the
+    target missed)."""
+    u = unified_costs(shape, gpu, par, target, chunk, b)
+    if u is None:
         return None, "TTFT p90"
-    p = 1.0 - (1.0 - q) ** par.ep
-    t_step = t_d + p * t_chunk
-    r = b / (target.output_len * t_step) * 1e3
-    itl90 = t_d + t_chunk if p > 0.1 else t_d
-    itl50 = t_d + t_chunk if p > 0.5 else t_d
-    n_steps = math.ceil(target.input_len / chunk)
-    wait = q * t_step / (2 * (1 - q))
-    ttft90 = n_steps * (t_chunk + t_d) + wait * LN10
-    if itl90 > target.itl_p90_ms:
+    lat = unified_latency(target, chunk, par.ep, u)
+    if lat.itl[1] > target.itl_p90_ms:
         return None, "ITL p90"
-    if ttft90 > target.ttft_p90_ms:
+    if lat.ttft[1] > target.ttft_p90_ms:
         return None, "TTFT p90"
-    return (r, n_steps * (t_chunk + t_d) + wait * LN2, ttft90, itl50, itl90, b), None
+    r = b / (target.output_len * lat.step) * 1e3
+    return (r, *lat.ttft, *lat.itl, b), None
+
+
+@dataclass(frozen=True)
+class UnifiedCosts:
+    """A unified rank at batch ``b``: its decode step, the prompt forward a step carries,
+    the share of its steps that carry one, and the chunk budget's utilisation."""
+
+    t_d: float  # ms
+    t_prefill: float  # ms
+    p_rank: float
+    q: float
+
+
+def unified_costs(shape, gpu, par, target, chunk, b) -> UnifiedCosts | None:
+    """Each step ends b / out requests on average, so m = b / out prompts arrive per step.
+    A rank's step carries prompt tokens when one arrived during the last (1 - e^(-m)) or
+    when its backlog needs the steps (m·in / chunk), whichever is more; such a step carries
+    the step's arrivals, at most a chunk. None when the chunks cannot keep up."""
+    context = target.input_len + target.output_len / 2
+    m = b / target.output_len
+    q = m * target.input_len / chunk
+    if q >= MAX_UTILISATION:
+        return None
+    p_rank = min(1.0, max(-math.expm1(-m), q))
+    tokens = min(float(chunk), target.input_len * m / p_rank)
+    t_prefill = prefill_step(shape, gpu, par, tokens, min(tokens, target.input_len)).total_ms
+    t_d = decode_step(shape, gpu, par, b, context).total_ms + gpu.kernels.host_ms_per_request * b
+    return UnifiedCosts(t_d, t_prefill, p_rank, q)
+
+
+@dataclass(frozen=True)
+class UnifiedLatency:
+    step: float  # the mean step, ms
+    ttft: tuple[float, float, float]  # p50, p90, p99
+    itl: tuple[float, float, float]
+
+
+def unified_latency(target: Target, chunk: int, ep: int, u: UnifiedCosts) -> UnifiedLatency:
+    """A step takes t_d + t_prefill when any of the ``ep`` ranks carries prompt tokens (the
+    all-to-all keeps them in lockstep: p = 1 - (1 - p_rank)^ep), else t_d; the ITL's
+    quantiles are this mixture's. A prompt waits for the chunk budget as in an M/D/1 queue
+    of steps at utilisation q, then runs its own chunks, each a step with prompt tokens."""
+    p = 1.0 - (1.0 - u.p_rank) ** ep
+    step = u.t_d + p * u.t_prefill
+    mix = [(u.t_d, 1.0 - p), (u.t_d + u.t_prefill, p)]
+    itl = tuple(mixture_quantile(mix, x) for x in (0.5, 0.9, 0.99))
+    own = math.ceil(target.input_len / chunk) * (u.t_prefill + u.t_d)
+    ttft = tuple(own + md1_wait_quantile(u.q, step, x) for x in (0.5, 0.9, 0.99))
+    return UnifiedLatency(step, ttft, itl)  # type: ignore[arg-type]

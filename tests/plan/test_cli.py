@@ -80,6 +80,11 @@ def test_validate_and_questions() -> None:
         (("--gpus", "0"), "--gpus"),
         (("--mtp-acceptance", "1.5"), "--mtp-acceptance"),
         (("--input-len", "9,3"), "--input-len"),
+        (("--concurrency", "-4"), "--concurrency"),
+        (("--concurrency", "0"), "--concurrency"),
+        (("--concurrency", "many"), "--concurrency"),
+        (("--rate", "2", "--concurrency", "8"), "--concurrency"),
+        (("--rate", "-1"), "--rate"),
     ],
 )
 def test_bad_input_names_the_flag(args: tuple[str, ...], message: str) -> None:
@@ -130,3 +135,28 @@ def test_the_overlay_renders_over_the_base(tmp_path: Path) -> None:
         assert (256 + args.num_redundant_experts) % args.ep_size == 0, c.where
         roles.add(c.argv[0])
     assert roles == {"prefill", "decode"}
+
+
+def test_concurrency_scores_plans_in_a_closed_loop() -> None:
+    """64 clients on one H200: the plans are scored at what 64 clients get, with TTFT and
+    ITL p50 / p90 / p99, and the best comes with its `dsmesh up` command."""
+    out = plan(
+        "--model", "v2-lite", "--gpu", "h200", "--gpus", "1", "--input-len", "1000",
+        "--output-len", "128", "--concurrency", "64", "--ttft-p90", "2000", "--itl-p90", "50",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "a closed loop of 64 clients" in out.stdout
+    assert "TTFT p50 / p90 / p99 ms" in out.stdout and "ITL p50 / p90 / p99 ms" in out.stdout
+    row = next(x for x in out.stdout.splitlines() if x.startswith("| 1 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    ttft = [float(v.replace(",", "")) for v in cells[10].split(" / ")]
+    itl = [float(v) for v in cells[11].split(" / ")]
+    assert ttft == sorted(ttft) and itl == sorted(itl) and itl[1] <= 50
+    assert cells[-1] == "concurrency 64"
+    assert any(x.startswith("run the best: dsmesh up") for x in out.stdout.splitlines())
+
+
+def test_help_shows_a_concurrency_example() -> None:
+    out = plan("--help")
+    assert out.returncode == 0
+    assert "--concurrency 64" in out.stdout and "--concurrency N" in out.stdout

@@ -31,20 +31,39 @@ def test_bands_are_the_stated_tolerances() -> None:
 
 
 def test_seed_speedups_have_the_seeds_sign_and_order() -> None:
-    """TBO: prefill gains most, decode at 256 sequences per GPU gains, at 32 it loses (the
-    seed: +27-35%, +25%, -27%). EPLB: both phases gain, decode more (1.49x, 2.54x)."""
+    """TBO in SGLang's order (the seed's engine): prefill gains most, at every prompt length,
+    then decode at 256 sequences per GPU; at 32 it loses (the seed: +27-35%, +25%, -27%).
+    EPLB: both phases gain, decode more (1.49x, 2.54x)."""
     g = seed_gains()
+    prefill = [g[f"TBO, prefill, {n}K prompts"] for n in (1, 2, 4)]
     decode = g["TBO, decode at 256/GPU"]
-    assert g["TBO, prefill, 1K prompts"] > g["TBO, prefill, 2K prompts"] > decode > 0
-    assert g["TBO, decode at 32/GPU"] < 0
+    assert prefill[0] > prefill[1] > prefill[2] > decode > 0 > g["TBO, decode at 32/GPU"]
     assert g["EPLB, decode"] > g["EPLB, prefill"] > 1.0
 
 
-def test_tbo_order_at_4k_prompts_is_a_recorded_miss() -> None:
-    """At 4K prompts the model's prefill TBO gain falls just under decode's (attention, which
-    TBO does not shorten, is a larger share): docs/PLAN.md records the miss and its band."""
+def test_tbo_gains_near_the_seeds_size() -> None:
+    """The schedule (dsmesh/plan/overlap.py) puts SGLang's prefill at +28-37% against the
+    seed's +27-35% and decode at 256 per GPU at +26% against +25%."""
     g = seed_gains()
-    assert -0.03 < g["TBO, prefill, 4K prompts"] - g["TBO, decode at 256/GPU"] < 0
+    for n in (1, 2, 4):
+        assert 0.25 < g[f"TBO, prefill, {n}K prompts"] < 0.40
+    assert 0.20 < g["TBO, decode at 256/GPU"] < 0.30
+
+
+def test_tbo_loss_at_32_per_gpu_is_a_recorded_miss_in_size() -> None:
+    """At 32 sequences per GPU the model loses 10% where the seed lost 27%: SGLang's
+    five-stage pipeline hides the small transfers, and what is left is the second reading of
+    the weights and each micro-batch's own kernels (docs/PLAN.md records the miss)."""
+    assert -0.15 < seed_gains()["TBO, decode at 32/GPU"] < -0.05
+
+
+def test_tbo_in_dsmeshs_order_has_the_seeds_sign_and_order() -> None:
+    """dsmesh's own order (dsmesh/engine/model/deepseek.py) hides less, its combine(1) only
+    behind shared experts: the seed's order holds there, the loss at 32 per GPU included."""
+    g = seed_gains("dsmesh")
+    prefill = [g[f"TBO, prefill, {n}K prompts"] for n in (1, 2, 4)]
+    decode = g["TBO, decode at 256/GPU"]
+    assert prefill[0] > prefill[1] > prefill[2] > decode > 0 > g["TBO, decode at 32/GPU"]
 
 
 @pytest.mark.parametrize("skew", [0.3, 0.5, 1.0])
