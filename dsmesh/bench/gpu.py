@@ -113,6 +113,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--v3-layers", type=int, default=4)
     ap.add_argument("--v3-batch", type=int, default=256)
     ap.add_argument(
+        "--v3-dense-dtype",
+        choices=("fp8", "bf16"),
+        default="fp8",
+        help="V3 layers on CUDA: the attention projections (but kv_b_proj) and shared experts "
+        "in block-scaled FP8 as DeepSeek-V3 ships them (fp8), or in bf16 (the shape measured "
+        "before 2026-12-06)",
+    )
+    ap.add_argument(
         "--kv-cache-dtype",
         default="auto",
         help="comma list of KV cache dtypes (auto, fp8_e4m3): the first for every engine, "
