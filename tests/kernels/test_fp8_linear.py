@@ -7,7 +7,7 @@ Tolerance. The reference multiplies the dequantised operands in float32 and roun
 kernels sum per-128-block float32 partial products with both scales applied to each block, in
 another order, and round the output to bf16 (2**-9 relative). The error is measured as
 ``||out - ref|| / ||ref||`` over the whole output: below 1e-2 on the GPU (bf16 rounding gives
-~3e-3), below 1e-5 in float32 under the interpreter (summation order only).
+~3e-3), below 1e-6 in float32 under the interpreter (summation order only).
 """
 
 from __future__ import annotations
