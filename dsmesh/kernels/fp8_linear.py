@@ -205,6 +205,29 @@ def deep_gemm_fits(n: int, k: int, dtype: torch.dtype) -> bool:
     return k % BLOCK == 0 and n % 64 == 0 and dtype == torch.bfloat16
 
 
+@functools.cache
+def deep_gemm_linear_problem(device: str = "cuda") -> str:
+    """Empty when DeepGEMM's ``fp8_gemm_nt`` computes a small problem of DeepSeek's kind
+    right here (5 rows, N = 576: a ragged last scale block, K = 256), else what went wrong.
+    Checked once, before the engine chooses it, so that a build or GPU it does not fit
+    leaves the linears on Triton instead of failing in the first forward."""
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        x = torch.randn(5, 256, generator=g).to(device, torch.bfloat16)
+        from dsmesh.kernels.fp8 import quantize_fp8_block
+
+        w, scale_inv = quantize_fp8_block(torch.randn(576, 256, generator=g) * 0.05)
+        w, scale_inv = w.to(device), scale_inv.to(device)
+        out = _deep_gemm_linear(x, w, scale_inv).float()
+        ref = fp8_linear_ref(x.float(), w, scale_inv)
+        err = float((out - ref).norm() / ref.norm())
+        if not err < 1e-2:
+            return f"fp8_gemm_nt is off by {err:.3g} (relative) on a 5 x 576 x 256 problem"
+    except Exception as exc:  # a build that cannot run here: say why, keep Triton
+        return f"fp8_gemm_nt failed: {type(exc).__name__}: {str(exc)[:200]}"
+    return ""
+
+
 def _deep_gemm_linear(x2d: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor):
     from dsmesh.kernels.fp8_quant import per_token_group_quant_fp8
     from dsmesh.kernels.moe_gemm_deepgemm import load_deep_gemm

@@ -111,6 +111,11 @@ def test_refused_libraries_show_why_triton_runs() -> None:
         "triton FP8 block GEMM",
         "DeepGEMM: deep_gemm not installed",
     )
+    refused = dataclasses.replace(facts, fp8_linears="triton", fp8_linear_lib=DEEP_GEMM)
+    assert _rows(refused)["dense linears (attention, shared experts)"] == (
+        "triton FP8 block GEMM",
+        "DeepGEMM failed its start-up check (see the warning above)",
+    )
     dense = _rows(dataclasses.replace(facts, fp8_linears="none"))
     assert dense["dense linears (attention, shared experts)"] == (
         "bfloat16 GEMM",

@@ -24,6 +24,7 @@ from dsmesh.kernels.fp8 import (
 )
 from dsmesh.kernels.fp8_linear import (
     deep_gemm_fits,
+    deep_gemm_linear_problem,
     fp8_linear,
     fp8_linear_ref,
     gemm_config,
@@ -89,6 +90,9 @@ def test_bad_inputs_name_what_is_wrong() -> None:
         fp8_linear_ref(x, q.float(), scale_inv)
     with pytest.raises(ValueError, match="backend must be one of"):
         fp8_linear(x, q, scale_inv, "cublas")
+    # without DeepGEMM (or a GPU) its check says why instead of raising
+    if not available("deep_gemm"):
+        assert deep_gemm_linear_problem("cpu").startswith("fp8_gemm_nt failed")
 
 
 def test_tile_sizes_follow_the_row_count() -> None:
@@ -154,6 +158,13 @@ def test_deep_gemm_equals_reference_and_triton(m: int, n: int, k: int) -> None:
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     assert _rel(out, fp8_linear_ref(x.float(), q, scale_inv)) < 1e-2
     assert _rel(out, fp8_linear(x, q, scale_inv, "triton")) < 1e-2
+
+
+@needs_deep_gemm
+@pytest.mark.gpu
+def test_the_installed_deep_gemm_passes_the_dense_gemm_check() -> None:
+    """The start-up check the engine runs before choosing DeepGEMM for the linears."""
+    assert deep_gemm_linear_problem() == ""
 
 
 @needs_cuda

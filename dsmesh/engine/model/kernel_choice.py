@@ -8,11 +8,14 @@ exact path on CPU and in float32, and ``kernels="torch"`` forces them anywhere (
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from dsmesh.kernels._triton import triton_importable
+
+log = logging.getLogger(__name__)
 
 KERNEL_SETS = ("auto", "torch")
 MOE_BACKENDS = ("auto", "fused", "grouped")
@@ -102,15 +105,20 @@ def _fused_moe(requested: str, usable: bool) -> bool:
 
 def _fp8_linear(usable: bool, dtype: torch.dtype) -> str:
     """DeepGEMM when its adapter is usable here (installed, a build that fits this torch,
-    reading tensors right: dsmesh.kernels.backends) and the model is bf16, else Triton;
-    the torch reference where Triton kernels are not chosen (CPU, float32, kernels=torch)."""
+    reading tensors right: dsmesh.kernels.backends; its dense GEMM checked once on a small
+    problem) and the model is bf16, else Triton; the torch reference where Triton kernels
+    are not chosen (CPU, float32, kernels=torch)."""
     if not usable:
         return "torch"
     from dsmesh.kernels.backends import choose
 
     if dtype == torch.bfloat16 and choose("fp8_linear") == "deep_gemm":
+        from dsmesh.kernels.fp8_linear import deep_gemm_linear_problem
         from dsmesh.kernels.moe_gemm_deepgemm import load_deep_gemm
 
         if load_deep_gemm() is not None:
-            return "deep_gemm"
+            problem = deep_gemm_linear_problem()
+            if not problem:
+                return "deep_gemm"
+            log.warning("FP8 linears: DeepGEMM refused (%s); using dsmesh's Triton GEMM", problem)
     return "triton"

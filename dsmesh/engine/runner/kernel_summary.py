@@ -166,6 +166,9 @@ def _dense_linears(f: KernelFacts) -> KernelRow:
     if f.fp8_linears == "deep_gemm":
         impl = "deep_gemm FP8 (triton where N % 64 or K % 128)"
         return KernelRow(op, impl, f"128x128 block scales; {f.fp8_linear_lib.why}")
+    if f.fp8_linears == "triton" and f.fp8_linear_lib.backend == "deep_gemm":
+        why = "DeepGEMM failed its start-up check (see the warning above)"
+        return KernelRow(op, "triton FP8 block GEMM", why)
     if f.fp8_linears == "triton":
         return KernelRow(op, "triton FP8 block GEMM", f"DeepGEMM: {f.fp8_linear_lib.why}")
     return KernelRow(op, "torch FP8 reference", _torch_reason(f))
