@@ -15,7 +15,8 @@ Three implementations, the same contract:
 - ``"deep_gemm"``: the same quantisation writing its scales in DeepGEMM's MN-major,
   TMA-aligned layout, then DeepGEMM's ``fp8_gemm_nt`` (``sgl-deep-gemm``; the weight scales go
   in as stored: float32 128x128 blocks are the layout it takes on Hopper). It needs K a
-  multiple of 128 and N a multiple of 64 (:func:`deep_gemm_fits`); other shapes run Triton.
+  multiple of 128 and N a multiple of 64 (of 128 where a check at N = 576 fails:
+  :func:`deep_gemm_fits`, :func:`deep_gemm_n_alignment`); other shapes run Triton.
 
 K need not be a multiple of 128 (toy checkpoints): the activation is zero-padded to whole
 groups (zeros change no group's amax), and the GEMM masks the weight's ragged edge. Every path
@@ -199,33 +200,53 @@ def fp8_block_gemm(
     return out
 
 
-def deep_gemm_fits(n: int, k: int, dtype: torch.dtype) -> bool:
+def deep_gemm_fits(n: int, k: int, dtype: torch.dtype, n_align: int = 64) -> bool:
     """Whether DeepGEMM's dense FP8 GEMM takes an [N, K] weight with ``dtype`` output: K
-    whole 128-blocks, N whole 64-column tiles, bfloat16 output."""
-    return k % BLOCK == 0 and n % 64 == 0 and dtype == torch.bfloat16
+    whole 128-blocks, N a multiple of ``n_align`` (:func:`deep_gemm_n_alignment`: 64 where
+    its check passed at N = 576, else 128), bfloat16 output."""
+    return k % BLOCK == 0 and n % n_align == 0 and dtype == torch.bfloat16
 
 
-@functools.cache
-def deep_gemm_linear_problem(device: str = "cuda") -> str:
-    """Empty when DeepGEMM's ``fp8_gemm_nt`` computes a small problem of DeepSeek's kind
-    right here (5 rows, N = 576: a ragged last scale block, K = 256), else what went wrong.
-    Checked once, before the engine chooses it, so that a build or GPU it does not fit
-    leaves the linears on Triton instead of failing in the first forward."""
+def _check_deep_gemm(n: int, device: str) -> str:
+    """Empty when ``fp8_gemm_nt`` computes a 5 x ``n`` x 256 problem right here, else what
+    went wrong."""
     try:
-        g = torch.Generator(device="cpu").manual_seed(0)
-        x = torch.randn(5, 256, generator=g).to(device, torch.bfloat16)
         from dsmesh.kernels.fp8 import quantize_fp8_block
 
-        w, scale_inv = quantize_fp8_block(torch.randn(576, 256, generator=g) * 0.05)
+        g = torch.Generator(device="cpu").manual_seed(0)
+        x = torch.randn(5, 256, generator=g).to(device, torch.bfloat16)
+        w, scale_inv = quantize_fp8_block(torch.randn(n, 256, generator=g) * 0.05)
         w, scale_inv = w.to(device), scale_inv.to(device)
         out = _deep_gemm_linear(x, w, scale_inv).float()
         ref = fp8_linear_ref(x.float(), w, scale_inv)
         err = float((out - ref).norm() / ref.norm())
         if not err < 1e-2:
-            return f"fp8_gemm_nt is off by {err:.3g} (relative) on a 5 x 576 x 256 problem"
+            return f"fp8_gemm_nt is off by {err:.3g} (relative) on a 5 x {n} x 256 problem"
     except Exception as exc:  # a build that cannot run here: say why, keep Triton
         return f"fp8_gemm_nt failed: {type(exc).__name__}: {str(exc)[:200]}"
     return ""
+
+
+@functools.cache
+def deep_gemm_n_alignment(device: str = "cuda") -> int | None:
+    """The N multiple DeepGEMM's dense FP8 GEMM is used for: 64 when it computes N = 576
+    (V3's kv_a_proj: a ragged last scale block) right, 128 when only N = 512, None when
+    neither (then :func:`deep_gemm_linear_problem` says why). Checked once, outside any
+    CUDA graph (the engine asks when it chooses its kernels)."""
+    if not _check_deep_gemm(512, device):
+        return 64 if not _check_deep_gemm(576, device) else 128
+    return None
+
+
+@functools.cache
+def deep_gemm_linear_problem(device: str = "cuda") -> str:
+    """Empty when DeepGEMM's ``fp8_gemm_nt`` computes a small problem of DeepSeek's kind
+    right here (5 x 512 x 256 against the reference), else what went wrong. Checked once,
+    before the engine chooses it, so that a build or GPU it does not fit leaves the linears
+    on Triton instead of failing in the first forward."""
+    if deep_gemm_n_alignment(device) is not None:
+        return ""
+    return _check_deep_gemm(512, device)
 
 
 def _deep_gemm_linear(x2d: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor):
@@ -242,6 +263,12 @@ def _deep_gemm_linear(x2d: torch.Tensor, weight: torch.Tensor, scale_inv: torch.
     return out
 
 
+def _n_align() -> int:
+    """:func:`deep_gemm_n_alignment` on the current GPU (one GPU a process), 128 where
+    DeepGEMM failed its check (:func:`fp8_linear`'s ``"deep_gemm"`` asked for all the same)."""
+    return deep_gemm_n_alignment() or 128
+
+
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, backend: str = "triton"
 ) -> torch.Tensor:
@@ -255,7 +282,7 @@ def fp8_linear(
     lead, k = x.shape[:-1], x.shape[-1]
     n = weight.shape[0]
     x2d = x.reshape(-1, k)
-    if backend == "deep_gemm" and deep_gemm_fits(n, k, x.dtype):
+    if backend == "deep_gemm" and deep_gemm_fits(n, k, x.dtype, _n_align()):
         return _deep_gemm_linear(x2d, weight, scale_inv).view(*lead, n)
     from dsmesh.kernels.fp8_quant import per_token_group_quant_fp8
 

@@ -102,6 +102,7 @@ def test_tile_sizes_follow_the_row_count() -> None:
     assert deep_gemm_fits(576, 7168, torch.bfloat16)
     assert not deep_gemm_fits(48, 64, torch.bfloat16)  # a toy shape: Triton
     assert not deep_gemm_fits(576, 7168, torch.float16)  # DeepGEMM writes bf16
+    assert not deep_gemm_fits(576, 7168, torch.bfloat16, n_align=128)
 
 
 SMALL = [(1, 256, 256), (37, 192, 384), (5, 48, 64), (70, 130, 200)]
@@ -163,8 +164,12 @@ def test_deep_gemm_equals_reference_and_triton(m: int, n: int, k: int) -> None:
 @needs_deep_gemm
 @pytest.mark.gpu
 def test_the_installed_deep_gemm_passes_the_dense_gemm_check() -> None:
-    """The start-up check the engine runs before choosing DeepGEMM for the linears."""
+    """The start-up check the engine runs before choosing DeepGEMM for the linears; V3's
+    576-row kv_a_proj (a ragged scale block) should run on it too."""
+    from dsmesh.kernels.fp8_linear import deep_gemm_n_alignment
+
     assert deep_gemm_linear_problem() == ""
+    assert deep_gemm_n_alignment() == 64
 
 
 @needs_cuda
