@@ -76,7 +76,7 @@ def test_h200_with_flashinfer_and_deep_gemm() -> None:
             "routed experts; DeepGEMM: sgl-deep-gemm 0.1.5, built for torch 2.11 + CUDA 13",
         ),
         "dense linears (attention, shared experts)": (
-            "deep_gemm FP8 (triton where N % 64 or K % 128)",
+            "deep_gemm FP8 (triton for shapes it refuses)",
             "128x128 block scales; sgl-deep-gemm 0.1.5, built for torch 2.11 + CUDA 13",
         ),
         "MoE dispatch (EP)": ("none", "one rank; DeepEP: deep_ep not installed"),

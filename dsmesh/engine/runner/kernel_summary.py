@@ -164,7 +164,7 @@ def _dense_linears(f: KernelFacts) -> KernelRow:
         why = "not FP8 in the checkpoint, or loaded without --fp8-linears"
         return KernelRow(op, f"{f.dtype} GEMM", why)
     if f.fp8_linears == "deep_gemm":
-        impl = "deep_gemm FP8 (triton where N % 64 or K % 128)"
+        impl = "deep_gemm FP8 (triton for shapes it refuses)"
         return KernelRow(op, impl, f"128x128 block scales; {f.fp8_linear_lib.why}")
     if f.fp8_linears == "triton" and f.fp8_linear_lib.backend == "deep_gemm":
         why = "DeepGEMM failed its start-up check (see the warning above)"
