@@ -182,6 +182,8 @@ def fp8_block_gemm(
         raise ValueError(f"a [{m}, {kp}] must be contiguous rows of K = {k} padded to 128s")
     if tuple(a_scale.shape) != (m, kp // BLOCK):
         raise ValueError(f"a_scale {tuple(a_scale.shape)} must be [{m}, {kp // BLOCK}]")
+    if weight.stride(1) != 1 or scale_inv.stride(1) != 1:
+        weight, scale_inv = weight.contiguous(), scale_inv.contiguous()
     if not can_launch(a):
         raise RuntimeError("fp8_block_gemm needs a CUDA tensor (or TRITON_INTERPRET=1)")
     cfg = dict(gemm_config(m), **(config or {}))
