@@ -157,6 +157,27 @@ def test_fused_projections_keep_the_same_values(v3_fp8_ckpt: HFCheckpoint) -> No
     assert fuse_fp8_linears(Fp8Linear(256, 72), Fp8Linear(256, 128)) is None  # ragged first
 
 
+def test_fused_fp8_input_projection_agrees_with_transformers(tmp_path) -> None:
+    """q_lora_rank 128 fills one scale block, so q_a_proj and kv_a_proj_with_mqa run as one
+    FP8 GEMM (weights and scale rows concatenated); the logits still equal transformers'
+    with the same input rounding."""
+    from tests.engine.hf_checkpoints import make_fp8_copy, make_hf_v3
+
+    wide = HFCheckpoint(*make_hf_v3(tmp_path / "q128", q_lora_rank=128, seed=5))
+    ckpt = make_fp8_copy(wide, tmp_path / "fp8")
+    model = load_model(ckpt.path, fp8_linears=True)
+    attn = model.model.layers[0].self_attn
+    assert attn.fused_input_fp8 is not None
+    weight, scale_inv = attn.fused_input_fp8
+    assert weight.shape == (128 + 48, 64) and scale_inv.shape == (2, 1)
+    assert attn.q_a_proj.weight.data_ptr() == weight.data_ptr()  # a view: no copy
+    prompts = random_prompts([2, 30], 256, seed=6)
+    ours = torch.cat(prefill_logits(model, prompts))
+    with _quantise_inputs_of(ckpt.hf_model, set(_fp8_modules(model))):
+        ref = torch.cat([hf_logits(ckpt.hf_model, p) for p in prompts])
+    assert relative_error(ours, ref) <= 1e-4
+
+
 def test_engine_generates_with_fp8_linears_on_cpu(v3_fp8_ckpt: HFCheckpoint) -> None:
     """--fp8-linears on CPU (the torch reference): greedy tokens, every one transformers'
     top-1 on the same prefix (teacher forcing, the same input rounding), and the start-up
