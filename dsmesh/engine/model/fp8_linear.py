@@ -94,13 +94,11 @@ def quantize_linears(model: nn.Module, names: list[str]) -> None:
         parent = model.get_submodule(parent_name)
         old = getattr(parent, child)
         q, scale_inv = quantize_fp8_block(old.weight, (BLOCK, BLOCK))
-        new = Fp8Linear.__new__(Fp8Linear)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features, new.backend = old.in_features, old.out_features, "torch"
+        with torch.device("meta"):
+            new = Fp8Linear(old.in_features, old.out_features)
         new.weight = nn.Parameter(q, requires_grad=False)
         new.weight_scale_inv = nn.Parameter(scale_inv, requires_grad=False)
         setattr(parent, child, new)
-        del old, q, scale_inv
 
 
 def swap_fp8_linears(model: nn.Module, names: set[str]) -> None:
