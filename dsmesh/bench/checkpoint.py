@@ -4,8 +4,10 @@
         [--max-position-embeddings 2048]
 
 Shapes: ``v2-lite`` (DeepSeek-V2-Lite's released config, bf16, 15.7B parameters, about
-31 GB), ``v3-layers`` (DeepSeek-V3's layer shape, a few MoE layers, routed experts in
-block-scaled FP8 as DeepSeek-V3 ships them), and ``tiny`` / ``tiny-v3`` (the same
+31 GB), ``v3-layers`` (DeepSeek-V3's layer shape, a few MoE layers, every linear weight but the
+embeddings, the LM head and the routers in block-scaled FP8 as DeepSeek-V3 ships them;
+``--dense-dtype bf16`` keeps the non-expert linears in bf16, the shape measured before
+2026-12-06), and ``tiny`` / ``tiny-v3`` (the same
 structures at toy sizes: CPU smoke tests). Weights are drawn on ``device`` (fast for
 billions of parameters) and written shard by shard; the byte-level tokenizer goes beside
 them, so every dsmesh command (``up``, ``generate``, ``bench``) takes the folder as
@@ -55,13 +57,30 @@ def shape_config(
     return cfg
 
 
+DENSE_DTYPES = ("fp8", "bf16")  # how a V3 shape stores its non-expert linears
+
+
 def _is_routed_expert(name: str) -> bool:
     return ".mlp.experts." in name and name.endswith("_proj.weight")
 
 
-def _quantize_experts(tensors: dict[str, torch.Tensor], block: list[int]) -> None:
-    """Routed expert weights -> float8_e4m3fn + ``weight_scale_inv``, in place."""
-    for name in [n for n in tensors if _is_routed_expert(n)]:
+def _is_dense_linear(name: str) -> bool:
+    """An attention projection, shared expert or dense MLP weight (DeepSeek-V3 stores them
+    in FP8, kv_b_proj included; the embeddings, LM head, routers and norms stay bf16)."""
+    if not (".self_attn." in name or ".mlp." in name) or not name.endswith(".weight"):
+        return False
+    return "norm" not in name and not name.endswith(".mlp.gate.weight")
+
+
+def _quantize_experts(
+    tensors: dict[str, torch.Tensor], block: list[int], dense_linears: bool = False
+) -> None:
+    """Routed expert weights (and with ``dense_linears`` every other linear weight that
+    DeepSeek-V3 quantises) -> float8_e4m3fn + ``weight_scale_inv``, in place."""
+    quantized = [
+        n for n in tensors if _is_routed_expert(n) or (dense_linears and _is_dense_linear(n))
+    ]
+    for name in quantized:
         q, scale_inv = quantize_fp8_block(tensors[name], (block[0], block[1]))
         tensors[name] = q
         tensors[name + "_scale_inv"] = scale_inv
@@ -98,14 +117,20 @@ def write_random_checkpoint(
     seed: int = 0,
     v3_layers: int = 4,
     max_position_embeddings: int | None = None,
+    dense_dtype: str = "fp8",
 ) -> Path:
     """Write (or reuse) the random checkpoint of ``shape`` in ``out_dir``; returns it.
     ``max_position_embeddings``: the context length its config declares (None: the
-    shape's own)."""
+    shape's own); ``dense_dtype`` (:data:`DENSE_DTYPES`): how a V3 shape stores its
+    attention projections and shared experts."""
+    if dense_dtype not in DENSE_DTYPES:
+        raise ValueError(f"dense_dtype must be one of {DENSE_DTYPES}, got {dense_dtype!r}")
     out = Path(out_dir)
     recipe: dict[str, Any] = {"shape": shape, "seed": seed, "v3_layers": v3_layers}
     if max_position_embeddings is not None:  # absent otherwise: older folders stay valid
         recipe["max_position_embeddings"] = max_position_embeddings
+    if shape in ("v3-layers", "tiny-v3"):
+        recipe["dense_dtype"] = dense_dtype
     marker = out / MARKER
     if marker.exists() and json.loads(marker.read_text()) == recipe:
         return out
@@ -118,7 +143,7 @@ def write_random_checkpoint(
     del model
     quant = raw.get("quantization_config")
     if quant is not None:
-        _quantize_experts(tensors, quant["weight_block_size"])
+        _quantize_experts(tensors, quant["weight_block_size"], dense_dtype == "fp8")
     nbytes = _save_shards(tensors, out)
     del tensors
     if device.startswith("cuda"):
@@ -151,6 +176,13 @@ def main(argv: list[str] | None = None) -> None:
         metavar="N",
         help="context length the config declares (default: the shape's own)",
     )
+    ap.add_argument(
+        "--dense-dtype",
+        choices=DENSE_DTYPES,
+        default="fp8",
+        help="V3 shapes: the attention projections and shared experts in FP8 128x128 blocks "
+        "(as DeepSeek-V3 ships them) or bf16",
+    )
     args = ap.parse_args(argv)
     write_random_checkpoint(
         args.shape,
@@ -159,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
         args.seed,
         args.v3_layers,
         args.max_position_embeddings,
+        args.dense_dtype,
     )
 
 

@@ -11,8 +11,11 @@ Reports, as a table and JSON (written after every part, so a cut-short run keeps
   matmul ceiling; decode tokens/s at batch 1/32/128/256 with 2000-token contexts, with and
   without CUDA graphs, against the HBM roofline (weights touched + KV read over the copy
   bandwidth);
-- b. DeepSeek-V3 layer shape (a few MoE layers, small vocabulary): prefill and decode
-  throughput per layer against the seed's per-GPU figures scaled per layer; with
+- b. DeepSeek-V3 layer shape (a few MoE layers, small vocabulary; on CUDA its routed experts,
+  attention projections but kv_b_proj and shared experts in FP8 128x128 blocks as
+  DeepSeek-V3 ships them, ``--v3-dense-dtype bf16`` for the non-expert linears in bf16, the
+  shape measured before 2026-12-06): prefill and decode throughput per layer against the
+  seed's per-GPU figures scaled per layer; with
   ``--kv-cache-dtype auto,fp8_e4m3`` the decode steps again with each further KV cache
   dtype (``decode["kv_fp8_e4m3"]``), e.g. bf16 against FP8 KV at 32K contexts:
   ``--parts v3 --v3-batch 64 --context 32768 --kv-cache-dtype auto,fp8_e4m3``;
@@ -112,6 +115,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--v3-layers", type=int, default=4)
     ap.add_argument("--v3-batch", type=int, default=256)
+    ap.add_argument(
+        "--v3-dense-dtype",
+        choices=("fp8", "bf16"),
+        default="fp8",
+        help="V3 layers on CUDA: the attention projections (but kv_b_proj) and shared experts "
+        "in block-scaled FP8 as DeepSeek-V3 ships them (fp8), or in bf16 (the shape measured "
+        "before 2026-12-06)",
+    )
     ap.add_argument(
         "--kv-cache-dtype",
         default="auto",

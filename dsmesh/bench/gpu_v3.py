@@ -1,5 +1,7 @@
 """Part ``v3`` of the GPU benchmark (dsmesh/bench/gpu.py): a few DeepSeek-V3 layers (every one
-MoE, routed experts in FP8 on CUDA) with random weights. Prefill and decode throughput per
+MoE, routed experts in FP8 on CUDA and, as DeepSeek-V3 ships them, the attention projections
+and shared experts too: ``--v3-dense-dtype bf16`` keeps those in bf16, the shape measured
+before 2026-12-06) with random weights. Prefill and decode throughput per
 layer against the seed's per-GPU figures scaled per layer, decode against the HBM roofline,
 and the decode steps again with each further KV cache dtype (``--kv-cache-dtype``)."""
 
@@ -16,7 +18,12 @@ from dsmesh.bench.engine_steps import (
     graph_replay_seconds,
     make_engine,
 )
-from dsmesh.bench.random_model import build_dsmesh, use_fp8_experts, v3_layers_config
+from dsmesh.bench.random_model import (
+    build_dsmesh,
+    use_fp8_experts,
+    use_fp8_linears,
+    v3_layers_config,
+)
 from dsmesh.bench.roofline import kv_bytes, pool_token_bytes, prefill_flops, weight_bytes_touched
 from dsmesh.bench.step_profiles import profile_prefill, profile_static_forward
 from dsmesh.engine.model.config import ModelConfig
@@ -42,6 +49,7 @@ def run_v3(args, device, ceilings, results) -> None:
     layers = args.v3_layers
     model = build_dsmesh(v3_layers_config(layers, args.tiny), device, args.dtype)
     fp8 = device.type == "cuda" and use_fp8_experts(model)
+    fp8_dense = fp8 and args.v3_dense_dtype == "fp8" and use_fp8_linears(model) > 0
     cfg = model.config
     b = args.v3_batch
     engine = make_engine(model, device, b, args, args.kv_cache_dtypes[0])
@@ -64,7 +72,8 @@ def run_v3(args, device, ceilings, results) -> None:
         "num_layers": layers,
         "attention_backend": getattr(engine.graph_runner, "attention_backend", None),
         "kv_cache_dtype": args.kv_cache_dtypes[0],
-        "weights": ("routed experts fp8 (128x128 blocks), the rest bf16" if fp8 else "all bf16"),
+        "weights": _weights_text(fp8, fp8_dense),
+        "fp8_linear_gemm": engine.model.kernels.fp8_linear if fp8_dense else None,
         "fp8_expert_gemm": {
             "prefill": fp8_expert_gemm(cfg, args.prompt_len * args.prefill_prompts),
             "decode": fp8_expert_gemm(cfg, b),
@@ -117,6 +126,17 @@ def run_v3(args, device, ceilings, results) -> None:
         results["v3_layers"]["decode"][f"kv_{name}"] = other
         print(f"  v3 decode b{b} with {name} KV: {other}", flush=True)
     del model
+
+
+def _weights_text(fp8_experts: bool, fp8_dense: bool) -> str:
+    if fp8_dense:
+        return (
+            "routed experts and attention projections / shared experts fp8 (128x128 blocks); "
+            "kv_b_proj, embeddings, LM head bf16"
+        )
+    if fp8_experts:
+        return "routed experts fp8 (128x128 blocks), the rest bf16"
+    return "all bf16"
 
 
 def bench_kv_cache_dtype(model, device, batch: int, args, name: str, ceilings) -> dict[str, Any]:

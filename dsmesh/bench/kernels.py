@@ -20,6 +20,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from dsmesh.bench.kernels_fp8_linear import fp8_linear_bench
+
 RESULTS: list[dict] = []
 # fused MoE block sizes found by --tune (dsmesh.kernels.moe_fused format)
 TUNED: dict[str, dict] = {}
@@ -32,6 +34,7 @@ STEPS = (
     "moe",
     "moe_fp8_crossover",
     "moe_fused",
+    "fp8_linear",
     "scaled_grouped_mm",
 )
 
@@ -652,6 +655,7 @@ def main() -> None:
         "moe": lambda: moe_bench(args.quick),
         "moe_fp8_crossover": lambda: moe_fp8_crossover(args.quick),
         "moe_fused": lambda: fused_moe_bench(args.quick),
+        "fp8_linear": lambda: fp8_linear_bench(args.quick),
         "scaled_grouped_mm": scaled_grouped_mm_probe,
     }
     only = [s for s in args.only.split(",") if s]

@@ -2,8 +2,9 @@
 
 DeepSeek-V2-Lite's released config and DeepSeek-V3's layer shape as config dicts (official
 spelling; ``tiny`` shrinks them for CPU smoke runs), built in the engine's own model classes
-with random weights drawn on the device; V3's routed experts optionally in block-scaled FP8;
-a KV pool filled with random values (as if prefilled) and random prompts.
+with random weights drawn on the device; V3's routed experts and dense linears optionally in
+block-scaled FP8, as DeepSeek-V3 ships them; a KV pool filled with random values (as if
+prefilled) and random prompts.
 """
 
 from __future__ import annotations
@@ -203,6 +204,20 @@ def use_fp8_experts(model: DeepseekForCausalLM) -> bool:
         if ex.w13.is_cuda:
             torch.cuda.empty_cache()
     return True
+
+
+def use_fp8_linears(model: DeepseekForCausalLM) -> int:
+    """Quantise the attention projections (but kv_b_proj, read dense by the absorbed decode)
+    and the shared experts / dense MLPs to block-scaled FP8 (128x128), as DeepSeek-V3's
+    checkpoint stores them and ``--fp8-linears`` keeps them (dsmesh/engine/model/fp8_linear.py).
+    Call before the model's kernels are set. Returns how many linears were quantised."""
+    from dsmesh.engine.model.fp8_linear import fp8_candidates, quantize_linears
+
+    names = fp8_candidates(model)
+    quantize_linears(model, names)
+    if next(model.parameters()).is_cuda:
+        torch.cuda.empty_cache()
+    return len(names)
 
 
 def fill_kv_normal_(pool, gen: torch.Generator) -> None:

@@ -67,9 +67,10 @@ def expert_bytes(experts: torch.nn.Module) -> float:
 
 
 def weight_bytes_touched(model: DeepseekForCausalLM, batch: int) -> dict[str, float]:
-    """Bytes of weights one decode step reads: every non-routed weight (embedding: only the
-    batch's rows), and per MoE layer the routed experts expected to receive a token under
-    uniform routing, E * (1 - (1 - k/E)^batch)."""
+    """Bytes of weights one decode step reads: every non-routed weight at its stored size
+    (linears held in FP8: one byte a weight plus their float32 block scales; the embedding:
+    only the batch's rows), and per MoE layer the routed experts expected to receive a token
+    under uniform routing, E * (1 - (1 - k/E)^batch)."""
     k = model.config.moe.num_experts_per_tok
     routed = other = 0.0
     for moe in model.moe_layers():

@@ -105,7 +105,9 @@ def _process(
     ).config
     dbytes = dtype_bytes(resolved, facts)
     mtp = mc.num_nextn_predict_layers if resolved.speculative == "mtp" else 0
-    weights = weight_bytes(mc, dbytes, bool(resolved.fp8_experts), mtp, expert_share).total
+    weights = weight_bytes(
+        mc, dbytes, bool(resolved.fp8_experts), mtp, expert_share, bool(resolved.fp8_linears)
+    ).total
     per_token = kv_bytes_per_token(mc, cache_bytes(resolved, mc, dbytes), mtp)
     if resolved.max_total_tokens is not None:
         tokens = resolved.max_total_tokens

@@ -19,6 +19,8 @@ the engine builds anything; an explicit value always wins. The rules (docs/ENGIN
 - ``prefix_cache``: on in the services (prefill, decode, unified), off offline.
 - ``fp8_experts``: on for FP8 checkpoints on CUDA with dsmesh's Triton kernels, where the FP8
   grouped GEMM serves the experts at half the bytes; else off (dequantised at load).
+- ``fp8_linears``: as ``fp8_experts`` (the same checkpoints, the same kernels): the dense
+  linears the checkpoint stores in FP8 stay FP8 and run block-scaled FP8 GEMMs.
 """
 
 from __future__ import annotations
@@ -127,6 +129,11 @@ def derive(
         "FP8 checkpoint on CUDA" if fp8 else ("not an FP8 checkpoint" if not fp8_checkpoint
                                              else "no FP8 kernels on this device"),
     )
+    take(
+        "fp8_linears",
+        values.get("fp8_experts", config.fp8_experts),
+        "as --fp8-experts",
+    )
     take("prefix_cache", config.role != "offline", f"role {config.role}")
     if device.kind != "cuda":
         take("max_running_requests", CPU_MAX_RUNNING_REQUESTS, "CPU")
@@ -137,9 +144,10 @@ def derive(
 
     share = config.mem_fraction if config.mem_fraction is not None else DEFAULT_MEM_FRACTION
     fp8_experts = values.get("fp8_experts", config.fp8_experts)
+    fp8_linears = bool(values.get("fp8_linears", config.fp8_linears))
     dbytes = dtype_bytes(config, device)
     mtp = mc.num_nextn_predict_layers if config.speculative == "mtp" else 0
-    weights = weight_bytes(mc, dbytes, bool(fp8_experts), mtp, expert_share).total
+    weights = weight_bytes(mc, dbytes, bool(fp8_experts), mtp, expert_share, fp8_linears).total
     pool_tokens = (int(device.total_bytes * share) - weights) // max(
         kv_bytes_per_token(mc, cache_bytes(config, mc, dbytes), mtp), 1
     )
@@ -203,7 +211,9 @@ def check_weights_fit(
     facts = device_facts(device, config.kernels)
     dbytes = dtype_bytes(config, facts)
     mtp = mc.num_nextn_predict_layers if config.speculative == "mtp" else 0
-    weights = weight_bytes(mc, dbytes, bool(config.fp8_experts), mtp, expert_share)
+    weights = weight_bytes(
+        mc, dbytes, bool(config.fp8_experts), mtp, expert_share, bool(config.fp8_linears)
+    )
     gib = 1 << 30
     if config.max_total_tokens is not None:
         per_token = kv_bytes_per_token(mc, cache_bytes(config, mc, dbytes), mtp)

@@ -6,8 +6,9 @@ plan, dsmesh/cli/memory_plan.py) and the defaults that depend on memory can be d
 (dsmesh/engine/derived.py). All figures are bytes.
 
 - **weights**: every parameter at its stored size: the compute dtype, except routed experts
-  kept in FP8 (one byte a value plus a float32 scale per 128 x 128 block) and routers
-  (float32); the MTP layer when speculating.
+  and, with ``fp8_linears``, the attention projections but kv_b_proj and the dense MLPs /
+  shared experts, kept in FP8 (one byte a value plus a float32 scale per 128 x 128 block),
+  and routers (float32); the MTP layer when speculating.
 - **KV per token**: ``layers x (kv_lora_rank + qk_rope_head_dim) x cache dtype size`` (FP8:
   one byte a value, plus two float32 scales a token: dsmesh/engine/derived.py cache_bytes).
 - **activations**: the peak of one forward of ``batch_tokens`` new tokens (the prefill chunk):
@@ -52,6 +53,24 @@ def _dense_mlp_params(mc: ModelConfig, intermediate: int) -> int:
     return 3 * mc.hidden_size * intermediate
 
 
+def _fp8_attention_matrices(mc: ModelConfig) -> list[tuple[int, int]]:
+    """[N, K] of the attention projections held in FP8 with ``fp8_linears`` (kv_b_proj
+    stays dense for the weight-absorbed decode)."""
+    mla, h = mc.mla, mc.hidden_size
+    heads = mla.num_heads
+    if mla.q_lora_rank is None:
+        q = [(heads * mla.qk_head_dim, h)]
+    else:
+        q = [(mla.q_lora_rank, h), (heads * mla.qk_head_dim, mla.q_lora_rank)]
+    return [*q, (mla.kv_cache_dim, h), (h, heads * mla.v_head_dim)]
+
+
+def _fp8_saving(matrices: list[tuple[int, int]], dtype_bytes: int) -> int:
+    """Bytes saved by holding ``matrices`` in FP8 (one byte a value, float32 block scales)
+    instead of ``dtype_bytes`` a value."""
+    return sum(n * k * (dtype_bytes - 1) - 4 * _blocks(n, k) for n, k in matrices)
+
+
 @dataclass(frozen=True)
 class WeightBytes:
     """A model's weights by kind (bytes); ``total`` is what the device holds."""
@@ -73,11 +92,13 @@ def weight_bytes(
     fp8_experts: bool = False,
     mtp_layers: int = 0,
     expert_share: float = 1.0,
+    fp8_linears: bool = False,
 ) -> WeightBytes:
     """The weights of ``mc`` in a ``dtype_bytes`` compute dtype. ``fp8_experts``: routed
     experts kept in FP8 with block scales; ``mtp_layers``: MTP draft layers loaded beside
     the model; ``expert_share``: the fraction of routed experts this process holds (one EP
-    rank's, with redundant experts)."""
+    rank's, with redundant experts); ``fp8_linears``: the dense linears of an FP8 checkpoint
+    (those of the model's layers, not the MTP layer's) kept in FP8 too."""
     h, vocab = mc.hidden_size, mc.vocab_size
     layers = mc.num_hidden_layers + mtp_layers
     moe_layers = len(mc.moe_layer_ids) + mtp_layers  # an MTP layer is a MoE layer
@@ -99,10 +120,21 @@ def weight_bytes(
         routed = experts * per_expert * dtype_bytes
     bias = moe.n_routed_experts if moe.topk_method == "noaux_tc" else 0  # correction bias
     routers = moe_layers * (moe.n_routed_experts * h + bias) * 4
+    attention_bytes = (attention + norms + mtp_proj) * dtype_bytes
+    dense_bytes = dense * dtype_bytes
+    if fp8_linears and mc.quant is not None:
+        n = mc.num_hidden_layers
+        attention_bytes -= n * _fp8_saving(_fp8_attention_matrices(mc), dtype_bytes)
+        shared = moe.n_shared_experts * moe.moe_intermediate_size
+        mlps = [(mc.intermediate_size, mc.num_hidden_layers - len(mc.moe_layer_ids))]
+        mlps += [(shared, len(mc.moe_layer_ids))] if shared else []
+        for inter, count in mlps:
+            mats = [(inter, h), (inter, h), (h, inter)]
+            dense_bytes -= count * _fp8_saving(mats, dtype_bytes)
     return WeightBytes(
         embeddings=embed * dtype_bytes,
-        attention=(attention + norms + mtp_proj) * dtype_bytes,
-        dense=dense * dtype_bytes,
+        attention=attention_bytes,
+        dense=dense_bytes,
         routed_experts=routed,
         routers=routers,
     )

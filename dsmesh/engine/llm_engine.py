@@ -109,6 +109,7 @@ class LLMEngine:
                     keep_fp8=bool(config.fp8_experts),
                     fp8_only=True,
                     weights_read=config.weights_read,
+                    fp8_linears=bool(config.fp8_linears),
                 )
         self.runner = ModelRunner(config, model, device, self.startup)
         self.scheduler = Scheduler(scheduler_config(config), self.kv_pool.allocator)

@@ -179,8 +179,17 @@ class EngineConfig:
     fp8_experts: bool | None = option(
         None,
         "FP8 checkpoints: keep the routed experts in FP8 and run the FP8 grouped GEMM on "
-        "CUDA; --no-fp8-experts dequantises every weight to --dtype at load",
+        "CUDA; --no-fp8-experts dequantises them to --dtype at load (and the other linears too, "
+        "unless --fp8-linears)",
         default_text="on for FP8 checkpoints on CUDA with Triton, else off",
+    )
+    fp8_linears: bool | None = option(
+        None,
+        "FP8 checkpoints: keep the attention projections (but kv_b_proj) and the dense MLPs / "
+        "shared experts in FP8 with their 128x128 block scales and run block-scaled FP8 GEMMs "
+        "(DeepGEMM where installed, else Triton); --no-fp8-linears dequantises them to --dtype "
+        "at load",
+        default_text="as --fp8-experts",
     )
     speculative: str | None = option(
         None,
@@ -238,6 +247,7 @@ class EngineConfig:
             self.max_batch_tokens,
             self.prefix_cache,
             self.fp8_experts,
+            self.fp8_linears,
             self.cuda_graph_max_batch,
         )
 

@@ -12,6 +12,9 @@ choice once per kernel. Adapters so far:
   used by FP8 experts for problems with many rows per expert (prefill); see
   :func:`dsmesh.kernels.moe_gemm_deepgemm.prefers_deep_gemm`.
 
+- ``fp8_linear``: DeepGEMM's dense FP8 GEMM (``fp8_gemm_nt``, dsmesh.kernels.fp8_linear) for the
+  linear layers held in FP8 (attention projections, shared experts), every batch size.
+
 MLA prefill has no adapter (no measured need: the Triton kernel runs prefill at 54-58% of the
 matmul rate).
 
@@ -32,11 +35,17 @@ from dsmesh.kernels.libraries import status as library_status
 log = logging.getLogger(__name__)
 
 # kernel name -> the optional module that could serve it
-OPTIONAL = {"mla_decode": "flashinfer", "mla_prefill": "flashinfer", "moe_fp8_gemm": "deep_gemm"}
+OPTIONAL = {
+    "mla_decode": "flashinfer",
+    "mla_prefill": "flashinfer",
+    "moe_fp8_gemm": "deep_gemm",
+    "fp8_linear": "deep_gemm",
+}
 # kernel name -> the adapter module, tested on a GPU with the library installed
 _ADAPTERS: dict[str, str] = {
     "mla_decode": "dsmesh.kernels.mla_decode_flashinfer",
     "moe_fp8_gemm": "dsmesh.kernels.moe_gemm_deepgemm",
+    "fp8_linear": "dsmesh.kernels.fp8_linear",
 }
 
 

@@ -42,6 +42,7 @@ def _kernels():
         up_offset,
         q_stride,
         s_stride,
+        s_group_stride,
         FP8_MAX_C: tl.constexpr,
         GROUP: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -64,15 +65,20 @@ def _kernels():
         y = tl.minimum(tl.maximum(y, -FP8_MAX_C), FP8_MAX_C)
         dst = q_ptr + rows.to(tl.int64)[:, None] * q_stride + cols[None, :]
         tl.store(dst, y.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(s_ptr + rows.to(tl.int64) * s_stride + g, scale, mask=rows < m)
+        tl.store(s_ptr + rows.to(tl.int64) * s_stride + g * s_group_stride, scale, mask=rows < m)
 
     return quant_kernel
 
 
-def _launch(x2d: torch.Tensor, k: int, group_size: int, silu_mul: bool):
+def _launch(x2d: torch.Tensor, k: int, group_size: int, silu_mul: bool, mn_major: bool = False):
     m = x2d.shape[0]
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x2d.device)
-    scale = torch.empty((m, k // group_size), dtype=torch.float32, device=x2d.device)
+    groups = k // group_size
+    if mn_major:  # DeepGEMM's layout: a group's scales contiguous, rows padded to 16 bytes
+        store = torch.empty((groups, -(-m // 4) * 4), dtype=torch.float32, device=x2d.device)
+        scale = store[:, :m].t()
+    else:
+        scale = torch.empty((m, groups), dtype=torch.float32, device=x2d.device)
     if m:
         block_m = 16
         grid = ((m + block_m - 1) // block_m, k // group_size)
@@ -85,6 +91,7 @@ def _launch(x2d: torch.Tensor, k: int, group_size: int, silu_mul: bool):
             k,
             q.stride(0),
             scale.stride(0),
+            scale.stride(1),
             FP8_MAX_C=float(FP8_MAX),
             GROUP=group_size,
             BLOCK_M=block_m,
@@ -104,15 +111,23 @@ def _check(x: torch.Tensor, k: int, group_size: int) -> None:
 
 
 def per_token_group_quant_fp8(
-    x: torch.Tensor, group_size: int = 128
+    x: torch.Tensor, group_size: int = 128, mn_major_scales: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] -> (q [..., K] float8_e4m3fn, scale [..., K // group_size] float32)."""
+    """x [..., K] -> (q [..., K] float8_e4m3fn, scale [..., K // group_size] float32).
+
+    ``mn_major_scales`` (x 2-D only): the scales [M, G] as a transposed view of a [G, M4]
+    buffer, M4 = M rounded up to 4: each group's scales contiguous and 16-byte aligned, the
+    layout DeepGEMM's FP8 GEMMs read without a copy (the same values)."""
     k = x.shape[-1]
     _check(x, k, group_size)
+    if mn_major_scales and x.dim() != 2:
+        raise ValueError(f"mn_major_scales needs a 2-D x, got shape {tuple(x.shape)}")
     x2d = x.reshape(-1, k)
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
-    q, scale = _launch(x2d, k, group_size, silu_mul=False)
+    q, scale = _launch(x2d, k, group_size, silu_mul=False, mn_major=mn_major_scales)
+    if mn_major_scales:
+        return q, scale
     return q.view(x.shape), scale.view(*x.shape[:-1], k // group_size)
 
 

@@ -47,6 +47,8 @@ H200 = KernelFacts(
     deep_gemm=DEEP_GEMM,
     deep_ep_usable=False,
     deep_ep_detail="deep_ep not installed",
+    fp8_linears="deep_gemm",
+    fp8_linear_lib=DEEP_GEMM,
 )
 
 
@@ -73,6 +75,10 @@ def test_h200_with_flashinfer_and_deep_gemm() -> None:
             "triton + deep_gemm",
             "routed experts; DeepGEMM: sgl-deep-gemm 0.1.5, built for torch 2.11 + CUDA 13",
         ),
+        "dense linears (attention, shared experts)": (
+            "deep_gemm FP8 (triton for shapes it refuses)",
+            "128x128 block scales; sgl-deep-gemm 0.1.5, built for torch 2.11 + CUDA 13",
+        ),
         "MoE dispatch (EP)": ("none", "one rank; DeepEP: deep_ep not installed"),
         "norm / rope / routing glue": (
             "triton",
@@ -98,6 +104,23 @@ def test_refused_libraries_show_why_triton_runs() -> None:
     )
     rows = _rows(facts)
     assert rows["MLA decode attention"] == ("triton", refusal)
+    no_deep_gemm = dataclasses.replace(
+        facts, fp8_linears="triton", fp8_linear_lib=Decision("triton", "deep_gemm not installed")
+    )
+    assert _rows(no_deep_gemm)["dense linears (attention, shared experts)"] == (
+        "triton FP8 block GEMM",
+        "DeepGEMM: deep_gemm not installed",
+    )
+    refused = dataclasses.replace(facts, fp8_linears="triton", fp8_linear_lib=DEEP_GEMM)
+    assert _rows(refused)["dense linears (attention, shared experts)"] == (
+        "triton FP8 block GEMM",
+        "DeepGEMM failed its start-up check (see the warning above)",
+    )
+    dense = _rows(dataclasses.replace(facts, fp8_linears="none"))
+    assert dense["dense linears (attention, shared experts)"] == (
+        "bfloat16 GEMM",
+        "not FP8 in the checkpoint, or loaded without --fp8-linears",
+    )
     assert rows["routed experts, prefill-sized"] == (
         "torch grouped GEMM",
         "rows sorted by expert, one grouped matmul",
@@ -161,7 +184,7 @@ def test_format_table_aligns_columns() -> None:
     rows = kernel_table(H200)
     lines = format_table(H200, rows).splitlines()
     assert lines[0] == "kernels on cuda, bfloat16:"
-    assert len(lines) == 1 + len(rows) == 9
+    assert len(lines) == 1 + len(rows) == 10
     op_end = 2 + len("routed experts, decode-sized (<= 256 tokens)") + 2  # the longest op
     impl_end = op_end + len("deep_gemm (>= 192 rows/expert), else triton FP8") + 2
     for line, row in zip(lines[1:], rows, strict=True):

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.hf_checkpoints import HFCheckpoint, add_mtp_layer, make_hf_v2, make_hf_v3
+from tests.engine.hf_checkpoints import (
+    HFCheckpoint,
+    add_mtp_layer,
+    make_fp8_copy,
+    make_hf_v2,
+    make_hf_v3,
+)
 
 
 @pytest.fixture(scope="session")
@@ -39,6 +45,14 @@ def v2_grouped_ckpt(tmp_path_factory: pytest.TempPathFactory) -> HFCheckpoint:
             tmp_path_factory.mktemp("v2_grouped"), topk_method="group_limited_greedy", seed=3
         )
     )
+
+
+@pytest.fixture(scope="session")
+def v3_fp8_ckpt(v3_ckpt: HFCheckpoint, tmp_path_factory: pytest.TempPathFactory) -> HFCheckpoint:
+    """``v3_ckpt`` as DeepSeek-V3 ships it: every linear weight (attention projections, dense
+    MLP, shared and routed experts) in FP8 with 128 x 128 block scales; its transformers
+    model holds the dequantised weights."""
+    return make_fp8_copy(v3_ckpt, tmp_path_factory.mktemp("v3_fp8") / "ckpt")
 
 
 @pytest.fixture(params=["v3_ckpt", "v3_plain_ckpt", "v2_greedy_ckpt", "v2_grouped_ckpt"])

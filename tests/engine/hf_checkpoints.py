@@ -306,3 +306,77 @@ def add_mtp_layer(checkpoint_dir: Path, seed: int, std: float = WEIGHT_STD) -> N
     tensors[f"{layer}.embed_tokens.weight"] = main["model.embed_tokens.weight"].clone()
     tensors[f"{layer}.shared_head.head.weight"] = main["lm_head.weight"].clone()
     save_file(tensors, str(Path(checkpoint_dir) / "mtp.safetensors"), metadata={"format": "pt"})
+
+
+def fp8_linear_names(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """As in DeepSeek-V3's release: every 2-D linear weight except embeddings, head, router."""
+    return sorted(
+        n
+        for n, t in tensors.items()
+        if t.dim() == 2
+        and n not in ("model.embed_tokens.weight", "lm_head.weight")
+        and not n.endswith("mlp.gate.weight")
+    )
+
+
+def make_fp8_copy(
+    ckpt: HFCheckpoint, dst: Path, block: tuple[int, int] = (128, 128)
+) -> HFCheckpoint:
+    """``ckpt`` as DeepSeek-V3 ships its weights: every linear weight (attention
+    projections, dense MLP, shared and routed experts) in float8_e4m3fn with
+    ``weight_scale_inv`` blocks of ``block``, and ``quantization_config`` in config.json.
+    Its transformers model holds the dequantised weights, so it is the reference of a load
+    that dequantises."""
+    import copy
+
+    from safetensors.torch import load_file, save_file
+
+    from dsmesh.kernels.fp8 import dequantize_fp8_block, quantize_fp8_block
+
+    source = load_file(str(ckpt.path / "model.safetensors"))
+    stored, dense = dict(source), dict(source)
+    for name in fp8_linear_names(source):
+        q, scale_inv = quantize_fp8_block(source[name], block)
+        stored[name], stored[name + "_scale_inv"] = q, scale_inv
+        dense[name] = dequantize_fp8_block(q, scale_inv, block)
+    dst.mkdir(parents=True)
+    save_file(stored, str(dst / "model.safetensors"))
+    (dst / "config.json").write_text((ckpt.path / "config.json").read_text())
+    quant = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "weight_block_size": list(block),
+        "activation_scheme": "dynamic",
+    }
+    edit_config(dst, quantization_config=quant)
+    hf_model = copy.deepcopy(ckpt.hf_model)
+    hf_model.load_state_dict(_hf_state(hf_model, dense), strict=True)
+    return HFCheckpoint(hf_model.eval(), dst)
+
+
+def _hf_state(hf_model: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> dict:
+    """``tensors`` (checkpoint names) as ``hf_model``'s state dict: transformers stacks each
+    layer's routed experts (``experts.gate_up_proj`` [E, 2I, H] gate rows then up rows,
+    ``experts.down_proj`` [E, H, I])."""
+    state = {}
+    for key, current in hf_model.state_dict().items():
+        if key in tensors:
+            state[key] = tensors[key]
+            continue
+        prefix, kind = key.rsplit(".", 1)
+        count = current.shape[0]
+        if kind == "gate_up_proj":
+            parts = [
+                torch.cat([tensors[f"{prefix}.{e}.gate_proj.weight"],
+                           tensors[f"{prefix}.{e}.up_proj.weight"]])
+                for e in range(count)
+            ]  # fmt: skip
+        elif kind == "down_proj":
+            parts = [tensors[f"{prefix}.{e}.down_proj.weight"] for e in range(count)]
+        else:
+            raise KeyError(f"no checkpoint tensor for transformers' {key!r}")
+        stacked = torch.stack(parts)
+        if stacked.shape != current.shape:
+            stacked = stacked.transpose(1, 2)
+        state[key] = stacked.contiguous()
+    return state

@@ -35,8 +35,9 @@ def test_cpu_keeps_small_limits() -> None:
     assert c.is_resolved
     assert set(d.reasons) == {
         "max_running_requests", "max_batch_tokens", "cuda_graph_max_batch", "prefix_cache",
-        "fp8_experts",
+        "fp8_experts", "fp8_linears",
     }  # fmt: skip
+    assert c.fp8_linears is False
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode", "unified"])
@@ -58,6 +59,7 @@ def test_v3_layers_sharing_a_gpu_take_smaller_chunks_where_graphs_need_room() ->
     ).config
     assert decode.max_batch_tokens == 8192 and prefill.max_batch_tokens == 16384
     assert decode.fp8_experts is True  # an FP8 checkpoint on CUDA
+    assert decode.fp8_linears is True  # as --fp8-experts
     room = headroom_bytes(H200.total_bytes, 0.425)
     assert activation_bytes(mc, 16384, 2, 256) <= room < activation_bytes(mc, 16384, 2, 256) * 2
 
@@ -65,7 +67,7 @@ def test_v3_layers_sharing_a_gpu_take_smaller_chunks_where_graphs_need_room() ->
 def test_explicit_values_win_and_are_not_reasoned() -> None:
     config = EngineConfig(
         role="decode", max_running_requests=32, max_batch_tokens=1024, prefix_cache=False,
-        fp8_experts=False, cuda_graph_max_batch=8,
+        fp8_experts=False, fp8_linears=True, cuda_graph_max_batch=8,
     )  # fmt: skip
     d = derive(config, shape("v3-layers"), H200)
     assert d.config == config and d.reasons == {}
@@ -82,6 +84,7 @@ def test_fp8_experts_need_the_fp8_kernels() -> None:
     d = derive(EngineConfig(), shape("v3-layers"), no_triton)
     assert d.config.fp8_experts is False
     assert d.reasons["fp8_experts"] == "no FP8 kernels on this device"
+    assert d.config.fp8_linears is False and d.reasons["fp8_linears"] == "as --fp8-experts"
     assert derive(EngineConfig(), shape("v2-lite"), H200).config.fp8_experts is False
 
 

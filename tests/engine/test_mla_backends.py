@@ -51,8 +51,11 @@ def test_auto_takes_flashinfer_only_where_it_fits(monkeypatch) -> None:
     monkeypatch.setattr(mla_decode_backend, "choose", lambda kernel: "triton")
     assert not flashinfer_fits(LATENT, cuda, bf16)  # not installed
     monkeypatch.setattr("dsmesh.engine.model.kernel_choice.triton_importable", lambda: True)
+    monkeypatch.setattr("dsmesh.kernels.backends.choose", lambda kernel: "triton")
     gpu = KernelChoice.resolve(cuda, bf16, flashinfer_fits=True)
-    assert gpu == KernelChoice(triton=True, decode_attention="flashinfer", fused_moe=True)
+    assert gpu == KernelChoice(
+        triton=True, decode_attention="flashinfer", fused_moe=True, fp8_linear="triton"
+    )  # FP8 linears: DeepGEMM taken as absent
     assert KernelChoice.resolve(cuda, bf16).decode_attention == "triton"
     assert KernelChoice.resolve(cuda, bf16, decode_attention="torch").decode_attention == "torch"
     exact = KernelChoice.resolve(cuda, torch.float32, flashinfer_fits=True)

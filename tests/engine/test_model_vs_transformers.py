@@ -40,14 +40,24 @@ def _prompts(
     return random_prompts(lengths, ckpt.hf_model.config.vocab_size, seed)
 
 
+@pytest.fixture(
+    params=["v3_ckpt", "v3_plain_ckpt", "v2_greedy_ckpt", "v2_grouped_ckpt", "v3_fp8_ckpt"]
+)
+def compared_ckpt(request: pytest.FixtureRequest) -> HFCheckpoint:
+    """Each of the four checkpoints, and V3 with every linear weight in FP8 128 x 128 blocks
+    as DeepSeek-V3 ships it (loaded dequantised; transformers holds the dequantised
+    weights)."""
+    return request.getfixturevalue(request.param)
+
+
 @pytest.mark.parametrize("mode", ["naive", "absorbed"])
-def test_batched_prefill_matches_transformers(any_ckpt: HFCheckpoint, mode: str) -> None:
-    model = load_model(any_ckpt.path)
-    prompts = _prompts(any_ckpt)
+def test_batched_prefill_matches_transformers(compared_ckpt: HFCheckpoint, mode: str) -> None:
+    model = load_model(compared_ckpt.path)
+    prompts = _prompts(compared_ckpt)
     ours = prefill_logits(model, prompts, mode)
-    refs = [hf_logits(any_ckpt.hf_model, p) for p in prompts]
+    refs = [hf_logits(compared_ckpt.hf_model, p) for p in prompts]
     for p, o, r in zip(prompts, ours, refs, strict=True):
-        assert o.shape == (len(p), any_ckpt.hf_model.config.vocab_size)
+        assert o.shape == (len(p), compared_ckpt.hf_model.config.vocab_size)
         assert relative_error(o, r) <= HF_TOLERANCE, f"prompt of {len(p)} tokens"
     assert relative_error(torch.cat(ours), torch.cat(refs)) <= HF_TOLERANCE
 
@@ -219,15 +229,15 @@ def _greedy_generate(
     return outputs
 
 
-def test_greedy_generation_matches_transformers(any_ckpt: HFCheckpoint) -> None:
+def test_greedy_generation_matches_transformers(compared_ckpt: HFCheckpoint) -> None:
     max_new = 16
-    model = load_model(any_ckpt.path)
-    prompts = _prompts(any_ckpt, [1, 2, 5, 17, 33, 64, 100], seed=4)
+    model = load_model(compared_ckpt.path)
+    prompts = _prompts(compared_ckpt, [1, 2, 5, 17, 33, 64, 100], seed=4)
     ours = _greedy_generate(model, prompts, max_new, page_size=8)
-    eos = any_ckpt.hf_model.config.eos_token_id
+    eos = compared_ckpt.hf_model.config.eos_token_id
     compared = 0
     for prompt, generated in zip(prompts, ours, strict=True):
-        out = any_ckpt.hf_model.generate(
+        out = compared_ckpt.hf_model.generate(
             torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new, pad_token_id=eos
         )
         ref = out[0, len(prompt) :].tolist()

@@ -243,6 +243,7 @@ def build_ep_engine(
             dispatcher=dispatcher,
             ep_rank=rank,
             weights_read=config.weights_read,
+            fp8_linears=bool(config.fp8_linears),
         )
     if device.type == "cuda":
         config = dataclasses.replace(config, device=str(device))

@@ -16,6 +16,7 @@ from dsmesh.engine.kv.pool import MLAKVPool
 from dsmesh.engine.model.config import ModelConfig
 from dsmesh.engine.model.expert_location import ExpertLocation
 from dsmesh.engine.model.forward_batch import ForwardBatch
+from dsmesh.engine.model.fp8_linear import Fp8Linear
 from dsmesh.engine.model.kernel_choice import KernelChoice
 from dsmesh.engine.model.mla import MLAttention
 from dsmesh.engine.model.mla_decode_backend import (
@@ -126,8 +127,9 @@ class DeepseekForCausalLM(nn.Module):
         """Choose, once and after the weights are in, what every module runs: the glue
         kernels, the decode and prefill attention backends (``decode_backend`` defaults to
         ``kernels.decode_attention`` built without a pool's page geometry, so not
-        FlashInfer) and the MoE path; the input projections of each attention layer are
-        fused into one weight here too. Calling it again switches kernels (A/B runs)."""
+        FlashInfer), the MoE path and the FP8 linears' GEMM; the input projections of each
+        attention layer are fused into one weight here too. Calling it again switches
+        kernels (A/B runs)."""
         device = self.lm_head.weight.device
         if decode_backend is None:
             name = kernels.decode_attention
@@ -144,14 +146,16 @@ class DeepseekForCausalLM(nn.Module):
                 module.kernels = kernels
                 module.decode_backend = decode_backend
                 module.prefill_backend = prefill_backend
-                if module.fused_input_weight is None:
+                if not module.input_fused:
                     module.fuse_input_projections()
             elif isinstance(module, DeepseekMoE):
                 module.set_kernels(kernels, device)
             elif isinstance(module, DenseMLP):  # dense layers and shared experts
                 module.triton = kernels.triton
-                if module.gate_up_weight is None:
+                if not module.fused:
                     module.fuse_gate_up()
+            elif isinstance(module, Fp8Linear):
+                module.backend = kernels.fp8_linear
         self.kernels = kernels
         self.decode_backend = decode_backend
 

@@ -8,11 +8,14 @@ exact path on CPU and in float32, and ``kernels="torch"`` forces them anywhere (
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from dsmesh.kernels._triton import triton_importable
+
+log = logging.getLogger(__name__)
 
 KERNEL_SETS = ("auto", "torch")
 MOE_BACKENDS = ("auto", "fused", "grouped")
@@ -28,13 +31,17 @@ class KernelChoice:
     decode_attention: "torch" (reference), "triton" or "flashinfer" (see
         :mod:`dsmesh.engine.model.mla_decode_backend`);
     fused_moe: decode-sized batches (``<= fused_moe_max_tokens``) run the one-launch MoE
-        kernel (dsmesh.kernels.moe_fused) with the shared experts riding along, on a single rank.
+        kernel (dsmesh.kernels.moe_fused) with the shared experts riding along, on a single rank;
+    fp8_linear: the GEMM of the dense linears held in FP8 (dsmesh/engine/model/fp8_linear.py):
+        "torch" (dequantise and multiply), "triton" or "deep_gemm" (DeepGEMM's ``fp8_gemm_nt``
+        where installed and usable; Triton for the shapes it does not take).
     """
 
     triton: bool = False
     decode_attention: str = "torch"
     fused_moe: bool = False
     fused_moe_max_tokens: int = FUSED_MOE_MAX_TOKENS
+    fp8_linear: str = "torch"
 
     @classmethod
     def reference(cls) -> KernelChoice:
@@ -70,6 +77,7 @@ class KernelChoice:
             triton=triton,
             decode_attention=_decode_attention(decode_attention, triton, dtype, flashinfer_fits),
             fused_moe=_fused_moe(moe_backend, triton and low_precision),
+            fp8_linear=_fp8_linear(triton and low_precision, dtype),
         )
 
 
@@ -93,3 +101,24 @@ def _fused_moe(requested: str, usable: bool) -> bool:
     if requested == "fused" and not usable:
         raise ValueError("moe_backend='fused' needs bf16 or fp16 weights on CUDA with Triton")
     return requested != "grouped" and usable
+
+
+def _fp8_linear(usable: bool, dtype: torch.dtype) -> str:
+    """DeepGEMM when its adapter is usable here (installed, a build that fits this torch,
+    reading tensors right: dsmesh.kernels.backends; its dense GEMM checked once on a small
+    problem) and the model is bf16, else Triton; the torch reference where Triton kernels
+    are not chosen (CPU, float32, kernels=torch)."""
+    if not usable:
+        return "torch"
+    from dsmesh.kernels.backends import choose
+
+    if dtype == torch.bfloat16 and choose("fp8_linear") == "deep_gemm":
+        from dsmesh.kernels.fp8_linear import deep_gemm_linear_problem
+        from dsmesh.kernels.moe_gemm_deepgemm import load_deep_gemm
+
+        if load_deep_gemm() is not None:
+            problem = deep_gemm_linear_problem()
+            if not problem:
+                return "deep_gemm"
+            log.warning("FP8 linears: DeepGEMM refused (%s); using dsmesh's Triton GEMM", problem)
+    return "triton"

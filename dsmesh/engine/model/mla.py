@@ -19,12 +19,14 @@ from torch import nn
 from dsmesh.engine.kv.pool import MLAKVPool
 from dsmesh.engine.model.config import ModelConfig
 from dsmesh.engine.model.forward_batch import DecodeMeta, ForwardBatch
+from dsmesh.engine.model.fp8_linear import Fp8Linear, fuse_fp8_linears
 from dsmesh.engine.model.kernel_choice import KernelChoice
 from dsmesh.engine.model.linear_fusion import fuse_linears
 from dsmesh.engine.model.mla_decode_backend import MLADecodeBackend, TorchMLADecode
 from dsmesh.engine.model.mla_prefill_backend import MLAPrefillBackend, TorchMLAPrefill
 from dsmesh.engine.model.norm import RMSNorm
 from dsmesh.engine.model.rope import RotaryEmbedding
+from dsmesh.kernels.fp8_linear import fp8_linear
 
 ATTENTION_MODES = ("auto", "naive", "absorbed")
 
@@ -65,6 +67,9 @@ class MLAttention(nn.Module):
         # One weight for both projections of the layer input (q or q_a, then kv_a), made by
         # fuse_input_projections at load; the two modules keep views of it.
         self.fused_input_weight: torch.Tensor | None = None
+        # The same for projections held in FP8 (dsmesh/engine/model/fp8_linear.py):
+        # (weight, weight_scale_inv), run by the backend of the first projection.
+        self.fused_input_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [heads, nope, kv_lora] and W_UV [heads, v, kv_lora], views of kv_b_proj."""
@@ -73,19 +78,32 @@ class MLAttention(nn.Module):
 
     def fuse_input_projections(self) -> bool:
         """Move the two projections of the layer input into one weight, so that one GEMM
-        computes both (dsmesh/engine/model/linear_fusion.py; FP8-quantised or biased projections
-        keep two GEMMs). Returns whether fused."""
+        computes both (dsmesh/engine/model/linear_fusion.py; FP8 projections fuse when the
+        first fills whole 128-row scale blocks; biased ones keep two GEMMs). Returns whether
+        fused."""
         q = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        if isinstance(q, Fp8Linear):
+            self.fused_input_fp8 = fuse_fp8_linears(q, self.kv_a_proj_with_mqa)
+            return self.fused_input_fp8 is not None
         self.fused_input_weight = fuse_linears(q, self.kv_a_proj_with_mqa)
         return self.fused_input_weight is not None
+
+    @property
+    def input_fused(self) -> bool:
+        """Whether :meth:`fuse_input_projections` has fused the two input projections."""
+        return self.fused_input_weight is not None or self.fused_input_fp8 is not None
 
     def _project_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q or q_a, kv_a) of the layer input ``x`` [T, hidden]."""
         weight = self.fused_input_weight
-        if weight is None:
-            q = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        q = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        if self.fused_input_fp8 is not None:
+            weight, scale_inv = self.fused_input_fp8
+            both = fp8_linear(x, weight, scale_inv, q.backend)
+        elif weight is not None:
+            both = F.linear(x, weight)
+        else:
             return q(x), self.kv_a_proj_with_mqa(x)
-        both = F.linear(x, weight)
         kv_width = self.kv_a_proj_with_mqa.weight.shape[0]
         q, kv_a = both.split([weight.shape[0] - kv_width, kv_width], dim=1)  # one op, two views
         return q, kv_a

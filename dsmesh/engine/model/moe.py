@@ -15,11 +15,13 @@ from torch import nn
 
 from dsmesh.engine.model.config import ModelConfig
 from dsmesh.engine.model.expert_location import DeviceExpertMap, ExpertLocation
+from dsmesh.engine.model.fp8_linear import Fp8Linear, fuse_fp8_linears
 from dsmesh.engine.model.kernel_choice import KernelChoice
 from dsmesh.engine.model.linear_fusion import fuse_linears
 from dsmesh.engine.model.moe_dispatch import DispatchOutput, LocalDispatcher, MoEDispatcher, Pending
 from dsmesh.engine.model.moe_routing import routing_config, select_experts
 from dsmesh.kernels.fp8 import Fp8ExpertWeights
+from dsmesh.kernels.fp8_linear import fp8_linear
 from dsmesh.kernels.moe_gemm import expert_ffn, expert_ffn_fp8, grouped_mm_supported
 
 __all__ = ["DeepseekMoE", "DenseMLP", "MoEGate", "RoutedExperts", "grouped_mm_supported"]
@@ -36,20 +38,41 @@ class DenseMLP(nn.Module):
         # One weight for gate and up, made by fuse_gate_up when the kernels are set; the two
         # modules keep views of it. ``triton``: SwiGLU in one pass (dsmesh.kernels.activation).
         self.gate_up_weight: torch.Tensor | None = None
+        # The same when gate and up are held in FP8 (dsmesh/engine/model/fp8_linear.py):
+        # (weight, weight_scale_inv), run by gate_proj's backend.
+        self.gate_up_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
         self.triton = False
 
     def fuse_gate_up(self) -> bool:
         """Move gate and up into one weight, so one GEMM computes both (three launches a
         forward instead of five; dsmesh/engine/model/linear_fusion.py): every reader, the fused MoE
-        kernel's shared experts too, sees the same values. Returns whether fused."""
+        kernel's shared experts too, sees the same values. FP8 projections fuse their
+        weights and scales (dsmesh/engine/model/fp8_linear.py). Returns whether fused."""
+        if isinstance(self.gate_proj, Fp8Linear):
+            self.gate_up_fp8 = fuse_fp8_linears(self.gate_proj, self.up_proj)
+            return self.gate_up_fp8 is not None
         self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)
         return self.gate_up_weight is not None
 
+    @property
+    def fused(self) -> bool:
+        """Whether :meth:`fuse_gate_up` has fused gate and up."""
+        return self.gate_up_weight is not None or self.gate_up_fp8 is not None
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the projections are held in FP8 (the fused MoE kernel reads bf16/fp16)."""
+        return isinstance(self.gate_proj, Fp8Linear)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.gate_up_weight
-        if weight is None:
+        if self.gate_up_fp8 is not None:
+            fp8_weight, scale_inv = self.gate_up_fp8
+            gate_up = fp8_linear(x, fp8_weight, scale_inv, self.gate_proj.backend)
+        elif weight is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate_up = F.linear(x, weight)
+        else:
+            gate_up = F.linear(x, weight)
         if self.triton and gate_up.dim() == 2 and gate_up.is_cuda:
             from dsmesh.kernels.activation import silu_mul
 
@@ -288,7 +311,8 @@ class DeepseekMoE(nn.Module):
         if self.load_recorder is not None:
             self.load_recorder.record(self.moe_layer_idx, physical)
         ex, mlp = self.experts, self.shared_experts
-        if mlp is not None and mlp.gate_proj.weight.shape[0] % ex.intermediate_size == 0:
+        fits = mlp is not None and not mlp.fp8
+        if fits and mlp.gate_proj.weight.shape[0] % ex.intermediate_size == 0:
             shared = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
             return fused_moe(x, ex.w13, ex.w2, physical, weights, shared=shared)
         add = mlp(x) if mlp is not None else None

@@ -5,6 +5,8 @@
   every local physical slot that holds logical expert ``E``;
 - FP8 e4m3 weights with a ``weight_scale_inv`` partner are dequantised to the model dtype;
   with ``keep_fp8`` the raw FP8 data stays reachable as ``model.fp8_weights[checkpoint_name]``;
+  a model that holds a weight in FP8 itself (``Fp8Linear``, dsmesh/engine/model/fp8_linear.py)
+  gets it and its ``weight_scale_inv`` copied as stored, never dequantised;
 - multi-token-prediction layers (``model.layers.{num_hidden_layers + i}``) are skipped.
 
 A missing, unexpected or mis-shaped tensor raises :class:`WeightError` naming it.
@@ -64,6 +66,12 @@ def checkpoint_files(checkpoint_dir: str | Path) -> list[Path]:
     return files
 
 
+def checkpoint_dtypes(checkpoint_dir: str | Path) -> dict[str, str]:
+    """tensor name -> its safetensors dtype ("F8_E4M3", "BF16", ...), from the headers only."""
+    handles = _open_all(checkpoint_files(checkpoint_dir))
+    return {name: h.get_slice(name).get_dtype() for name, h in handles.items()}  # type: ignore[attr-defined]
+
+
 def _open_all(files: list[Path]) -> dict[str, object]:
     """tensor name -> open safetensors handle holding it (memory-mapped, read lazily)."""
     handles: dict[str, object] = {}
@@ -115,10 +123,12 @@ def load_weights(
     seen: set[str] = set()
 
     def skips(name: str) -> bool:
-        """Whether ``name`` is never read here (a scale, a rotary table, an MTP layer)."""
+        """Whether ``name`` is never read here (a scale of a weight that is dequantised, a
+        rotary table, an MTP layer)."""
         if name.endswith(_SCALE_SUFFIX):
             _check_scale_partner(names, name)
-            return True
+            if name not in expected:
+                return True
         if name.endswith("rotary_emb.inv_freq"):
             return True
         m = _LAYER_RE.match(name)
@@ -150,7 +160,12 @@ def load_weights(
             tensor = _read(names, name, block, model, keep_fp8, staged)
             _copy_expert(experts, proj, targets, tensor, name)
             return
-        tensor = _read(names, name, block, model, keep_fp8, staged)
+        if params[name].dtype == torch.float8_e4m3fn:  # held in FP8: copied as stored
+            tensor = names[name].get_tensor(name)  # type: ignore[attr-defined]
+            if tensor.dtype != torch.float8_e4m3fn:
+                raise WeightError(f"tensor {name!r} is {tensor.dtype}, expected FP8 e4m3")
+        else:
+            tensor = _read(names, name, block, model, keep_fp8, staged)
         _copy(params[name], tensor, name)
 
     to_read = [name for name in names if not skips(name)]

@@ -42,7 +42,10 @@ class KernelFacts:
     fp8_experts: routed experts kept in FP8 on some MoE layer;
     dispatch: one of :data:`DISPATCHES` (the MoE layers' dispatcher);
     flashinfer, deep_gemm: ``dsmesh.kernels.backends.decide`` for "mla_decode" and
-        "moe_fp8_gemm"; deep_ep_usable / deep_ep_detail: DeepEP's library check.
+        "moe_fp8_gemm"; deep_ep_usable / deep_ep_detail: DeepEP's library check;
+    fp8_linears: the GEMM of the dense linears held in FP8 ("torch", "triton", "deep_gemm"),
+        "none" when none is (dsmesh/engine/model/fp8_linear.py); fp8_linear_lib:
+        ``decide("fp8_linear")``.
     """
 
     device: str
@@ -63,6 +66,8 @@ class KernelFacts:
     deep_gemm: Decision
     deep_ep_usable: bool
     deep_ep_detail: str
+    fp8_linears: str = "none"
+    fp8_linear_lib: Decision = Decision("triton", "deep_gemm not installed")
 
 
 @dataclass(frozen=True)
@@ -153,6 +158,22 @@ def _fp8_gemm(f: KernelFacts) -> KernelRow:
     return KernelRow(op, "triton", "routed experts, 128x128 block scales")
 
 
+def _dense_linears(f: KernelFacts) -> KernelRow:
+    op = "dense linears (attention, shared experts)"
+    if f.fp8_linears == "none":
+        why = "not FP8 in the checkpoint, or loaded without --fp8-linears"
+        return KernelRow(op, f"{f.dtype} GEMM", why)
+    if f.fp8_linears == "deep_gemm":
+        impl = "deep_gemm FP8 (triton for shapes it refuses)"
+        return KernelRow(op, impl, f"128x128 block scales; {f.fp8_linear_lib.why}")
+    if f.fp8_linears == "triton" and f.fp8_linear_lib.backend == "deep_gemm":
+        why = "DeepGEMM failed its start-up check (see the warning above)"
+        return KernelRow(op, "triton FP8 block GEMM", why)
+    if f.fp8_linears == "triton":
+        return KernelRow(op, "triton FP8 block GEMM", f"DeepGEMM: {f.fp8_linear_lib.why}")
+    return KernelRow(op, "torch FP8 reference", _torch_reason(f))
+
+
 def _dispatch(f: KernelFacts) -> KernelRow:
     op = "MoE dispatch (EP)"
     deep_ep = f"DeepEP: {f.deep_ep_detail}"
@@ -166,7 +187,8 @@ def _dispatch(f: KernelFacts) -> KernelRow:
 
 def kernel_table(f: KernelFacts) -> list[KernelRow]:
     """One row per op: MLA decode and prefill attention, routed experts at prefill and
-    decode sizes, FP8 GEMM, MoE dispatch, the norm/rope/routing glue and sampling."""
+    decode sizes, FP8 GEMM, the dense linears, MoE dispatch, the norm/rope/routing glue and
+    sampling."""
     if f.dispatch not in DISPATCHES:
         raise ValueError(f"dispatch must be one of {DISPATCHES}, got {f.dispatch!r}")
     triton_or_torch = ("triton", None) if f.triton else ("torch", _torch_reason(f))
@@ -180,6 +202,7 @@ def kernel_table(f: KernelFacts) -> list[KernelRow]:
         _prefill_experts(f),
         _decode_experts(f),
         _fp8_gemm(f),
+        _dense_linears(f),
         _dispatch(f),
         KernelRow(
             "norm / rope / routing glue",
@@ -220,6 +243,7 @@ def describe_kernels(
 ) -> str:
     """The table for ``model`` after ``set_kernels``: ``config`` as given, ``kernels`` as
     resolved, ``decode_backend`` the name of the decode attention backend built."""
+    from dsmesh.engine.model.fp8_linear import Fp8Linear
     from dsmesh.kernels.backends import decide
     from dsmesh.kernels.libraries import status
 
@@ -246,5 +270,7 @@ def describe_kernels(
         deep_gemm=decide("moe_fp8_gemm"),
         deep_ep_usable=deep_ep.usable,
         deep_ep_detail=deep_ep.detail,
+        fp8_linears=next((m.backend for m in model.modules() if isinstance(m, Fp8Linear)), "none"),
+        fp8_linear_lib=decide("fp8_linear"),
     )
     return format_table(facts, kernel_table(facts))
