@@ -35,7 +35,7 @@ def fp8_linear_bench(quick: bool) -> None:
 
 
 def _one_shape(name: str, n: int, k: int, rows: tuple[int, ...], backends: list[str]) -> None:
-    from dsmesh.bench.kernels import bench_graph, record
+    from dsmesh.bench.kernel_timing import bench_graph, record
     from dsmesh.kernels.fp8 import quantize_fp8_block
     from dsmesh.kernels.fp8_linear import fp8_linear
 
