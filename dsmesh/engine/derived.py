@@ -18,7 +18,8 @@ the engine builds anything; an explicit value always wins. The rules (docs/ENGIN
   - ``cuda_graph_max_batch``: the running-request limit, so every decode batch replays a graph.
 - ``prefix_cache``: on in the services (prefill, decode, unified), off offline.
 - ``fp8_experts``: on for FP8 checkpoints on CUDA with dsmesh's Triton kernels, where the FP8
-  grouped GEMM serves the experts at half the bytes; else off (dequantised at load).
+  grouped GEMM serves the experts at half the bytes, when the experts tile into whole FP8
+  blocks; else off (dequantised at load).
 - ``fp8_linears``: as ``fp8_experts`` (the same checkpoints, the same kernels): the dense
   linears the checkpoint stores in FP8 stay FP8 and run block-scaled FP8 GEMMs.
 """
@@ -105,6 +106,16 @@ def headroom_bytes(total_bytes: int, share: float) -> int:
     return int(total_bytes * share * (1 - DEFAULT_MEM_FRACTION) / DEFAULT_MEM_FRACTION)
 
 
+def experts_in_whole_blocks(mc: ModelConfig) -> bool:
+    """Whether the routed experts' weights tile into whole FP8 blocks (the FP8 grouped GEMM's
+    layout); a toy checkpoint's narrow experts do not, and load dequantised."""
+    if mc.quant is None:
+        return False
+    bn, bk = mc.quant.weight_block_size
+    inter, hidden = mc.moe.moe_intermediate_size, mc.hidden_size
+    return inter % bn == 0 and hidden % bk == 0 and hidden % bn == 0 and inter % bk == 0
+
+
 def derive(
     config: EngineConfig,
     mc: ModelConfig,
@@ -122,13 +133,17 @@ def derive(
             reasons[name] = why
 
     fp8_checkpoint = mc.quant is not None and mc.quant.method == "fp8"
-    fp8 = fp8_checkpoint and device.kind == "cuda" and device.fp8_kernels
-    take(
-        "fp8_experts",
-        fp8,
-        "FP8 checkpoint on CUDA" if fp8 else ("not an FP8 checkpoint" if not fp8_checkpoint
-                                             else "no FP8 kernels on this device"),
-    )
+    whole = fp8_checkpoint and experts_in_whole_blocks(mc)
+    fp8 = whole and device.kind == "cuda" and device.fp8_kernels
+    if fp8:
+        why = "FP8 checkpoint on CUDA"
+    elif not fp8_checkpoint:
+        why = "not an FP8 checkpoint"
+    elif not whole:
+        why = "the routed experts are not whole FP8 blocks (dequantised at load)"
+    else:
+        why = "no FP8 kernels on this device"
+    take("fp8_experts", fp8, why)
     take(
         "fp8_linears",
         values.get("fp8_experts", config.fp8_experts),

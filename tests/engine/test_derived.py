@@ -88,6 +88,15 @@ def test_fp8_experts_need_the_fp8_kernels() -> None:
     assert derive(EngineConfig(), shape("v2-lite"), H200).config.fp8_experts is False
 
 
+def test_fp8_experts_need_whole_fp8_blocks() -> None:
+    """A toy FP8 checkpoint (tiny-v3: 32 x 64 experts) loads its experts dequantised by
+    default on CUDA rather than failing in the loader; V3's own experts tile into 128 x 128."""
+    tiny = derive(EngineConfig(), shape("tiny-v3"), H200)
+    assert tiny.config.fp8_experts is False
+    assert tiny.reasons["fp8_experts"].startswith("the routed experts are not whole FP8 blocks")
+    assert derive(EngineConfig(), shape("v3-layers"), H200).config.fp8_experts is True
+
+
 def test_weights_beyond_the_share_are_refused_before_loading(monkeypatch) -> None:
     import torch
 
