@@ -50,12 +50,19 @@ def build_model(
 def materialize(module: M, dtype: torch.dtype, device: torch.device | str) -> M:
     """``module``, built on the meta device, as uninitialised storage in ``dtype`` on
     ``device``, its routers (``MoEGate``) in float32 as in the reference implementation.
-    Buffers computed at construction (rotary tables) must be computed again after."""
+    Buffers computed at construction (rotary tables) must be computed again after.
+
+    Each tensor is allocated by ``torch.empty_strided`` from its shape and strides, not by
+    ``Module.to_empty``: ``empty_like`` of a meta tensor runs torch's Python meta kernel,
+    whose first call imports sympy (0.25 s of every engine's start-up on a CPU,
+    docs/RELIABILITY.md, Restart time)."""
     module = module.to(dtype)
     for sub in module.modules():
         if isinstance(sub, MoEGate):
             sub.float()
-    return module.to_empty(device=device)
+    return module._apply(
+        lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
+    )
 
 
 def load_model(
