@@ -268,7 +268,7 @@ class Slot:
         self._started_at = time.monotonic()
 
     def _start_spare(self) -> None:
-        if self.spec.standby and not self._stop.is_set():
+        if self.spec.standby and self._spare is None and not self._stop.is_set():
             try:
                 self._spare = self._spawn(standby=True)
             except LaunchError as exc:  # restarts start a new process, as without a spare

@@ -31,6 +31,9 @@ def test_a_cuda_engine_imports_what_its_kernel_choice_will() -> None:
     assert kernel_modules(EngineConfig(dtype="bfloat16"), cuda, mc) == triton
     flashinfer = EngineConfig(dtype="bfloat16", decode_attention="flashinfer")
     assert kernel_modules(flashinfer, cuda, mc) == (triton + ["flashinfer"] if triton else [])
+    # two-batch overlap runs the MLA decode through Triton whatever was asked
+    tbo = EngineConfig(dtype="bfloat16", decode_attention="flashinfer", tbo=True)
+    assert kernel_modules(tbo, cuda, mc) == triton
 
 
 def test_imports_run_on_a_thread_and_failures_are_kept_for_the_kernel_choice() -> None:

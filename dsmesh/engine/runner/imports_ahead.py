@@ -39,8 +39,9 @@ def kernel_modules(config: EngineConfig, device: torch.device, mc: ModelConfig) 
     modules = ["triton", "triton.language"]
     pool_dtype = kv_cache_dtype(config.kv_cache_dtype, config.resolved_dtype())
     fits = flashinfer_fits((mc.mla.kv_lora_rank, mc.mla.qk_rope_head_dim), device, pool_dtype)
-    auto = config.decode_attention == "auto" and fits and not config.tbo
-    if config.decode_attention == "flashinfer" or auto:
+    # two-batch overlap keeps the MLA decode on Triton (a FlashInfer plan covers one batch)
+    wanted = config.decode_attention == "flashinfer" or (config.decode_attention == "auto" and fits)
+    if wanted and not config.tbo:
         modules.append("flashinfer")
     return modules
 
