@@ -289,13 +289,15 @@ class Slot:
             return None
         return spare
 
-    def _wait_healthy(self) -> bool:
+    def _wait_healthy(self, poll_s: float = 0.2) -> bool:
+        """Whether the process became healthy, probed every ``poll_s`` (a restart probes
+        every 0.05 s: its clients wait for it, and only this one service is starting)."""
         assert self.process is not None
         deadline = time.monotonic() + self.config.start_timeout_s
         while time.monotonic() < deadline and self.process.alive():
             if is_healthy(self.address, self.spec.health_url, tls=self.config.tls):
                 return True
-            if self._stop.wait(0.2):
+            if self._stop.wait(poll_s):
                 return False
         return False
 
@@ -346,7 +348,7 @@ class Slot:
             self.console.warn(f"{self.spec.name} failed to restart: {str(exc).splitlines()[0]}")
             return False
         assert self.process is not None
-        state = "healthy" if self._wait_healthy() else "NOT healthy yet"
+        state = "healthy" if self._wait_healthy(poll_s=0.05) else "NOT healthy yet"
         # from the exit seen to healthy: what a restart costs (docs/RELIABILITY.md, Restart time)
         self.console.warn(
             f"{self.spec.name} restarted at {self.address} (pid {self.process.process.pid}), "
