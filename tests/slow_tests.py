@@ -61,6 +61,7 @@ MESH_FILES: tuple[str, ...] = (
     "tests/unified/test_instance.py",
     "tests/unified/test_queue.py",
     "tests/up/test_gpu_mesh.py",
+    "tests/up/test_standby.py",
     "tests/up/test_up.py",
 )
 

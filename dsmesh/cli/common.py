@@ -15,7 +15,7 @@ from dsmesh.engine.options import EngineConfig
 from dsmesh.instance.attach import ENGINE_GROUP, PDInstanceConfig, TransferConfig
 from dsmesh.options.fields import add_options, from_args, given_flags, option_group
 from dsmesh.runtime.address import LOOPBACK, ep_master_addr, host_port, interface_of, unbracket
-from dsmesh.runtime.process_flags import add_gil_switch_arg
+from dsmesh.runtime.process_flags import add_gil_switch_arg, add_standby_arg
 
 # the EP flags of ``dsmesh generate``, which runs one host's group and reports to no eplb_svc
 OFFLINE_EP_OPTIONS = ("ep_size", "num_redundant_experts", "dispatch")
@@ -49,11 +49,12 @@ def add_ep_args(p: argparse.ArgumentParser) -> None:
 def add_instance_args(p: argparse.ArgumentParser, cls: type) -> None:
     """The flags of a prefill, decode or unified instance: ``cls``'s options (its engine's,
     transfer's and expert-parallel group's among them), the engine's ``--tbo`` for an
-    instance that can be an expert-parallel group, and ``--gil-switch-ms``."""
+    instance that can be an expert-parallel group, ``--gil-switch-ms`` and ``--standby``."""
     add_options(p, cls)
     if issubclass(cls, PDInstanceConfig):
         add_options(option_group(p, EP_GROUP), EngineConfig, only=("tbo",))
     add_gil_switch_arg(option_group(p, ENGINE_GROUP))
+    add_standby_arg(option_group(p, ENGINE_GROUP))
 
 
 def engine_config_from(args: argparse.Namespace) -> EngineConfig:

@@ -3,8 +3,10 @@
 Only the module of the command being run is imported (:data:`COMMANDS` maps each name to its
 module), so ``dsmesh kv-broker`` and ``dsmesh gateway`` start without importing torch and the
 engine: a restarted broker serves again in well under a second (docs/RELIABILITY.md, Restart
-time). Each command module has ``configure(parser)``, which adds its description, flags and
-``func``."""
+time). The command's module loads with the garbage collector off, and in a process that runs
+one command (``argv`` not given: the ``dsmesh`` script, ``python -m dsmesh``) what it loaded is
+frozen out of later collections (:func:`dsmesh.runtime.heap.imports_unscanned`). Each command
+module has ``configure(parser)``, which adds its description, flags and ``func``."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from dsmesh import __version__
+from dsmesh.runtime.heap import imports_unscanned
 from dsmesh.runtime.process_flags import apply_process_flags
 
 
@@ -100,8 +103,11 @@ def command_of(argv: Sequence[str]) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command ``argv`` names (None: this process's command line, ``sys.argv``)."""
+    process_command = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser(command_of(argv) or "")
+    with imports_unscanned(freeze=process_command):
+        parser = build_parser(command_of(argv) or "")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -148,6 +148,13 @@ class MeshConfig(SecurityOptions):
     gateway_args: tuple[str, ...] = ()
     log_level: str | None = None  # every child's --log-level; None = theirs
     gateway: bool = option(True, "run the gateway (--no-gateway: broker, prefill and decode only)")
+    standby: bool = option(
+        False,
+        "keep a spare process per prefill, decode and unified instance, started with "
+        "--standby: imported and waiting; when the instance dies the spare goes on in its "
+        "place, so the restart skips the process start and imports (docs/RELIABILITY.md, "
+        "Restart time); a new spare starts once it serves",
+    )
     # run eplb_svc; prefill and decode report to it (needs an EP group)
     eplb: bool = option(
         False,

@@ -28,6 +28,7 @@ class ServiceSpec:
     pinned_port_flag: str | None = None  # after the first start, restarts reuse the port
     health_url: str | None = None  # HTTP health; None = gRPC health at the reported address
     env: dict[str, str] = field(default_factory=dict)  # over the supervisor's environment
+    standby: bool = False  # keep a spare of the process, imported and waiting (--standby)
 
 
 StageBuilder = Callable[[MeshConfig, dict[str, str]], list[ServiceSpec]]
@@ -97,7 +98,8 @@ def instance_stage(config: MeshConfig, addresses: dict[str, str]) -> list[Servic
                 env[THREAD_PERCENTAGE_ENV] = str(config.decode_sm_percent)
         elif config.device is not None:
             args += ("--device", config.device)
-        specs.append(ServiceSpec(inst.name, (*args, *own.get(inst.role, ())), env=env))
+        args += own.get(inst.role, ())
+        specs.append(ServiceSpec(inst.name, args, env=env, standby=config.standby))
     return specs
 
 

@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -59,9 +60,10 @@ from dsmesh.runtime.grpc_server import sync_channel
 from dsmesh.runtime.launcher import (
     LaunchError,
     ServiceProcess,
+    Spawned,
     dsmesh_command,
     failure_cause,
-    start_service,
+    spawn_service,
 )
 from dsmesh.runtime.security import TLSConfig
 
@@ -162,7 +164,10 @@ class Slot:
     """One service instance and the keeper thread that owns its process.
 
     Only the keeper thread starts and stops the process: with PR_SET_PDEATHSIG a child dies
-    with the thread that forked it, so the thread lives until its child is gone.
+    with the thread that forked it, so the thread lives until its child is gone. With
+    ``spec.standby`` the keeper also holds a spare: the same command with ``--standby``,
+    started once the process serves, imported and waiting on its standard input; a restart
+    lets it go on instead of starting a new process (docs/RELIABILITY.md, Restart time).
     """
 
     def __init__(
@@ -181,6 +186,7 @@ class Slot:
         self._started_at = 0.0
         self._exited_at = 0.0  # when the last exit was seen
         self._crash_loops = CrashLoopDetector(config.restart)
+        self._spare: Spawned | None = None  # with spec.standby: the next process, waiting
         self._thread = threading.Thread(target=self._run, name=f"keep-{spec.name}", daemon=True)
 
     @property
@@ -194,9 +200,10 @@ class Slot:
         self._stop.set()
 
     def kill_now(self) -> None:
-        """SIGKILL the process without waiting (safe in a signal handler)."""
-        if self.process is not None and self.process.process.poll() is None:
-            self.process.process.kill()
+        """SIGKILL the process and its spare without waiting (safe in a signal handler)."""
+        for process in (self.process, self._spare):
+            if process is not None and process.process.poll() is None:
+                process.process.kill()
 
     def join(self, timeout: float) -> bool:
         self._thread.join(timeout)
@@ -207,6 +214,7 @@ class Slot:
     def _run(self) -> None:
         try:
             if self._bring_up():
+                self._start_spare()
                 self._keep()
         except Exception as exc:  # a keeper never dies silently, nor leaves its child behind
             self.console.warn(f"{self.spec.name}: supervisor error {exc!r}; stopping it")
@@ -244,28 +252,52 @@ class Slot:
         self.settled.set()
         return True
 
-    def _launch(self) -> None:
+    def _spawn(self, standby: bool = False) -> Spawned:
         level = ("--log-level", self.config.log_level) if self.config.log_level else ()
-        command = orphan_proof(dsmesh_command(*level, *self._args), os.getpid())
+        spare = ("--standby",) if standby else ()
+        command = orphan_proof(dsmesh_command(*level, *self._args, *spare), os.getpid())
         try:
-            self.process = start_service(
-                self.spec.name,
-                command,
-                env=self.spec.env,
-                log_dir=self._log_dir,
-                timeout=self.config.start_timeout_s,
-            )
+            return spawn_service(self.spec.name, command, self.spec.env, self._log_dir, standby)
         except OSError as exc:  # e.g. the log folder is not writable
             raise LaunchError(f"{self.spec.name} could not be started: {exc}") from exc
+
+    def _launch(self) -> None:
+        """Start the process: the spare told to go on when there is a live one, else a new
+        process; wait for its ``listening on`` line."""
+        spawned = self._take_spare() or self._spawn()
+        self.process = spawned.wait_listening(self.config.start_timeout_s)
         self._started_at = time.monotonic()
 
-    def _wait_healthy(self) -> bool:
+    def _start_spare(self) -> None:
+        if self.spec.standby and self._spare is None and not self._stop.is_set():
+            try:
+                self._spare = self._spawn(standby=True)
+            except LaunchError as exc:  # restarts start a new process, as without a spare
+                self.console.warn(f"{self.spec.name}: no spare: {exc}")
+
+    def _take_spare(self) -> Spawned | None:
+        """The spare, told to go on (a line on its standard input), or None when there is
+        none or it has died."""
+        spare, self._spare = self._spare, None
+        if spare is None or spare.stdin is None or spare.process.poll() is not None:
+            return None
+        try:
+            spare.stdin.write("go\n")
+            spare.stdin.close()
+        except OSError:  # it died meanwhile
+            spare.process.kill()
+            return None
+        return spare
+
+    def _wait_healthy(self, poll_s: float = 0.2) -> bool:
+        """Whether the process became healthy, probed every ``poll_s`` (a restart probes
+        every 0.05 s: its clients wait for it, and only this one service is starting)."""
         assert self.process is not None
         deadline = time.monotonic() + self.config.start_timeout_s
         while time.monotonic() < deadline and self.process.alive():
             if is_healthy(self.address, self.spec.health_url, tls=self.config.tls):
                 return True
-            if self._stop.wait(0.2):
+            if self._stop.wait(poll_s):
                 return False
         return False
 
@@ -295,11 +327,15 @@ class Slot:
                 self.console.warn(f"{self.spec.name}: next try in {delay:.1f}s")
 
     def _wait_exit(self) -> bool:
-        """Wait until the process exits (False) or a stop is requested (True)."""
+        """Wait until the process exits (False) or a stop is requested (True). The exit is
+        seen within about 50 ms (``Popen.wait``'s polling), a stop within 0.2 s."""
         assert self.process is not None
-        while self.process.alive():
-            if self._stop.wait(0.2):
-                return True
+        while not self._stop.is_set():
+            try:
+                self.process.process.wait(0.2)
+                break
+            except subprocess.TimeoutExpired:
+                continue
         return self._stop.is_set()
 
     def _restart(self) -> bool:
@@ -312,12 +348,13 @@ class Slot:
             self.console.warn(f"{self.spec.name} failed to restart: {str(exc).splitlines()[0]}")
             return False
         assert self.process is not None
-        state = "healthy" if self._wait_healthy() else "NOT healthy yet"
+        state = "healthy" if self._wait_healthy(poll_s=0.05) else "NOT healthy yet"
         # from the exit seen to healthy: what a restart costs (docs/RELIABILITY.md, Restart time)
         self.console.warn(
             f"{self.spec.name} restarted at {self.address} (pid {self.process.process.pid}), "
             f"{state} {time.monotonic() - self._exited_at:.1f}s after it exited"
         )
+        self._start_spare()
         return True
 
     def _count_restart(self) -> None:
@@ -332,6 +369,10 @@ class Slot:
             )
 
     def _halt(self) -> None:
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.process.poll() is None:
+            spare.process.kill()  # idle: nothing to drain
+            spare.process.wait(5)
         if self.process is not None and self.process.alive():
             code = self.process.stop(self.config.kill_after_s)
             self.console.info(f"  {self.spec.name:<12} stopped (exit code {code})")

@@ -39,6 +39,7 @@ from dsmesh.engine.options import EngineConfig, resolve_model_dir
 from dsmesh.engine.output_processor import OutputProcessor, StepOutput
 from dsmesh.engine.request import Request, RequestStatus
 from dsmesh.engine.runner.cuda_graph import CudaGraphRunner, GraphCaptureError
+from dsmesh.engine.runner.imports_ahead import ImportsAhead, kernel_modules
 from dsmesh.engine.runner.launch_ahead import Decoded, LaunchAhead
 from dsmesh.engine.runner.model_runner import ModelRunner, scores_prompt
 from dsmesh.engine.sampling.grammar import GrammarMasks, GrammarVocab
@@ -98,9 +99,13 @@ class LLMEngine:
         if not config.is_resolved:  # derived defaults (dsmesh/engine/derived.py)
             mc = model.config if model is not None else load_config(resolve_model_dir(config.model))
             config = resolve_engine_config(config, mc, device)
+        imports_ahead = None
         if model is None:
             model_dir = resolve_model_dir(config.model)
-            check_weights_fit(config, load_config(model_dir), device)
+            model_config = load_config(model_dir)
+            check_weights_fit(config, model_config, device)
+            # Triton and FlashInfer load on a thread while the weights are read
+            imports_ahead = ImportsAhead(kernel_modules(config, device, model_config))
             with self.startup.phase("weights"):
                 model = load_model(
                     model_dir,
@@ -111,7 +116,7 @@ class LLMEngine:
                     weights_read=config.weights_read,
                     fp8_linears=bool(config.fp8_linears),
                 )
-        self.runner = ModelRunner(config, model, device, self.startup)
+        self.runner = ModelRunner(config, model, device, self.startup, imports_ahead)
         self.scheduler = Scheduler(scheduler_config(config), self.kv_pool.allocator)
         mc = self.model_config
         self.requests: dict[str, Request] = {}

@@ -48,8 +48,21 @@ class StartupClock:
 
 def process_age_s() -> float:
     """Seconds since this process started (its exec, as the kernel counts it: interpreter
-    start-up and imports included). Linux; elsewhere the time since this module was
-    imported."""
+    start-up and imports included), or since it was told to go on when it waited as a spare
+    (:func:`count_from_now`). Linux; elsewhere the time since this module was imported."""
+    return max(0.0, _age_s() - _uncounted_s)
+
+
+def count_from_now() -> float:
+    """Count this process's start-up from now on (:func:`process_age_s`): a spare process
+    (``--standby``) that is told to go on did its imports and its waiting before the failure
+    it answers. Returns the seconds left out."""
+    global _uncounted_s
+    _uncounted_s = _age_s()
+    return _uncounted_s
+
+
+def _age_s() -> float:
     try:
         with open("/proc/self/stat") as f:
             # field 22, after the command name in parentheses (which may hold spaces)
@@ -62,3 +75,4 @@ def process_age_s() -> float:
 
 
 _IMPORTED = time.perf_counter()
+_uncounted_s = 0.0  # a spare's life before it was told to go on (count_from_now)

@@ -96,51 +96,85 @@ def start_service(
     timeout: float = 180.0,
 ) -> ServiceProcess:
     """Run ``args`` and wait for its ``listening on HOST:PORT`` line."""
+    return spawn_service(name, args, env, log_dir).wait_listening(timeout)
+
+
+class Spawned:
+    """A started service process whose ``listening on`` line has not been waited for yet
+    (:func:`spawn_service`); its output goes to its log from the start. ``stdin``: the
+    process's standard input when spawned with ``stdin=True``, else None."""
+
+    def __init__(
+        self, name: str, args: list[str], process: subprocess.Popen[str], log_path: Path | None
+    ) -> None:
+        self.name = name
+        self.args = args
+        self.process = process
+        self.log_path = log_path
+        self.stdin = process.stdin
+        self._lines: list[str] = []
+        self._found: list[tuple[str, int]] = []
+        self._ready = threading.Event()
+        self._drain = threading.Thread(target=self._drain_output, name=f"drain-{name}", daemon=True)
+        self._drain.start()
+
+    def _drain_output(self) -> None:
+        sink = open(self.log_path, "a") if self.log_path is not None else None  # noqa: SIM115
+        try:
+            for line in self.process.stdout:  # type: ignore[union-attr]
+                if sink is not None:
+                    sink.write(line)
+                    sink.flush()
+                if not self._ready.is_set():
+                    self._lines.append(line)
+                    m = _READY.search(line)
+                    if m:
+                        self._found.append((m.group(2), int(m.group(3))))
+                        self._ready.set()
+        finally:
+            if sink is not None:
+                sink.close()
+            self._ready.set()
+
+    def wait_listening(self, timeout: float) -> ServiceProcess:
+        """Wait for the ``listening on HOST:PORT`` line (LaunchError: none within
+        ``timeout``, the process then killed, or the process exited first)."""
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(0.1):
+            if time.monotonic() > deadline:
+                self.process.kill()
+                raise LaunchError(f"{self.name} did not report its port within {timeout:.0f}s")
+        if not self._found:
+            self.process.wait(5)
+            tail = "".join(self._lines[-30:])
+            cause = failure_cause("".join(self._lines))
+            raise LaunchError(
+                f"{self.name} exited with {self.process.returncode} before serving: {cause}\n{tail}"
+            )
+        host, port = self._found[0]
+        return ServiceProcess(
+            self.name, self.args, self.process, host, port, self.log_path, self._drain
+        )
+
+
+def spawn_service(
+    name: str,
+    args: list[str],
+    env: dict[str, str] | None = None,
+    log_dir: Path | None = None,
+    stdin: bool = False,
+) -> Spawned:
+    """Start ``args`` (its output to ``log_dir``/NAME.log) without waiting for it to serve;
+    ``stdin``: give it a pipe for its standard input (a ``--standby`` process waits for a line
+    on it), else it has none."""
     log_path = log_dir / f"{name}.log" if log_dir is not None else None
     process = subprocess.Popen(
         args,
+        stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, **(env or {})},
         start_new_session=True,  # a Ctrl-C in the parent's terminal is the parent's to handle
     )
-    assert process.stdout is not None
-    lines: list[str] = []
-    found: list[tuple[str, int]] = []
-    ready = threading.Event()
-
-    def drain() -> None:
-        sink = open(log_path, "a") if log_path is not None else None  # noqa: SIM115
-        try:
-            for line in process.stdout:  # type: ignore[union-attr]
-                if sink is not None:
-                    sink.write(line)
-                    sink.flush()
-                if not ready.is_set():
-                    lines.append(line)
-                    m = _READY.search(line)
-                    if m:
-                        found.append((m.group(2), int(m.group(3))))
-                        ready.set()
-        finally:
-            if sink is not None:
-                sink.close()
-            ready.set()
-
-    thread = threading.Thread(target=drain, name=f"drain-{name}", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout
-    while not ready.wait(0.1):
-        if time.monotonic() > deadline:
-            process.kill()
-            raise LaunchError(f"{name} did not report its port within {timeout:.0f}s")
-    if not found:
-        process.wait(5)
-        tail = "".join(lines[-30:])
-        cause = failure_cause("".join(lines))
-        raise LaunchError(
-            f"{name} exited with {process.returncode} before serving: {cause}\n{tail}"
-        )
-    host, port = found[0]
-    return ServiceProcess(name, args, process, host, port, log_path, thread)
+    return Spawned(name, args, process, log_path)

@@ -1,5 +1,6 @@
 """``dsmesh``'s command table: each command imports only its own module, so the broker and the
-gateway start without torch, and ``dsmesh --help`` still lists every command."""
+gateway start without torch, an engine instance imports none of the heavy modules it needs
+only later or never, and ``dsmesh --help`` still lists every command."""
 
 from __future__ import annotations
 
@@ -41,6 +42,84 @@ def test_broker_and_gateway_never_import_torch(argv: list[str], serving_module: 
         assert args.func.__module__ == {COMMANDS[command_of(argv)].module!r}, args.func
         importlib.import_module({serving_module!r})
         print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+# Modules a prefill, decode or unified process must not import before its engine is built
+# (docs/RELIABILITY.md, Restart time): each would lengthen every restart, and none is needed
+# there. sympy and torch._dynamo came through torch's Python meta kernels; the tokenizer stack
+# is the gateway's; llguidance serves the first constrained request; Triton, FlashInfer,
+# DeepGEMM and DeepEP load when a CUDA engine chooses its kernels; Mooncake when the KV pool
+# is registered; OpenTelemetry's SDK and exporters only with OTEL_TRACES_EXPORTER set.
+NOT_BEFORE_THE_ENGINE = (
+    "sympy",
+    "torch._dynamo",
+    "torch.fx.experimental.symbolic_shapes",
+    "transformers",
+    "tokenizers",
+    "jinja2",
+    "llguidance",
+    "triton",
+    "flashinfer",
+    "deep_gemm",
+    "deep_ep",
+    "mooncake",
+    "opentelemetry.sdk",
+    "opentelemetry.exporter",
+)
+
+
+def loaded(names: tuple[str, ...]) -> str:
+    """Code that prints which of ``names`` (or their submodules) this process has loaded."""
+    return (
+        f"print(sorted(m for m in sys.modules if any(m == n or m.startswith(n + '.') "
+        f"for n in {names!r})))"
+    )
+
+
+@pytest.mark.parametrize(
+    ("role", "serving_module"),
+    [
+        ("prefill", "dsmesh.prefill_svc.service"),
+        ("decode", "dsmesh.decode_svc.service"),
+        ("unified", "dsmesh.unified_svc.service"),
+    ],
+)
+def test_an_engine_instance_imports_nothing_heavy_before_its_engine(
+    role: str, serving_module: str
+) -> None:
+    # the path `dsmesh <role>` takes up to the engine's build: the command's module, its
+    # flags, the module it serves with (torch and the engine are loaded by then)
+    argv = [role, "--broker", "b:1", "--model", "/m", "--port", "0"]
+    proc = python(
+        f"""
+        import importlib, sys
+        from dsmesh.cli.main import build_parser, command_of
+        args = build_parser(command_of({argv!r})).parse_args({argv!r})
+        importlib.import_module({serving_module!r})
+        assert "torch" in sys.modules and "dsmesh.engine.llm_engine" in sys.modules
+        {loaded(NOT_BEFORE_THE_ENGINE)}
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_a_built_cpu_engine_has_not_imported_torch_symbolic_shapes() -> None:
+    """Building the model on the meta device and allocating it on the CPU goes around
+    torch's Python meta kernels (``materialize``), whose first call imports sympy."""
+    from dsmesh.engine.model.tiny_model import default_model_dir
+
+    proc = python(
+        f"""
+        import sys
+        from dsmesh.engine.llm_engine import EngineConfig, LLMEngine
+        engine = LLMEngine(EngineConfig(model={str(default_model_dir())!r}, device="cpu"))
+        assert engine.kv_pool.num_pages > 0
+        {loaded(("sympy", "torch._dynamo", "torch.fx.experimental.symbolic_shapes"))}
         """
     )
     assert proc.returncode == 0, proc.stderr

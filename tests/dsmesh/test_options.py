@@ -133,10 +133,11 @@ SERVICE_COMMANDS: dict[tuple[str, ...], tuple[tuple[type, ...], set[str]]] = {
     ("kv-broker",): ((BrokerConfig,), HELP),
     ("eplb", "serve"): ((EPLBConfig,), HELP),
     ("gateway",): ((GatewayConfig,), HELP),
-    # --gil-switch-ms: a setting of the engine process (sys.setswitchinterval), no config's
-    ("prefill",): ((PrefillConfig,), HELP | {"--gil-switch-ms"}),
-    ("decode",): ((DecodeConfig,), HELP | {"--gil-switch-ms"}),
-    ("unified",): ((UnifiedConfig,), HELP | {"--gil-switch-ms"}),
+    # --gil-switch-ms (sys.setswitchinterval) and --standby (wait before the engine's build):
+    # settings of the engine process, no config's
+    ("prefill",): ((PrefillConfig,), HELP | {"--gil-switch-ms", "--standby"}),
+    ("decode",): ((DecodeConfig,), HELP | {"--gil-switch-ms", "--standby"}),
+    ("unified",): ((UnifiedConfig,), HELP | {"--gil-switch-ms", "--standby"}),
     ("up",): ((MeshConfig, EngineConfig), HELP | {"--gil-switch-ms"}),
     # the tool's inputs: which eplb_svc, which instance, where to write
     ("eplb", "dump"): ((SecurityOptions,), HELP | {"--eplb", "--instance", "--out"}),

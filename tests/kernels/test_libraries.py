@@ -151,7 +151,8 @@ def test_unknown_library_is_an_error() -> None:
 
 
 def test_find_installed_reads_package_metadata(monkeypatch) -> None:
-    """The distribution providing a module is found from metadata, never by importing it."""
+    """The distribution providing a module is found from metadata, never by importing it, and
+    the scan of every installed distribution only when no known one provides it."""
     versions = {"sgl-deep-gemm": "0.1.7"}
 
     def version(dist: str) -> str:
@@ -161,8 +162,13 @@ def test_find_installed_reads_package_metadata(monkeypatch) -> None:
 
     monkeypatch.setattr(lib.importlib.util, "find_spec", lambda name: object())
     monkeypatch.setattr(lib.metadata, "version", version)
-    monkeypatch.setattr(lib.metadata, "packages_distributions", lambda: {})
+
+    def no_scan() -> dict[str, list[str]]:
+        raise AssertionError("every installed distribution scanned for a known one")
+
+    monkeypatch.setattr(lib.metadata, "packages_distributions", no_scan)
     assert lib.find_installed("deep_gemm") == Installed("sgl-deep-gemm", "0.1.7")
+    monkeypatch.setattr(lib.metadata, "packages_distributions", lambda: {})
     assert lib.find_installed("deep_ep") == Installed(None, None)  # importable, no metadata
     monkeypatch.setattr(lib.metadata, "packages_distributions", lambda: {"deep_ep": ["my-ep"]})
     versions["my-ep"] = "1.0"

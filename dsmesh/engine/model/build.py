@@ -57,13 +57,25 @@ def materialize(
     ``device``, its routers (``MoEGate``) in float32 as in the reference implementation and
     the linears named in ``fp8_linears`` in FP8 (swapped after the cast, which would
     otherwise turn their FP8 weights into ``dtype``). Buffers computed at construction
-    (rotary tables) must be computed again after."""
+    (rotary tables) must be computed again after.
+
+    A contiguous tensor (all of the model's) is allocated by ``torch.empty``, as
+    ``Module.to_empty`` would but without its ``empty_like`` of a meta tensor, which runs
+    torch's Python meta kernel, whose first call imports sympy (0.25 s of every engine's
+    start-up, docs/RELIABILITY.md, Restart time); any other goes through ``empty_like``."""
     module = module.to(dtype)
     for sub in module.modules():
         if isinstance(sub, MoEGate):
             sub.float()
     swap_fp8_linears(module, fp8_linears)
-    return module.to_empty(device=device)
+    return module._apply(lambda t: _empty_on(t, device))
+
+
+def _empty_on(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Uninitialised storage on ``device`` in ``t``'s shape, dtype and layout."""
+    if t.is_contiguous():
+        return torch.empty(t.shape, dtype=t.dtype, device=device)
+    return torch.empty_like(t, device=device)
 
 
 def load_model(

@@ -42,6 +42,7 @@ from dsmesh.engine.runner.cuda_graph import (
     GraphCaptureError,
     graph_support_problem,
 )
+from dsmesh.engine.runner.imports_ahead import ImportsAhead
 from dsmesh.engine.runner.kernel_summary import describe_kernels
 from dsmesh.engine.sampling.prompt_logprobs import positions_to_score, score_tokens
 from dsmesh.engine.sampling.token_logprobs import TokenLogprobs
@@ -82,9 +83,11 @@ class ModelRunner:
         model: DeepseekForCausalLM,
         device: torch.device,
         startup: StartupClock | None = None,
+        imports_ahead: ImportsAhead | None = None,
     ) -> None:
         """``startup``: the process's start-up clock, given the phases ``kv_pool``,
-        ``kernels`` and ``graphs``."""
+        ``kernels`` and ``graphs``. ``imports_ahead``: the kernel libraries being imported
+        while the weights loaded, waited for (as ``kernels``) before the pool is sized."""
         self.config = config
         self.device = device
         self.model = model
@@ -92,6 +95,9 @@ class ModelRunner:
         clock = startup if startup is not None else StartupClock()
         mla = self.model_config.mla
         cache_dtype = kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype)
+        if imports_ahead is not None and imports_ahead.modules:
+            with clock.phase("kernels"):
+                imports_ahead.wait()
         with clock.phase("kv_pool"):
             self.kv_pool = MLAKVPool(
                 self.num_kv_layers,
