@@ -100,6 +100,7 @@ class FlashInferMLADecode:
         # Plan uploads its schedule from one pinned buffer per wrapper, asynchronously; the
         # next plan of that wrapper must not rewrite the buffer before the copy has run.
         self._uploaded: dict[int, torch.cuda.Event] = {}
+        self._host: dict[int, torch.Tensor] = {}  # pinned int32 plan inputs, per wrapper
 
     def _key(self, b: int) -> int:
         """Wrapper per batch size for graphs (fixed buffers); one for all sizes otherwise."""
@@ -150,12 +151,15 @@ class FlashInferMLADecode:
         if uploaded is None:
             uploaded = self._uploaded[key] = torch.cuda.Event()
         else:
-            uploaded.synchronize()  # the previous plan's copy from the pinned buffer has run
+            uploaded.synchronize()  # the previous plan's copies from the pinned buffers have run
+        qo, kv_indptr, kv_indices, kv_lens = self._staged(
+            key, np.arange(b + 1, dtype=np.int32), indptr, indices, lens.astype(np.int32)
+        )
         wrapper.plan(
-            torch.arange(b + 1, dtype=torch.int32),
-            torch.from_numpy(indptr),
-            torch.from_numpy(indices),
-            torch.from_numpy(lens.astype(np.int32)),
+            qo,
+            kv_indptr,
+            kv_indices,
+            kv_lens,
             self.num_heads,
             self.kv_lora_rank,
             self.rope_dim,
@@ -167,6 +171,25 @@ class FlashInferMLADecode:
         )
         uploaded.record()
         self._planned = b
+
+    def _staged(self, key: int, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """``arrays`` copied into pinned host buffers of wrapper ``key`` (grown as needed),
+        as tensors. The wrapper uploads them with asynchronous copies: from pageable memory a
+        copy larger than the driver's staging buffer (a 32 x 2,000-page table is 256 KB)
+        waits for the stream, i.e. for the step still running on the GPU, and the host's
+        work for the next step stops overlapping it. The caller has waited for this
+        wrapper's previous copies (``_uploaded``) before the buffers are rewritten."""
+        sizes = [a.size for a in arrays]
+        held = self._host.get(key)
+        if held is None or held.numel() < sum(sizes):
+            held = self._host[key] = torch.empty(sum(sizes), dtype=torch.int32, pin_memory=True)
+        out, start = [], 0
+        for a, n in zip(arrays, sizes, strict=True):
+            view = held[start : start + n]
+            view.numpy()[:] = a
+            out.append(view)
+            start += n
+        return out
 
     def __call__(
         self,
