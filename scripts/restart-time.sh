@@ -9,6 +9,9 @@
 #   bash scripts/restart-time.sh /tmp/v2lite /tmp/restart "decode-0 kv-broker"
 #   bash scripts/restart-time.sh /tmp/v2lite /tmp/restart unified-0 -- --prefill 0 --decode 0 --unified 1
 #
+# Before each kill it waits SETTLE seconds (default 31) after the mesh is ready, so the kill
+# finds the process as a real fault would: past the supervisor's 30 s stable-run mark (an
+# immediate restart, no back-off) and with its `--standby` spare imported.
 # ROLES: supervisor names (default "decode-0 kv-broker"). Runs on the CPU too (tiny model:
 # MODEL = "$(python -c 'from dsmesh.engine.model.tiny_model import default_model_dir as d; print(d())')").
 set -euo pipefail
@@ -33,6 +36,7 @@ wait_for() {  # PATTERN FILE SECONDS
 wait_for "dsmesh mesh ready" "$out" 900
 grep -E "ready at" "$out"
 for role in $roles; do
+  sleep "${SETTLE:-31}"
   pid=$(grep -oE "^  $role +ready at +[^ ]+ +pid [0-9]+" "$out" | grep -oE "[0-9]+$")
   echo "== SIGKILL $role (pid $pid) at $(date +%T.%N)"
   kill -9 "$pid"

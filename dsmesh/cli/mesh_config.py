@@ -148,12 +148,13 @@ class MeshConfig(SecurityOptions):
     gateway_args: tuple[str, ...] = ()
     log_level: str | None = None  # every child's --log-level; None = theirs
     gateway: bool = option(True, "run the gateway (--no-gateway: broker, prefill and decode only)")
-    standby: bool = option(
-        False,
+    standby: bool | None = option(
+        None,
         "keep a spare process per prefill, decode and unified instance, started with "
         "--standby: imported and waiting; when the instance dies the spare goes on in its "
         "place, so the restart skips the process start and imports (docs/RELIABILITY.md, "
         "Restart time); a new spare starts once it serves",
+        default_text="on when the mesh runs on GPUs, off on a CPU",
     )
     # run eplb_svc; prefill and decode report to it (needs an EP group)
     eplb: bool = option(
@@ -211,6 +212,14 @@ class MeshConfig(SecurityOptions):
         if self.stop_timeout_s is not None:
             return self.stop_timeout_s
         return self.drain_timeout_s + 10.0
+
+    @property
+    def spares(self) -> bool:
+        """Whether engine instances get spare processes (``standby``; by default on GPUs:
+        there a process start and its imports are 3-4 s of a restart, docs/RELIABILITY.md)."""
+        if self.standby is not None:
+            return self.standby
+        return bool(self.visible_gpus)
 
     def validate(self) -> None:
         """Refuse what cannot run; with ``visible_gpus`` known, the placement too."""

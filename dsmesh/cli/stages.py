@@ -99,7 +99,7 @@ def instance_stage(config: MeshConfig, addresses: dict[str, str]) -> list[Servic
         elif config.device is not None:
             args += ("--device", config.device)
         args += own.get(inst.role, ())
-        specs.append(ServiceSpec(inst.name, args, env=env, standby=config.standby))
+        specs.append(ServiceSpec(inst.name, args, env=env, standby=config.spares))
     return specs
 
 

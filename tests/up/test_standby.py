@@ -114,3 +114,14 @@ def test_a_spare_whose_input_ends_exits_before_building_anything(tmp_path: Path)
     assert proc.returncode == 0, proc.stderr
     assert "listening on" not in proc.stdout + proc.stderr
     assert "no-model" not in proc.stdout + proc.stderr  # the model was never looked for
+
+
+def test_spares_are_on_by_default_on_gpus_only() -> None:
+    """``--standby`` unset: spares where the mesh has GPUs (a restart there pays 3-4 s of
+    process start and imports), none on a CPU mesh; an explicit value wins either way."""
+    from dsmesh.cli.mesh_config import MeshConfig
+
+    assert MeshConfig(visible_gpus=("0",)).spares is True
+    assert MeshConfig(visible_gpus=()).spares is False
+    assert MeshConfig(visible_gpus=("0", "1"), standby=False).spares is False
+    assert MeshConfig(visible_gpus=(), standby=True).spares is True
