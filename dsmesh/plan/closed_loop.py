@@ -29,7 +29,7 @@ from dsmesh.plan.search import (
     _best_per_ep,
     _handoff_ms,
     _par,
-    decode_rank,
+    decode_candidates,
     decode_step_ms,
     ep_choices,
     prefill_costs,
@@ -272,14 +272,7 @@ def _pd_cohort(shape, gpu, target, concurrency, prefill, decode, handoff):
 
 def _pd(shape, gpu, gpus, target, concurrency, choices, mtps, max_batch, balance) -> list[Plan]:
     handoff = _handoff_ms(shape, target, gpu, gpus)
-    decodes = []
-    for ep, red in choices:
-        for tbo in (False, True):
-            par = _par(shape, ep, red, tbo, balance)
-            for mtp in mtps:
-                d = decode_rank(shape, gpu, par, target, mtp, max_batch)
-                if d:
-                    decodes.append((ep, red, par, mtp, d))
+    decodes = decode_candidates(shape, gpu, target, choices, mtps, max_batch, balance)
     prefills = []
     for ep, red in choices:
         for tbo in (False, True):

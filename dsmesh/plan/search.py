@@ -245,14 +245,12 @@ def search(
 def _pd(shape, gpu, gpus, target, choices, mtps, max_batch, balance) -> list[Plan]:
     out = []
     handoff = _handoff_ms(shape, target, gpu, gpus)
-    decodes = []
-    for ep, red in choices:
-        for tbo in (False, True):
-            par = _par(shape, ep, red, tbo, balance)
-            for mtp in mtps:
-                d = decode_rank(shape, gpu, par, target, mtp, max_batch)
-                if d:
-                    decodes.append((ep, red, tbo, mtp, d))
+    decodes = [
+        (ep, red, par.tbo, mtp, d)
+        for ep, red, par, mtp, d in decode_candidates(
+            shape, gpu, target, choices, mtps, max_batch, balance
+        )
+    ]
     prefills = []
     for ep, red in choices:
         for tbo in (False, True):
@@ -287,6 +285,22 @@ def _pd(shape, gpu, gpus, target, choices, mtps, max_batch, balance) -> list[Pla
                     t50 + handoff + step, t90 + handoff + step, t99 + handoff + step,
                     itl, step, step, kv, bind, target.output_len,
                 ))  # fmt: skip
+    return out
+
+
+def decode_candidates(
+    shape: ModelShape, gpu, target: Target, choices, mtps, max_batch: int, balance: Balance
+) -> list[tuple]:
+    """Every decode rank that meets the targets: ``(ep, redundant, parallel, mtp, figures)``
+    for each EP choice, TBO off and on, and MTP off and on."""
+    out = []
+    for ep, red in choices:
+        for tbo in (False, True):
+            par = _par(shape, ep, red, tbo, balance)
+            for mtp in mtps:
+                d = decode_rank(shape, gpu, par, target, mtp, max_batch)
+                if d:
+                    out.append((ep, red, par, mtp, d))
     return out
 
 
