@@ -55,7 +55,8 @@ def run_v3(args, device, ceilings, results) -> None:
     engine = make_engine(model, device, b, args, args.kv_cache_dtypes[0])
     t_pre = bench_prefill(engine, cfg.vocab_size, args.prompt_len, args.prefill_prompts, 2)
     pre_tokens = args.prompt_len * args.prefill_prompts / t_pre
-    step = bench_decode(engine, cfg.vocab_size, b, args.context, args.steps, 3, True)
+    host: dict[str, str] | None = {} if args.profile else None
+    step = bench_decode(engine, cfg.vocab_size, b, args.context, args.steps, 3, True, host)
     dec_tokens = b / step
     replay = graph_replay_seconds(engine.graph_runner, b, device)
     flops = prefill_flops(cfg, args.prompt_len, args.prefill_prompts)
@@ -115,6 +116,9 @@ def run_v3(args, device, ceilings, results) -> None:
         }
         if engine.graph_runner is not None:
             profiles["decode"] = profile_static_forward(engine.graph_runner, b, device)
+        if host:  # the decode step's host functions and its torch.profiler trace
+            profiles["decode_host"] = host["table"]
+            profiles["decode_trace"] = host["trace"]
         results["v3_layers"]["profiles"] = profiles
         for name, table in profiles.items():
             print(f"  v3 {name} profile, batch {b}, context {args.context}:\n{table}", flush=True)
